@@ -1,0 +1,132 @@
+"""Custom ops and the functional API of the RMSNorm family.
+
+The fused forward and backward are `torch.library.custom_op`s registered under this build's unique
+namespace (`_ops.add_op_namespace_prefix`), with fake implementations and autograd, so that
+`torch.compile(fullgraph=True)` sees one opaque node per call. Each op dispatches on the tensor's device at
+run time: Triton on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
+"""
+import os
+from typing import Optional
+
+import torch
+
+from ._ops import add_op_namespace_prefix
+from .reference import GATED, STANDARD, ZERO_CENTERED, rms_norm_bwd_reference, rms_norm_fwd_reference
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if t.device.type in ("cuda", "xpu"):
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, mode: int) -> torch.dtype:
+    # HF: standard returns `weight * h.to(x.dtype)` (type promotion); the others cast back to x.dtype
+    return torch.promote_types(weight.dtype, x.dtype) if mode == STANDARD else x.dtype
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rms_norm_fwd"), mutates_args=())
+def _rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor], eps: float, mode: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(x):
+        from .triton_kernels import rms_norm_fwd
+
+        return rms_norm_fwd(x, weight, gate, eps, mode, _out_dtype(x, weight, mode))
+    y, rstd = rms_norm_fwd_reference(x, weight, gate, eps, mode)
+    return y.contiguous(), rstd
+
+
+@_rms_norm_fwd.register_fake
+def _(x, weight, gate, eps, mode):
+    return x.new_empty(x.shape, dtype=_out_dtype(x, weight, mode)), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rms_norm_bwd"), mutates_args=())
+def _rms_norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor], rstd: torch.Tensor,
+    mode: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_triton(x):
+        from .triton_kernels import rms_norm_bwd
+
+        return rms_norm_bwd(dy, x, weight, gate, rstd, mode)
+    return rms_norm_bwd_reference(dy, x, weight, gate, rstd, mode)
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, x, weight, gate, rstd, mode):
+    dgate = torch.empty_like(gate) if gate is not None else x.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(weight), dgate
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, gate, eps, mode = inputs
+    ctx.save_for_backward(x, weight, gate, output[1])
+    ctx.mode = mode
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, gate, rstd = ctx.saved_tensors
+    dx, dw, dgate = _rms_norm_bwd(dy.contiguous(), x, weight, gate, rstd, ctx.mode)
+    return dx, dw, (dgate if gate is not None else None), None, None
+
+
+_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor]) -> None:
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name}: hidden_states and weight must be tensors")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: hidden_states must be a floating-point tensor, got {x.dtype}")
+    if not weight.is_floating_point():
+        raise TypeError(f"{name}: weight must be a floating-point tensor, got {weight.dtype}")
+    if x.dim() == 0 or weight.dim() != 1:
+        raise ValueError(f"{name}: expected hidden_states (..., hidden) and a 1-D weight, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"{name}: hidden size {x.shape[-1]} of hidden_states does not match weight size "
+                         f"{weight.shape[0]}")
+    if x.numel() == 0:
+        raise ValueError(f"{name}: empty input {tuple(x.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"{name}: weight is on {weight.device} but hidden_states on {x.device}")
+    if x.shape[-1] > 65536:
+        raise ValueError(f"{name}: hidden size {x.shape[-1]} exceeds the supported maximum 65536")
+    if gate is not None:
+        if gate.shape != x.shape:
+            raise ValueError(f"{name}: gate shape {tuple(gate.shape)} does not match hidden_states "
+                             f"{tuple(x.shape)}")
+        if gate.dtype != x.dtype:
+            raise TypeError(f"{name}: gate dtype {gate.dtype} does not match hidden_states dtype {x.dtype}")
+        if gate.device != x.device:
+            raise ValueError(f"{name}: gate is on {gate.device} but hidden_states on {x.device}")
+
+
+def _apply(name, x, weight, gate, eps, mode):
+    _check_inputs(name, x, weight, gate)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    g2 = gate.reshape(-1, shape[-1]).contiguous() if gate is not None else None
+    y, _ = _rms_norm_fwd(x2, weight.contiguous(), g2, float(eps), mode)
+    return y.view(shape)
+
+
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Llama/Qwen RMSNorm: `weight * (x * rstd).to(x.dtype)`, fp32 statistics."""
+    return _apply("rms_norm", hidden_states, weight, None, eps, STANDARD)
+
+
+def rms_norm_zero_centered(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Qwen3.5/Qwen3-Next RMSNorm: `(x * rstd * (1 + weight))` in fp32, cast to x.dtype."""
+    return _apply("rms_norm_zero_centered", hidden_states, weight, None, eps, ZERO_CENTERED)
+
+
+def rms_norm_gated(
+    hidden_states: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """Qwen3.5/Qwen3-Next RMSNormGated: `(weight * (x * rstd).to(x.dtype)) * silu(gate)` in fp32, cast."""
+    if not isinstance(gate, torch.Tensor):
+        raise TypeError("rms_norm_gated: gate must be a tensor")
+    return _apply("rms_norm_gated", hidden_states, weight, gate, eps, GATED)

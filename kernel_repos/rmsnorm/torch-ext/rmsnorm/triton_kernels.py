@@ -1,0 +1,141 @@
+"""Triton kernels for the RMSNorm family (standard, zero-centred `1+w`, gated).
+
+One kernel per direction, specialised by MODE. All arithmetic is fp32 (loads are cast up, stores cast
+down); the casts that HF performs between steps are reproduced so the output matches eager bit for bit
+in the common cases. This module imports triton: import it lazily.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .reference import GATED
+
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, W, G, Y, RSTD, M, N, stride_x, stride_g, stride_y, eps,
+    MODE: tl.constexpr, ROUND_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x_raw = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    n = x * rstd[:, None]
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if MODE == 0:  # standard: cast the normalised value to the input dtype, then * w
+        y = n.to(x_raw.dtype).to(tl.float32) * w
+    elif MODE == 1:  # zero-centred: (1 + w) in fp32, cast once at the end
+        y = n * (1.0 + w)
+    else:  # gated: (w * cast(n)) rounded to its dtype, * silu(gate) in fp32
+        t = n.to(x_raw.dtype).to(tl.float32) * w
+        if ROUND_T:
+            t = t.to(x_raw.dtype).to(tl.float32)
+        g = tl.load(G + rows64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = t * (g * tl.sigmoid(g))
+    tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, X, W, G, RSTD, DX, DG, DW_PARTIAL, M, N, rows_per_program,
+    stride_dy, stride_x, stride_g, stride_dx, stride_dg,
+    MODE: tl.constexpr, ROUND_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Each program owns a contiguous slab of rows and writes one fp32 partial of dweight: the partials
+    # are summed afterwards in a fixed order, so dweight is deterministic (no atomics).
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_begin = pid * rows_per_program
+    row_end = tl.minimum(row_begin + rows_per_program, M)
+    for start in range(row_begin, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x_raw = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+        x = x_raw.to(tl.float32)
+        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)[:, None]
+        n = x * rstd
+        if MODE == 0:
+            dn = dy * w
+            dw_acc += tl.sum(dy * n.to(x_raw.dtype).to(tl.float32), axis=0)
+        elif MODE == 1:
+            dn = dy * (1.0 + w)
+            dw_acc += tl.sum(dy * n, axis=0)
+        else:
+            n_cast = n.to(x_raw.dtype).to(tl.float32)
+            t = n_cast * w
+            if ROUND_T:
+                t = t.to(x_raw.dtype).to(tl.float32)
+            g = tl.load(G + rows64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(g)
+            dt = dy * (g * sig)
+            dg = dy * t * sig * (1.0 + g * (1.0 - sig))
+            tl.store(DG + rows64 * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
+            dn = dt * w
+            dw_acc += tl.sum(dt * n_cast, axis=0)
+        # d/dx of x * rstd(x) = rstd * (dn - n * mean(dn * n))
+        dx = rstd * (dn - n * (tl.sum(dn * n, axis=1) / N)[:, None])
+        tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + pid * N + cols, dw_acc, mask=col_mask)
+
+
+def _launch_shape(n_cols: int):
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(64, 2048 // block_n))  # small hidden sizes: several rows per program
+    num_warps = min(16, max(1, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+def _round_t(x, weight, mode):
+    # HF rounds `weight * cast(n)` to promote(weight, x); a no-op unless that dtype is narrower than fp32
+    return mode == GATED and torch.promote_types(weight.dtype, x.dtype) != torch.float32
+
+
+def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype):
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    block_m, block_n, num_warps = _launch_shape(N)
+    g = gate if gate is not None else x
+    _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+        x, weight, g, y, rstd, M, N, x.stride(0), g.stride(0), y.stride(0), eps,
+        MODE=mode, ROUND_T=_round_t(x, weight, mode), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, rstd
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * 4
+    return 4
+
+
+def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int):
+    M, N = x.shape
+    block_m, block_n, num_warps = _launch_shape(N)
+    grid = max(1, min(_num_programs(x.device), triton.cdiv(M, block_m)))
+    rows_per_program = triton.cdiv(triton.cdiv(M, grid), block_m) * block_m
+    grid = triton.cdiv(M, rows_per_program)
+    dx = torch.empty_like(x)
+    dgate = torch.empty_like(gate) if gate is not None else x.new_empty(0)
+    dw_partial = torch.empty((grid, N), dtype=torch.float32, device=x.device)
+    g = gate if gate is not None else x
+    dg = dgate if gate is not None else dx
+    _rms_norm_bwd_kernel[(grid,)](
+        dy, x, weight, g, rstd, dx, dg, dw_partial, M, N, rows_per_program,
+        dy.stride(0), x.stride(0), g.stride(0), dx.stride(0), dg.stride(0),
+        MODE=mode, ROUND_T=_round_t(x, weight, mode), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return dx, dw_partial.sum(0).to(weight.dtype), dgate
