@@ -1,0 +1,271 @@
+"""Kernel numerics of the routed experts vs a float64 HF eager reference, forward and backward.
+
+CPU runs the Triton kernels under TRITON_INTERPRET=1 (set by the root conftest when there is no CUDA) at tiny
+shapes; GPU tests (marked) run bf16 at the Qwen3-MoE sizes.
+"""
+import pytest
+import torch
+
+import moe
+from moe import layers, ops
+from moe.reference import experts_hf
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _make(T, H, I, E, K, dtype, device="cpu", skew=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(device, dtype)
+    if skew is None:
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    else:  # every token to the experts in `skew` (the others get nothing)
+        idx = torch.tensor(skew[:K]).expand(T, K).clone()
+    w = torch.rand(T, K, generator=gen) + 0.1
+    w = (w / w.sum(-1, keepdim=True)).to(device, dtype)
+    gu = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to(device, dtype)
+    dn = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(device, dtype)
+    dout = torch.randn(T, H, generator=gen).to(device, dtype)
+    return x, idx.to(device), w, gu, dn, dout
+
+
+def _run(fn, x, idx, w, gu, dn, dout):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, gu, dn)]
+    out = fn(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+    grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    return out.detach(), grads
+
+
+def _reference(x, idx, w, gu, dn, dout):
+    return _run(experts_hf, *(t.double() if t.is_floating_point() else t for t in (x, idx, w, gu, dn, dout)))
+
+
+def _assert_close(name, got, ref, dtype):
+    assert got.dtype == dtype or name == "dtop_k_weights", (name, got.dtype)
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    assert torch.isfinite(got).all(), name
+    err = (got.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= TOL[dtype] * max(scale, 1.0), f"{name}: max error {err:.3e} vs scale {scale:.3e}"
+
+
+def _check(T, H, I, E, K, dtype, device="cpu", skew=None, seed=0):
+    args = _make(T, H, I, E, K, dtype, device, skew, seed)
+    out, grads = _run(moe.moe_experts, *args)
+    ref_out, ref_grads = _reference(*args)
+    _assert_close("out", out, ref_out, dtype)
+    for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), grads, ref_grads):
+        _assert_close(name, g, r, dtype)
+    return out, grads
+
+
+SHAPES = [  # T, H, I, E, K
+    (13, 48, 40, 6, 3),
+    (1, 32, 32, 4, 1),
+    (37, 64, 48, 8, 2),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fwd_bwd_fp32(shape):
+    _check(*shape, torch.float32)
+
+
+def test_fwd_bwd_fp16():
+    _check(21, 64, 32, 5, 2, torch.float16)
+
+
+def test_skewed_routing_all_tokens_one_expert():
+    # K=1, every token to expert 2: one expert gets all rows (several row tiles), the others none
+    _check(35, 32, 32, 4, 1, torch.float32, skew=[2])
+
+
+def test_empty_experts_and_top1():
+    _check(5, 32, 48, 8, 1, torch.float32, seed=3)  # 5 tokens over 8 experts: most experts empty
+
+
+def test_reference_path_matches():
+    # the torch path of the custom ops (used on devices without Triton) against the same float64 reference
+    orig = ops._use_triton
+    ops._use_triton = lambda t: False
+    try:
+        _check(13, 48, 40, 6, 3, torch.float32)
+    finally:
+        ops._use_triton = orig
+
+
+def test_sentinel_index_is_skipped():
+    # index == E (expert-parallel sentinel) contributes nothing, like HF's eager loop; its weight grad is 0
+    x, idx, w, gu, dn, dout = _make(9, 32, 32, 4, 2, torch.float32)
+    idx[::3, 1] = 4
+    out, grads = _run(moe.moe_experts, x, idx, w, gu, dn, dout)
+    ref_out, ref_grads = _reference(x, idx, w, gu, dn, dout)
+    _assert_close("out", out, ref_out, torch.float32)
+    _assert_close("dhidden", grads[0], ref_grads[0], torch.float32)
+    assert (grads[1][::3, 1] == 0).all()
+
+
+def test_deterministic():
+    args = _make(13, 32, 32, 4, 2, torch.float32)
+    out1, g1 = _run(moe.moe_experts, *args)
+    out2, g2 = _run(moe.moe_experts, *args)
+    assert torch.equal(out1, out2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_check_can_fail():
+    # the comparison is sensitive: a perturbed down_proj must be caught
+    x, idx, w, gu, dn, dout = _make(7, 32, 32, 4, 2, torch.float32)
+    out, _ = _run(moe.moe_experts, x, idx, w, gu, dn, dout)
+    ref_out, _ = _reference(x, idx, w, gu, dn * 1.001, dout)
+    with pytest.raises(AssertionError):
+        _assert_close("out", out, ref_out, torch.float32)
+
+
+def test_bad_inputs():
+    x, idx, w, gu, dn, _ = _make(4, 32, 32, 4, 2, torch.float32)
+    f = moe.moe_experts
+    with pytest.raises(ValueError, match="top_k_index values"):
+        f(x, torch.full_like(idx, 5), w, gu, dn)
+    with pytest.raises(ValueError, match="top_k_index values"):
+        f(x, -idx - 1, w, gu, dn)
+    with pytest.raises(ValueError, match="down_proj"):
+        f(x, idx, w, gu, dn[:, :, :16])
+    with pytest.raises(ValueError, match="hidden size"):
+        f(x[:, :16], idx, w, gu, dn)
+    with pytest.raises(ValueError, match="top_k_weights shape"):
+        f(x, idx, w[:, :1], gu, dn)
+    with pytest.raises(ValueError, match="top_k_index must be"):
+        f(x, idx[:2], w, gu, dn)
+    with pytest.raises(TypeError, match="dtype"):
+        f(x.half(), idx, w, gu, dn)
+    with pytest.raises(TypeError, match="top_k_index must be int"):
+        f(x, idx.float(), w, gu, dn)
+    with pytest.raises(TypeError, match="must be a tensor"):
+        f(x, idx.tolist(), w, gu, dn)
+    with pytest.raises(ValueError, match="empty"):
+        f(x[:0], idx[:0], w[:0], gu, dn)
+    with pytest.raises(ValueError, match="top_k"):
+        f(x, torch.zeros(4, 17, dtype=torch.long), torch.zeros(4, 17), gu, dn)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="is on"):
+            f(x.cuda(), idx, w.cuda(), gu.cuda(), dn.cuda())
+
+
+def test_torch_compile_fullgraph():
+    args = _make(11, 32, 32, 4, 2, torch.float32)
+    ref_out, ref_grads = _run(moe.moe_experts, *args)
+    compiled = torch.compile(moe.moe_experts, fullgraph=True, backend="aot_eager")
+    out, grads = _run(compiled, *args)
+    assert torch.allclose(out, ref_out, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, ref_grads))
+
+
+def _tiny_config(arch="qwen3_moe", E=4, K=2, H=32, I=32):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(arch, hidden_size=H, moe_intermediate_size=I, num_experts=E,
+                                num_experts_per_tok=K, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=1, intermediate_size=64, vocab_size=64)
+
+
+def _hf_experts(config):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    m = Qwen3MoeExperts(config)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return m
+
+
+def test_layer_and_layout_match_hf_module():
+    cfg = _tiny_config()
+    hf = _hf_experts(cfg)
+    layout = layers.GroupedGemmExpertsLayout(cfg)
+    layout.load_state_dict(hf.state_dict())
+    assert set(dict(layout.named_parameters())) == set(dict(hf.named_parameters()))
+    x, idx, w, *_ = _make(9, 32, 32, 4, 2, torch.float32)
+    ref = hf(x, idx, w)
+    assert torch.allclose(layout(x, idx, w), ref, atol=1e-6)
+    kernel_out = layers.GroupedGemmExperts.forward(layout, x, idx, w)  # how kernelize binds it
+    assert torch.allclose(kernel_out, ref, atol=1e-5)
+
+
+def test_register_experts_implementation():
+    name = moe.register_experts_implementation()
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    assert name in ALL_EXPERTS_FUNCTIONS
+    cfg = _tiny_config()
+    hf = _hf_experts(cfg)
+    x, idx, w, *_ = _make(9, 32, 32, 4, 2, torch.float32)
+    cfg._experts_implementation = "eager"
+    ref = hf(x, idx, w)
+    cfg._experts_implementation = name
+    out = hf(x, idx, w)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 2048, 768, 128, 8), (1023, 1024, 512, 512, 16), (333, 2048, 768, 128, 1)])
+def test_bf16_real_sizes_gpu(shape):
+    T, H, I, E, K = shape
+    args = _make(T, H, I, E, K, torch.bfloat16, "cuda")
+    out, grads = _run(moe.moe_experts, *args)
+    # fp32 reference on the GPU through the torch path of the same op (float64 at these sizes is too slow)
+    orig = ops._use_triton
+    ops._use_triton = lambda t: False
+    try:
+        ref_out, ref_grads = _run(moe.moe_experts, *(t.float() if t.is_floating_point() else t for t in args))
+    finally:
+        ops._use_triton = orig
+    for name, g, r in zip(("out", "dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"),
+                          (out, *grads), (ref_out, *ref_grads)):
+        err = (g.float() - r).abs().max().item()
+        scale = r.abs().max().item()
+        assert err <= 3e-2 * max(scale, 1e-3), f"{name}: max error {err:.3e} vs scale {scale:.3e}"
+
+
+@pytest.mark.gpu
+def test_bf16_vs_float64_gpu():
+    _check(257, 256, 128, 16, 4, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_skewed_gpu():
+    _check(1000, 256, 128, 16, 1, torch.bfloat16, "cuda", skew=[7])
+
+
+@pytest.mark.gpu
+def test_deterministic_and_cuda_graph_gpu():
+    args = _make(2048, 1024, 512, 64, 8, torch.bfloat16, "cuda")
+    out1, g1 = _run(moe.moe_experts, *args)
+    out2, g2 = _run(moe.moe_experts, *args)
+    assert torch.equal(out1, out2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    x, idx, w, gu, dn, dout = args
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, gu, dn)]
+    static_idx = idx.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles the kernels) outside the capture
+        o = moe.moe_experts(leaves[0], static_idx, leaves[1], leaves[2], leaves[3])
+        torch.autograd.grad(o, leaves, dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = moe.moe_experts(leaves[0], static_idx, leaves[1], leaves[2], leaves[3])
+        gs = torch.autograd.grad(o, leaves, dout)
+    # new routing: the captured graph must follow the data (no host-side routing baked in)
+    gen = torch.Generator().manual_seed(5)
+    new_idx = torch.stack([torch.randperm(64, generator=gen)[:8] for _ in range(2048)]).cuda()
+    static_idx.copy_(new_idx)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_g = _run(moe.moe_experts, x, new_idx, w, gu, dn, dout)
+    assert torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(gs, ref_g))

@@ -1,0 +1,164 @@
+"""Custom ops and the functional API of the routed experts (grouped GEMM, SwiGLU, weighted combine).
+
+`moe_experts_fwd` / `moe_experts_bwd` are `torch.library.custom_op`s under this build's namespace, with fake
+implementations and autograd, so `torch.compile(fullgraph=True)` sees one opaque node per direction. Each
+dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on CPU under
+`TRITON_INTERPRET=1`), the torch reference otherwise. Routing (sort by expert) runs on the device with no
+host sync, so the CUDA path is graph-capturable.
+"""
+import os
+
+import torch
+
+from ._ops import add_op_namespace_prefix
+from .reference import moe_bwd_reference, moe_fwd_reference, route
+
+MAX_EXPERTS = 512
+MAX_TOP_K = 16
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if t.device.type in ("cuda", "xpu"):
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@torch.library.custom_op(add_op_namespace_prefix("moe_experts_fwd"), mutates_args=())
+def moe_experts_fwd(
+    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out, gate_up_out, act, sorted_slot, expert_offsets); the last four are saved for backward."""
+    if _use_triton(hidden):
+        from .triton_kernels import moe_fwd
+
+        sorted_slot, expert_offsets = route(top_k_index, gate_up_proj.shape[0])
+        out, gate_up_out, act = moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                        sorted_slot, expert_offsets)
+        return out, gate_up_out, act, sorted_slot, expert_offsets
+    return moe_fwd_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+
+
+@moe_experts_fwd.register_fake
+def _(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    S = top_k_index.shape[0] * top_k_index.shape[1]
+    E, two_i, _ = gate_up_proj.shape
+    return (
+        hidden.new_empty(hidden.shape),
+        hidden.new_empty((S, two_i)),
+        hidden.new_empty((S, two_i // 2)),
+        hidden.new_empty((S,), dtype=torch.int64),
+        hidden.new_empty((E + 1,), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op(add_op_namespace_prefix("moe_experts_bwd"), mutates_args=())
+def moe_experts_bwd(
+    dout: torch.Tensor, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_out: torch.Tensor, act: torch.Tensor,
+    sorted_slot: torch.Tensor, expert_offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj)."""
+    args = (dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, act, sorted_slot,
+            expert_offsets)
+    if _use_triton(hidden):
+        from .triton_kernels import moe_bwd
+
+        return moe_bwd(*args)
+    return moe_bwd_reference(*args)
+
+
+@moe_experts_bwd.register_fake
+def _(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, act, sorted_slot,
+      expert_offsets):
+    return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(gate_up_proj),
+            torch.empty_like(down_proj))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj = inputs
+    _, gate_up_out, act, sorted_slot, expert_offsets = output
+    ctx.save_for_backward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, act,
+                          sorted_slot, expert_offsets)
+
+
+def _backward(ctx, dout, *_unused):
+    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, act, sorted_slot, expert_offsets = (
+        ctx.saved_tensors)
+    dhidden, dweights, dgate_up, ddown = moe_experts_bwd(
+        dout.to(hidden.dtype).contiguous(), hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
+        gate_up_out, act, sorted_slot, expert_offsets)
+    return dhidden, None, dweights, dgate_up, ddown
+
+
+moe_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
+    name = "moe_experts"
+    for arg, what in ((hidden, "hidden_states"), (top_k_index, "top_k_index"), (top_k_weights, "top_k_weights"),
+                      (gate_up_proj, "gate_up_proj"), (down_proj, "down_proj")):
+        if not isinstance(arg, torch.Tensor):
+            raise TypeError(f"{name}: {what} must be a tensor, got {type(arg).__name__}")
+    if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{name}: hidden_states must be float32, float16 or bfloat16, got {hidden.dtype}")
+    if gate_up_proj.dtype != hidden.dtype or down_proj.dtype != hidden.dtype:
+        raise TypeError(f"{name}: gate_up_proj ({gate_up_proj.dtype}) and down_proj ({down_proj.dtype}) must have "
+                        f"the dtype of hidden_states ({hidden.dtype})")
+    if not top_k_weights.is_floating_point():
+        raise TypeError(f"{name}: top_k_weights must be floating point, got {top_k_weights.dtype}")
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: top_k_index must be int32 or int64, got {top_k_index.dtype}")
+    if hidden.dim() != 2:
+        raise ValueError(f"{name}: hidden_states must be (tokens, hidden), got {tuple(hidden.shape)}")
+    T, H = hidden.shape
+    if T == 0 or H == 0:
+        raise ValueError(f"{name}: empty hidden_states {tuple(hidden.shape)}")
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(f"{name}: expected gate_up_proj (E, 2I, H) and down_proj (E, H, I), got "
+                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+    E, two_i, h_w = gate_up_proj.shape
+    if two_i % 2 != 0 or two_i == 0 or E == 0:
+        raise ValueError(f"{name}: gate_up_proj must be (E, 2I, H) with E, I > 0, got {tuple(gate_up_proj.shape)}")
+    if h_w != H:
+        raise ValueError(f"{name}: gate_up_proj hidden size {h_w} does not match hidden_states hidden size {H}")
+    if tuple(down_proj.shape) != (E, H, two_i // 2):
+        raise ValueError(f"{name}: down_proj must be (E, H, I) = {(E, H, two_i // 2)} to match gate_up_proj "
+                         f"{tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}")
+    if E > MAX_EXPERTS:
+        raise ValueError(f"{name}: {E} experts exceed the supported maximum {MAX_EXPERTS}")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+        raise ValueError(f"{name}: top_k_index must be (tokens, top_k) = ({T}, K), got {tuple(top_k_index.shape)}")
+    K = top_k_index.shape[1]
+    if K == 0 or K > MAX_TOP_K:
+        raise ValueError(f"{name}: top_k {K} must be in [1, {MAX_TOP_K}]")
+    if tuple(top_k_weights.shape) != (T, K):
+        raise ValueError(f"{name}: top_k_weights shape {tuple(top_k_weights.shape)} does not match top_k_index "
+                         f"{tuple(top_k_index.shape)}")
+    for arg, what in ((top_k_index, "top_k_index"), (top_k_weights, "top_k_weights"),
+                      (gate_up_proj, "gate_up_proj"), (down_proj, "down_proj")):
+        if arg.device != hidden.device:
+            raise ValueError(f"{name}: {what} is on {arg.device} but hidden_states on {hidden.device}")
+    # Range check only where it costs no device sync (CPU). On accelerators an index outside [0, E)
+    # (e.g. the expert-parallel sentinel E) is dropped: that slot contributes nothing, like HF's eager loop.
+    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+        lo, hi = int(top_k_index.min()), int(top_k_index.max())
+        if lo < 0 or hi > E:
+            raise ValueError(f"{name}: top_k_index values must be in [0, {E}) (or {E}, the skipped sentinel), "
+                             f"got range [{lo}, {hi}]")
+
+
+def moe_experts(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts, HF v5 layout: `sum_k w[t,k] * down[e](silu(gate[e] x) * up[e] x)`, e = index[t,k].
+
+    hidden_states (T, H); top_k_index (T, K) int; top_k_weights (T, K) float; gate_up_proj (E, 2I, H) with the
+    gate rows first; down_proj (E, H, I). Returns (T, H) in the dtype of hidden_states. Differentiable in
+    hidden_states, top_k_weights, gate_up_proj and down_proj; deterministic (no atomics).
+    """
+    _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    out, *_ = moe_experts_fwd(hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(),
+                              gate_up_proj.contiguous(), down_proj.contiguous())
+    return out

@@ -1,0 +1,416 @@
+"""Triton kernels for the routed experts: grouped GEMMs over expert-sorted token copies.
+
+Layout: the S = T*K token copies are sorted by expert (`reference.route`, on the device); expert `e` owns
+sorted rows `expert_offsets[e]:expert_offsets[e + 1]`. Row tiles of BLOCK_M never straddle two experts: a
+tile map (`_tile_map`, torch ops on the device, no host sync) gives every M-program its expert and its first
+row, and the grid has a static upper bound on the number of tiles (programs past the end exit at once), so
+every launch is CUDA-graph capturable. Activations are gathered by token id inside the kernels (no permuted
+copy of `hidden`), weights are read in the HF v5 layout: gate_up_proj (E, 2I, H), down_proj (E, H, I).
+
+Forward:  gate_up GEMM with SwiGLU in the epilogue -> down GEMM -> weighted combine back to token order.
+Backward: dact = (dout @ Wd) with the routing-weight grad and the SwiGLU backward in the epilogue ->
+          dx rows (dgate_up @ Wgu) -> combine; per-expert weight grads reduce over the expert's rows
+          inside one program (fixed order, no atomics: deterministic).
+All products accumulate in fp32; operands are the input dtype (bf16/fp16 tensor cores, fp32 in IEEE).
+This module imports triton: import it lazily.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M: tl.constexpr):
+    e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
+    row0 = tl.load(OFFSETS + e) + (pid_m - tl.load(TILE_START + e)) * BLOCK_M
+    row_end = tl.load(OFFSETS + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
+    return e, rows, rows < row_end
+
+
+@triton.jit
+def _gate_up_fwd_kernel(
+    X, W, ROW_TOKEN, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT,
+    H, I, E, stride_x, stride_we, stride_wn, stride_gu, stride_act,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    # gate = x @ Wg[e]^T, up = x @ Wu[e]^T for BLOCK_N intermediate columns; act = silu(gate) * up
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
+    if e >= E:
+        return
+    e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
+    tok = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = X + tok[:, None] * stride_x + ks[None, :]
+    wg_ptrs = W + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    wu_ptrs = wg_ptrs + I * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = (k0 + ks) < H
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        bg = tl.load(wg_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        bu = tl.load(wu_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    # HF rounds the linear output to the input dtype before the activation: do the same
+    g = acc_g.to(GU.dtype.element_ty)
+    u = acc_u.to(GU.dtype.element_ty)
+    mask = row_mask[:, None] & col_mask[None, :]
+    gu_ptrs = GU + rows[:, None] * stride_gu + cols[None, :]
+    tl.store(gu_ptrs, g, mask=mask)
+    tl.store(gu_ptrs + I, u, mask=mask)
+    g = g.to(tl.float32)
+    act = g * tl.sigmoid(g) * u.to(tl.float32)
+    tl.store(ACT + rows[:, None] * stride_act + cols[None, :], act.to(ACT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _down_fwd_kernel(
+    ACT, D, TILE_EXPERT, TILE_START, OFFSETS, Y,
+    H, I, E, stride_act, stride_de, stride_dn, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    # y = act @ Wd[e]^T for BLOCK_N hidden columns (rows in sorted order)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
+    if e >= E:
+        return
+    e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = ACT + rows[:, None] * stride_act + ks[None, :]
+    b_ptrs = D + e * stride_de + cols[None, :].to(tl.int64) * stride_dn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = (k0 + ks) < I
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    Y, POS, IDX, WT, OUT, T, H, K, E, stride_y, stride_out,
+    HAS_WEIGHT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # out[t] = sum_k w[t, k] * y[pos[t, k]] in fp32, fixed k order; slots routed outside [0, E) add nothing
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tok_mask = toks < T
+    col_mask = cols < H
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K):
+        slot = toks.to(tl.int64) * K + k
+        e = tl.load(IDX + slot, mask=tok_mask, other=-1)
+        valid = tok_mask & (e >= 0) & (e < E)
+        p = tl.load(POS + slot, mask=valid, other=0).to(tl.int64)
+        y = tl.load(Y + p[:, None] * stride_y + cols[None, :], mask=valid[:, None] & col_mask[None, :], other=0.0)
+        y = y.to(tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(WT + slot, mask=valid, other=0.0).to(tl.float32)
+            y = y * w[:, None]
+        acc += y
+    tl.store(OUT + toks.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(OUT.dtype.element_ty),
+             mask=tok_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_bwd_act_kernel(
+    DOUT, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT, DGU, DW_PART,
+    H, I, E, stride_dout, stride_de, stride_dn, stride_gu, stride_act, stride_dgu, stride_part,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    # g_act = dout[token] @ Wd[e]   (unweighted grad of act, BLOCK_N intermediate columns)
+    # epilogue: dweight partial = sum_i g_act * act; dact = w * g_act; SwiGLU backward -> dgate, dup
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
+    if e >= E:
+        return
+    e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
+    tok = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = DOUT + tok[:, None] * stride_dout + ks[None, :]
+    b_ptrs = D + e * stride_de + ks[:, None].to(tl.int64) * stride_dn + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = (k0 + ks) < H
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_dn
+    mask = row_mask[:, None] & col_mask[None, :]
+    act = tl.load(ACT + rows[:, None] * stride_act + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DW_PART + rows * stride_part + pid_n, tl.sum(acc * act, axis=1), mask=row_mask)
+    w = tl.load(ROW_W + rows, mask=row_mask, other=0.0).to(tl.float32)
+    dact = acc * w[:, None]
+    gu_ptrs = GU + rows[:, None] * stride_gu + cols[None, :]
+    g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    dg = dact * u * sig * (1.0 + g * (1.0 - sig))
+    du = dact * g * sig
+    dgu_ptrs = DGU + rows[:, None] * stride_dgu + cols[None, :]
+    tl.store(dgu_ptrs, dg.to(DGU.dtype.element_ty), mask=mask)
+    tl.store(dgu_ptrs + I, du.to(DGU.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_up_bwd_x_kernel(
+    DGU, W, TILE_EXPERT, TILE_START, OFFSETS, DX,
+    H, TWO_I, E, stride_dgu, stride_we, stride_wn, stride_dx,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    # dx_row = dgate_up_row @ Wgu[e]   (rows in sorted order; the combine sums each token's K copies)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
+    if e >= E:
+        return
+    e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = DGU + rows[:, None] * stride_dgu + ks[None, :]
+    b_ptrs = W + e * stride_we + ks[:, None].to(tl.int64) * stride_wn + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, TWO_I, BLOCK_K):
+        k_mask = (k0 + ks) < TWO_I
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wn
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], acc.to(DX.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _gate_up_bwd_w_kernel(
+    DGU, X, ROW_TOKEN, OFFSETS, DW,
+    H, TWO_I, stride_dgu, stride_x, stride_dwe, stride_dwn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    # dWgu[e][m, n] = sum over the expert's rows r of dgate_up[r, m] * x[token_r, n]   (one program per tile)
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    tiles_n = tl.cdiv(H, BLOCK_N)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    lo = tl.load(OFFSETS + e)
+    hi = tl.load(OFFSETS + e + 1)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = ms < TWO_I
+    n_mask = ns < H
+    ks = tl.arange(0, BLOCK_K).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_K):
+        rows = r0 + ks
+        r_mask = rows < hi
+        tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
+        a = tl.load(DGU + rows[None, :] * stride_dgu + ms[:, None], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        b = tl.load(X + tok[:, None] * stride_x + ns[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    tl.store(DW + e * stride_dwe + ms[:, None].to(tl.int64) * stride_dwn + ns[None, :], acc.to(DW.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_bwd_w_kernel(
+    DOUT, ROW_W, ACT, ROW_TOKEN, OFFSETS, DW,
+    H, I, stride_dout, stride_act, stride_dwe, stride_dwn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    # dWd[e][h, i] = sum over the expert's rows r of (w_r * dout[token_r, h]) * act[r, i]
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    tiles_n = tl.cdiv(I, BLOCK_N)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    lo = tl.load(OFFSETS + e)
+    hi = tl.load(OFFSETS + e + 1)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = ms < H
+    n_mask = ns < I
+    ks = tl.arange(0, BLOCK_K).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_K):
+        rows = r0 + ks
+        r_mask = rows < hi
+        tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
+        w = tl.load(ROW_W + rows, mask=r_mask, other=0.0).to(tl.float32)
+        a = tl.load(DOUT + tok[None, :] * stride_dout + ms[:, None], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        a = (a.to(tl.float32) * w[None, :]).to(DOUT.dtype.element_ty)
+        b = tl.load(ACT + rows[:, None] * stride_act + ns[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    tl.store(DW + e * stride_dwe + ms[:, None].to(tl.int64) * stride_dwn + ns[None, :], acc.to(DW.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------- launch
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu"
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+
+
+def _row_block(S: int, E: int, gpu: bool) -> int:
+    if not gpu:  # interpreter: small tiles so that the tests cover several tiles per expert
+        return 16
+    return 64 if S < 96 * E else 128  # few rows per expert (decode, many experts): less padding waste
+
+
+def _gemm_cfg(gpu: bool, dtype: torch.dtype, n_block: int = 128):
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a grouped GEMM program."""
+    if not gpu:
+        return 32, 16, 4, 1
+    if dtype == torch.float32:
+        return min(n_block, 64), 32, 8, 3
+    return n_block, 64, 8, 3
+
+
+def _tile_map(expert_offsets: torch.Tensor, S: int, block_m: int):
+    """Per M-program expert id (E = past the end) and per-expert first tile; on device, no host sync."""
+    E = expert_offsets.numel() - 1
+    counts = expert_offsets[1:] - expert_offsets[:-1]
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    tile_start = tile_end - tiles
+    max_tiles = max(1, min(triton.cdiv(S, block_m) + E, S))  # static bound: grid size never depends on data
+    tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=tile_end.device), right=True)
+    return tile_expert, tile_start, max_tiles
+
+
+def _positions(sorted_slot: torch.Tensor) -> torch.Tensor:
+    pos = torch.empty_like(sorted_slot)
+    pos.scatter_(0, sorted_slot, torch.arange(sorted_slot.numel(), device=sorted_slot.device))
+    return pos
+
+
+def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype):
+    K = top_k_index.shape[1]
+    out = torch.empty((T, H), dtype=out_dtype, device=y_rows.device)
+    block_t, block_n = (16, 32) if not _on_gpu(y_rows) else (8, min(256, triton.next_power_of_2(H)))
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_n))
+    _combine_kernel[grid](
+        y_rows, pos, top_k_index, weights if weights is not None else y_rows, out, T, H, K, E,
+        y_rows.stride(0), out.stride(0), HAS_WEIGHT=weights is not None, BLOCK_T=block_t, BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out
+
+
+def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_slot, expert_offsets):
+    T, H = hidden.shape
+    K = top_k_index.shape[1]
+    E, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    S = T * K
+    gpu = _on_gpu(hidden)
+    dtype = hidden.dtype
+    prec = _prec(dtype)
+    row_token = sorted_slot // K
+    block_m = _row_block(S, E, gpu)
+    tile_expert, tile_start, max_tiles = _tile_map(expert_offsets, S, block_m)
+
+    gate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
+    act = torch.empty((S, inter), dtype=dtype, device=hidden.device)
+    bn, bk, warps, stages = _gemm_cfg(gpu, dtype, n_block=64)
+    _gate_up_fwd_kernel[(triton.cdiv(inter, bn), max_tiles)](
+        hidden, gate_up_proj, row_token, tile_expert, tile_start, expert_offsets, gate_up_out, act,
+        H, inter, E, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_out.stride(0),
+        act.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    y_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
+    bn, bk, warps, stages = _gemm_cfg(gpu, dtype)
+    _down_fwd_kernel[(triton.cdiv(H, bn), max_tiles)](
+        act, down_proj, tile_expert, tile_start, expert_offsets, y_rows,
+        H, inter, E, act.stride(0), down_proj.stride(0), down_proj.stride(1), y_rows.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
+    return out, gate_up_out, act
+
+
+def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, act,
+            sorted_slot, expert_offsets):
+    T, H = hidden.shape
+    K = top_k_index.shape[1]
+    E, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    S = T * K
+    gpu = _on_gpu(hidden)
+    dtype = hidden.dtype
+    prec = _prec(dtype)
+    row_token = sorted_slot // K
+    row_w = top_k_weights.reshape(-1)[sorted_slot].float()
+    pos = _positions(sorted_slot)
+    block_m = _row_block(S, E, gpu)
+    tile_expert, tile_start, max_tiles = _tile_map(expert_offsets, S, block_m)
+
+    # 1. grad of act (SwiGLU backward and routing-weight grad partials in the epilogue)
+    bn, bk, warps, stages = _gemm_cfg(gpu, dtype, n_block=64)
+    tiles_i = triton.cdiv(inter, bn)
+    dgate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
+    dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=hidden.device)
+    _down_bwd_act_kernel[(tiles_i, max_tiles)](
+        dout, down_proj, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, act,
+        dgate_up_out, dw_part, H, inter, E, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
+        gate_up_out.stride(0), act.stride(0), dgate_up_out.stride(0), dw_part.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    # routing-weight grad: fixed-order sum of the per-column-tile partials, back to slot order
+    valid = (top_k_index >= 0) & (top_k_index < E)
+    dweights = torch.where(valid, dw_part.sum(1)[pos].view(T, K), 0.0).to(top_k_weights.dtype)
+
+    # 2. grad of hidden: per-row dx, then sum of each token's K copies
+    bn, bk, warps, stages = _gemm_cfg(gpu, dtype)
+    dx_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
+    _gate_up_bwd_x_kernel[(triton.cdiv(H, bn), max_tiles)](
+        dgate_up_out, gate_up_proj, tile_expert, tile_start, expert_offsets, dx_rows,
+        H, two_i, E, dgate_up_out.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), dx_rows.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
+
+    # 3. weight grads: one program per (expert, output tile), reducing over that expert's rows
+    if gpu:
+        bm, bn, bk, warps, stages = (128, 128, 64, 8, 3) if dtype != torch.float32 else (64, 64, 32, 8, 3)
+    else:
+        bm, bn, bk, warps, stages = 32, 32, 16, 4, 1
+    dgate_up_proj = torch.empty_like(gate_up_proj)
+    _gate_up_bwd_w_kernel[(triton.cdiv(two_i, bm) * triton.cdiv(H, bn), E)](
+        dgate_up_out, hidden, row_token, expert_offsets, dgate_up_proj,
+        H, two_i, dgate_up_out.stride(0), hidden.stride(0), dgate_up_proj.stride(0), dgate_up_proj.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    ddown_proj = torch.empty_like(down_proj)
+    _down_bwd_w_kernel[(triton.cdiv(H, bm) * triton.cdiv(inter, bn), E)](
+        dout, row_w, act, row_token, expert_offsets, ddown_proj,
+        H, inter, dout.stride(0), act.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    return dhidden, dweights, dgate_up_proj, ddown_proj
