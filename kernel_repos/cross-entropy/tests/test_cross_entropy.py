@@ -1,0 +1,334 @@
+"""Numerics of the fused cross-entropy ops against a float64 materialised reference, fwd + bwd.
+
+On CPU the Triton kernel runs under TRITON_INTERPRET=1 (root conftest) at small sizes; bf16 at real sizes
+runs on CUDA only (`gpu` marker).
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cross_entropy
+from cross_entropy import cross_entropy as fused_ce
+from cross_entropy import linear_cross_entropy
+from cross_entropy.ops import _use_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _ref(logits64, labels, **opts):
+    """float64 oracle: torch's F.cross_entropy (+ z-loss, softcap, num_items) on materialised logits."""
+    softcap = opts.pop("softcap", None)
+    z_w = opts.pop("z_loss_weight", 0.0)
+    nib = opts.pop("num_items_in_batch", None)
+    reduction = opts.pop("reduction", "mean")
+    ignore_index = opts.get("ignore_index", -100)
+    x = softcap * torch.tanh(logits64 / softcap) if softcap else logits64
+    x = x.reshape(-1, x.shape[-1])
+    y = labels.reshape(-1)
+    rows = F.cross_entropy(x, y, reduction="none", **opts)
+    valid = y != ignore_index
+    z = torch.where(valid, z_w * torch.logsumexp(x, -1) ** 2, torch.zeros_like(rows))
+    rows = rows + z
+    if reduction == "none":
+        return rows.view(labels.shape), z.view(labels.shape)
+    if nib is not None:
+        return rows.sum() / nib, z.sum() / nib
+    if reduction == "sum":
+        return rows.sum(), z.sum()
+    return rows.sum() / valid.sum(), z.sum() / valid.sum()
+
+
+def _labels(shape, V, ignore_frac=0.25, ignore_index=-100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, V, shape, generator=g)
+    y[torch.rand(shape, generator=g) < ignore_frac] = ignore_index
+    return y.to(DEV)
+
+
+def _close(a, b, dtype, what, scale=1.0):
+    atol, rtol = TOL[dtype]
+    a, b = a.double(), b.double()
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert torch.allclose(a, b, atol=atol * scale, rtol=rtol), f"{what}: max abs err {err}"
+
+
+OPTION_SETS = [
+    dict(),
+    dict(reduction="sum"),
+    dict(reduction="none"),
+    dict(label_smoothing=0.1),
+    dict(z_loss_weight=1e-3),
+    dict(softcap=4.0),
+    dict(num_items_in_batch=9),
+    dict(label_smoothing=0.2, z_loss_weight=1e-2, softcap=3.0, reduction="none", ignore_index=7),
+    dict(label_smoothing=0.05, z_loss_weight=1e-4, num_items_in_batch=5),
+]
+
+
+def test_kernel_path_is_exercised():
+    # on CPU the tests must run the Triton kernel (interpreter), not the torch twin
+    assert _use_triton(torch.empty(1, device=DEV))
+
+
+@pytest.mark.parametrize("opts", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_cross_entropy_matches_reference(opts, dtype):
+    N, H, V = 23, 24, 67  # odd token count and vocab; chunk 8 puts chunk boundaries inside the sequence
+    torch.manual_seed(0)
+    h = torch.randn(N, H, device=DEV, dtype=dtype, requires_grad=True)
+    w = (torch.randn(V, H, device=DEV, dtype=dtype) * 0.5).requires_grad_()
+    b = (torch.randn(V, device=DEV, dtype=dtype) * 0.1).requires_grad_()
+    y = _labels((N,), V, ignore_index=opts.get("ignore_index", -100))
+    loss, z = linear_cross_entropy(h, w, y, b, chunk_size=8, return_z_loss=True, **opts)
+    upstream = torch.randn_like(loss) if loss.dim() else torch.tensor(1.7, device=DEV)
+    dh, dw, db = torch.autograd.grad(loss, (h, w, b), upstream)
+
+    h64, w64, b64 = (t.detach().double().requires_grad_() for t in (h, w, b))
+    logits64 = (h64 @ w64.t() + b64)
+    if dtype != torch.float32:  # the fused op computes logits in the inputs' dtype, like nn.Linear
+        logits64 = logits64 + ((h @ w.t() + b).double() - logits64).detach()
+    ref, ref_z = _ref(logits64, y, **dict(opts))
+    rdh, rdw, rdb = torch.autograd.grad(ref, (h64, w64, b64), upstream.double())
+    assert loss.dtype == torch.float32
+    _close(loss, ref, dtype, "loss")
+    _close(z, ref_z, dtype, "z_loss")
+    _close(dh, rdh, dtype, "dhidden")
+    _close(dw, rdw, dtype, "dweight")
+    _close(db, rdb, dtype, "dbias")
+
+
+@pytest.mark.parametrize("opts", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cross_entropy_from_logits_matches_reference(opts, dtype):
+    B, S, V = 3, 7, 131
+    torch.manual_seed(1)
+    x = (torch.randn(B, S, V, device=DEV, dtype=dtype) * 3).requires_grad_()
+    y = _labels((B, S), V, ignore_index=opts.get("ignore_index", -100), seed=1)
+    loss, z = fused_ce(x * 1, y, return_z_loss=True, **opts)  # x * 1: the in-place grad goes to the copy
+    upstream = torch.randn_like(loss) if loss.dim() else torch.tensor(0.6, device=DEV)
+    (dx,) = torch.autograd.grad(loss, (x,), upstream)
+    x64 = x.detach().double().requires_grad_()
+    ref, ref_z = _ref(x64, y, **dict(opts))
+    (rdx,) = torch.autograd.grad(ref, (x64,), upstream.double())
+    _close(loss, ref, dtype, "loss")
+    _close(z, ref_z, dtype, "z_loss")
+    _close(dx, rdx, dtype, "dlogits")
+    assert dx.dtype == dtype
+
+
+def test_cross_entropy_inplace_writes_grad_into_logits_buffer():
+    torch.manual_seed(2)
+    x = torch.randn(9, 50, device=DEV, requires_grad=True)
+    y = _labels((9,), 50, seed=2)
+    logits = x * 1
+    ptr = logits.data_ptr()
+    loss = fused_ce(logits, y, inplace=True)
+    loss.backward()
+    x64 = x.detach().double().requires_grad_()
+    F.cross_entropy(x64, y).backward()
+    _close(x.grad, x64.grad, torch.float32, "dx")
+    _close(logits.detach(), x64.grad, torch.float32, "buffer holds the gradient")
+    assert logits.data_ptr() == ptr
+    # inplace=False leaves the logits untouched
+    logits2 = (x * 1).detach().requires_grad_()
+    before = logits2.detach().clone()
+    fused_ce(logits2, y, inplace=False).backward()
+    assert torch.equal(logits2.detach(), before)
+
+
+def test_all_labels_ignored_follows_torch():
+    torch.manual_seed(3)
+    h = torch.randn(6, 8, device=DEV, requires_grad=True)
+    w = torch.randn(11, 8, device=DEV, requires_grad=True)
+    y = torch.full((6,), -100, device=DEV)
+    loss = linear_cross_entropy(h, w, y, chunk_size=4)
+    assert torch.isnan(loss)  # mean over zero tokens, as F.cross_entropy
+    loss.backward()
+    assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w))
+    assert linear_cross_entropy(h, w, y, reduction="sum").item() == 0.0
+    x = torch.randn(6, 11, device=DEV, requires_grad=True)
+    loss = fused_ce(x * 1, y)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_chunking_does_not_change_result_and_is_deterministic():
+    torch.manual_seed(4)
+    h = torch.randn(2, 10, 16, device=DEV, requires_grad=True)  # (B, S, H) leading dims
+    w = torch.randn(45, 16, device=DEV, requires_grad=True)
+    y = _labels((2, 10), 45, seed=4)
+    results = []
+    for chunk in (1, 7, 20, None, 7):
+        loss = linear_cross_entropy(h, w, y, chunk_size=chunk)
+        dh, dw = torch.autograd.grad(loss, (h, w))
+        results.append((loss, dh, dw))
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(results[1], results[4]):  # same chunking twice: bitwise identical
+        assert torch.equal(a, b)
+
+
+def test_frozen_weight_and_no_grad():
+    torch.manual_seed(5)
+    h = torch.randn(7, 8, device=DEV, requires_grad=True)
+    w = torch.randn(13, 8, device=DEV)  # frozen lm_head: no dW work
+    y = _labels((7,), 13, seed=5)
+    linear_cross_entropy(h, w, y).backward()
+    h64 = h.detach().double().requires_grad_()
+    F.cross_entropy(h64 @ w.double().t(), y).backward()
+    _close(h.grad, h64.grad, torch.float32, "dh")
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, y)
+    assert not loss.requires_grad
+    _close(loss, F.cross_entropy(h.detach().double() @ w.double().t(), y), torch.float32, "loss")
+
+
+def test_weight_grad_fp32_accumulation():
+    torch.manual_seed(6)
+    h = torch.randn(19, 8, device=DEV, dtype=torch.float16, requires_grad=True)
+    w = torch.randn(29, 8, device=DEV, dtype=torch.float16, requires_grad=True)
+    y = _labels((19,), 29, seed=6)
+    linear_cross_entropy(h, w, y, chunk_size=4, weight_grad_fp32=True).backward()
+    assert w.grad.dtype == torch.float16
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logits64 = h64 @ w64.t()
+    logits64 = logits64 + ((h @ w.t()).double() - logits64).detach()
+    F.cross_entropy(logits64, y).backward()
+    _close(w.grad, w64.grad, torch.float16, "dw")
+    _close(h.grad, h64.grad, torch.float16, "dh")
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    h = torch.randn(10, 16, device=DEV, requires_grad=True)
+    w = torch.randn(33, 16, device=DEV, requires_grad=True)
+    y = _labels((10,), 33, seed=7)
+
+    def step(h, w, y):
+        a = linear_cross_entropy(h, w, y, chunk_size=4, z_loss_weight=1e-3)
+        b = fused_ce(h @ w.t(), y, label_smoothing=0.1)
+        return a + b
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(h, w, y)
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    eager = step(h, w, y)
+    edh, edw = torch.autograd.grad(eager, (h, w))
+    torch.testing.assert_close(loss, eager)
+    torch.testing.assert_close(dh, edh)
+    torch.testing.assert_close(dw, edw)
+
+
+def test_layers_and_layouts():
+    from cross_entropy import layers
+
+    for cls in (layers.CrossEntropyLoss, layers.LinearCrossEntropyLoss):
+        assert cls.has_backward and cls.can_torch_compile and "__init__" not in cls.__dict__
+    torch.manual_seed(8)
+    x = torch.randn(12, 40, device=DEV, requires_grad=True)
+    y = _labels((12,), 40, seed=8)
+    host = torch.nn.CrossEntropyLoss(label_smoothing=0.1, reduction="sum")
+    ref = host(x, y)
+    out = layers.CrossEntropyLoss.forward(host, x, y)
+    _close(out, ref, torch.float32, "CrossEntropyLoss layer")
+    layout = layers.CrossEntropyLossLayout(label_smoothing=0.1, reduction="sum")
+    _close(layout(x, y), ref, torch.float32, "CrossEntropyLossLayout")
+    with pytest.raises(ValueError, match="class weights|per-class"):
+        layers.CrossEntropyLoss.forward(torch.nn.CrossEntropyLoss(weight=torch.ones(40)), x, y)
+    h = torch.randn(12, 16, device=DEV, requires_grad=True)
+    w = torch.randn(40, 16, device=DEV, requires_grad=True)
+    lay = layers.LinearCrossEntropyLossLayout(z_loss_weight=1e-3, softcap=5.0)
+    _close(layers.LinearCrossEntropyLoss.forward(lay, h, w, y), lay(h, w, y), torch.float32, "LinearCE layer")
+
+
+def test_bad_inputs():
+    h = torch.randn(4, 8, device=DEV)
+    w = torch.randn(10, 8, device=DEV)
+    y = torch.randint(0, 10, (4,), device=DEV)
+    with pytest.raises(ValueError, match="labels shape"):
+        linear_cross_entropy(h, w, y[:3])
+    with pytest.raises(ValueError, match="must be in"):
+        linear_cross_entropy(h, w, torch.tensor([0, 1, 10, 2], device=DEV))
+    with pytest.raises(ValueError, match="must be in"):
+        linear_cross_entropy(h, w, torch.tensor([0, -5, 1, 2], device=DEV))
+    with pytest.raises(ValueError, match="hidden size"):
+        linear_cross_entropy(h, torch.randn(10, 9, device=DEV), y)
+    with pytest.raises(TypeError, match="dtype"):
+        linear_cross_entropy(h, w.half(), y)
+    with pytest.raises(TypeError, match="integer"):
+        linear_cross_entropy(h, w, y.float())
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(h, w, y, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy(h, w, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="softcap"):
+        linear_cross_entropy(h, w, y, softcap=-1.0)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        linear_cross_entropy(h, w, y, reduction="none", num_items_in_batch=3)
+    with pytest.raises(ValueError, match="empty"):
+        linear_cross_entropy(h[:0], w, y[:0])
+    with pytest.raises(ValueError, match="labels shape"):
+        fused_ce(torch.randn(4, 10, device=DEV), y[:2])
+    with pytest.raises(ValueError, match="must be in"):
+        fused_ce(torch.randn(4, 10, device=DEV), torch.tensor([0, 1, 2, 11], device=DEV))
+    with pytest.raises(TypeError, match="floating"):
+        fused_ce(torch.ones(4, 10, dtype=torch.long, device=DEV), y)
+    with pytest.raises(ValueError, match="vocab_size"):
+        cross_entropy.make_loss_function()(torch.randn(1, 4, 10), y[None], vocab_size=12)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="on"):
+            linear_cross_entropy(h, w.cpu(), y)
+
+
+def test_build_toml_parses():
+    kernels_rust = pytest.importorskip("kernels._rust")
+    from pathlib import Path
+
+    kernels_rust.Build.open(str(Path(__file__).resolve().parents[1]))
+
+
+# ----------------------------------------------------------------------------- GPU, bf16, real sizes
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss_weight=1e-4, softcap=30.0),
+                                  dict(reduction="none")], ids=["default", "all_options", "none"])
+def test_gpu_bf16_linear_cross_entropy_real_vocab(opts):
+    torch.manual_seed(10)
+    N, H, V = 4096, 1024, 151936
+    h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+    y = torch.randint(0, V, (N,), device="cuda")
+    y[::7] = -100
+    loss = linear_cross_entropy(h, w, y, chunk_size=1000, **opts)
+    up = torch.randn_like(loss) if loss.dim() else torch.tensor(1.0, device="cuda")
+    dh, dw = torch.autograd.grad(loss, (h, w), up)
+    # reference: materialised bf16 logits (as nn.Linear), fp32 math
+    h2, w2 = h.detach().requires_grad_(), w.detach().requires_grad_()
+    o = dict(opts)
+    ref, _ = _ref((h2 @ w2.t()).float(), y, **o)
+    rdh, rdw = torch.autograd.grad(ref, (h2, w2), up)
+    torch.testing.assert_close(loss, ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(dh.float(), rdh.float(), atol=2e-3, rtol=3e-2)
+    torch.testing.assert_close(dw.float(), rdw.float(), atol=2e-3, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_cross_entropy_inplace_real_vocab():
+    torch.manual_seed(11)
+    x = torch.randn(2048, 151936, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 151936, (2048,), device="cuda")
+    y[::5] = -100
+    loss = fused_ce(x * 1, y, label_smoothing=0.1, z_loss_weight=1e-4)
+    (dx,) = torch.autograd.grad(loss, (x,))
+    x2 = x.detach().float().requires_grad_()
+    ref, _ = _ref(x2, y, label_smoothing=0.1, z_loss_weight=1e-4)
+    (rdx,) = torch.autograd.grad(ref, (x2,))
+    torch.testing.assert_close(loss, ref, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(dx.float(), rdx, atol=1e-6, rtol=2e-2)
