@@ -1,0 +1,99 @@
+"""Per-instance switch: make one model's forward compute its MoE aux loss with the fused kernel.
+
+No KernelConfig hook reaches `load_balancing_loss_func`: transformers' `*ForCausalLM.forward` looks it up
+in its modeling module's globals at call time. `enable_fused_aux_loss(model)` gives that one instance its
+own copy of the class's forward function whose globals are a copy of the modeling module's globals with
+`load_balancing_loss_func` replaced by the fused `load_balancing_loss_func`; the decorator chain
+(`can_return_tuple`, ...) is rebuilt around the copy, and the result is bound to the instance
+(`model.forward = MethodType(...)`).
+
+Why this design: nothing global is touched (no module attribute is swapped, not even temporarily), so other
+instances of the same architecture, other threads and later plain loads see stock transformers; it is safe
+under threads and async code (no swap-and-restore window), and `torch.compile` traces it like any function.
+Cost: the copied globals are a snapshot taken at enable time (later monkey-patches of that modeling module
+are not seen by this instance until you disable and re-enable).
+"""
+import types
+
+import torch
+from torch import nn
+
+from .ops import load_balancing_loss_func
+
+_HF_NAME = "load_balancing_loss_func"
+_MARK = "_hubfuse_fused_aux_loss"
+
+
+def _rebuild(fn, new_globals: dict, fused):
+    """Copy of `fn` (and of every function it wraps via `__wrapped__`) where the innermost function's
+    globals are `new_globals`. Returns None when some wrapper does not hold the wrapped function in a
+    closure cell (then we cannot rebuild it faithfully)."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        if fn.__globals__.get(_HF_NAME) is None:
+            return None
+        new = types.FunctionType(fn.__code__, new_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+    else:
+        new_inner = _rebuild(inner, new_globals, fused)
+        if new_inner is None or not fn.__closure__:
+            return None
+        cells, replaced = [], False
+        for cell in fn.__closure__:
+            if cell.cell_contents is inner:
+                cells.append(types.CellType(new_inner))
+                replaced = True
+            else:
+                cells.append(cell)
+        if not replaced:
+            return None
+        new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+        new.__wrapped__ = new_inner
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update({k: v for k, v in fn.__dict__.items() if k != "__wrapped__"})
+    new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    new.__annotations__ = dict(fn.__annotations__)
+    return new
+
+
+def enable_fused_aux_loss(model: nn.Module) -> nn.Module:
+    """Make `model.forward` (a transformers MoE `*ForCausalLM`, e.g. Qwen3-MoE, Qwen3.5-MoE) compute
+    `aux_loss` with the fused kernel. Per instance; idempotent; returns the model.
+
+    If another per-instance forward is already installed (e.g. a fused-CE `enable_fused_loss`), this raises:
+    pass `aux_loss_fn=load_balancing_loss_func` to that hook instead."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable_fused_aux_loss: expected an nn.Module, got {type(model).__name__}")
+    if getattr(model, _MARK, False):
+        return model
+    if "forward" in model.__dict__:
+        raise ValueError(
+            "enable_fused_aux_loss: this model instance already has its own forward (another per-instance "
+            "hook, e.g. a fused cross-entropy); give that hook this kernel's `load_balancing_loss_func` as its "
+            "aux-loss function instead")
+    class_forward = type(model).forward
+    innermost = class_forward
+    while getattr(innermost, "__wrapped__", None) is not None:
+        innermost = innermost.__wrapped__
+    if _HF_NAME not in getattr(innermost, "__globals__", {}):
+        raise ValueError(f"enable_fused_aux_loss: {type(model).__name__}.forward does not use "
+                         f"`{_HF_NAME}` (not a transformers MoE causal-LM?)")
+    new_globals = dict(innermost.__globals__)
+    new_globals[_HF_NAME] = load_balancing_loss_func
+    new_forward = _rebuild(class_forward, new_globals, load_balancing_loss_func)
+    if new_forward is None:
+        raise ValueError(f"enable_fused_aux_loss: cannot rebuild the decorators of {type(model).__name__}.forward")
+    model.forward = types.MethodType(new_forward, model)
+    setattr(model, _MARK, True)
+    return model
+
+
+def disable_fused_aux_loss(model: nn.Module) -> nn.Module:
+    """Undo `enable_fused_aux_loss` on this instance (no-op if it was not enabled). Returns the model."""
+    if getattr(model, _MARK, False):
+        model.__dict__.pop("forward", None)
+        model.__dict__.pop(_MARK, None)
+    return model
+
+
+def fused_aux_loss_enabled(model: nn.Module) -> bool:
+    return bool(getattr(model, _MARK, False))

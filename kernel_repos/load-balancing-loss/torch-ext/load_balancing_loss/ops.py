@@ -1,0 +1,255 @@
+"""Custom ops and the functional API: fused load-balancing loss and fused softmax-top-k router.
+
+Each fused forward/backward is a `torch.library.custom_op` under this build's namespace
+(`_ops.add_op_namespace_prefix`) with a fake implementation and autograd, so `torch.compile(fullgraph=True)`
+sees one opaque node. Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on
+CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
+"""
+import os
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from ._ops import add_op_namespace_prefix
+from .reference import (
+    MAX_EXPERTS,
+    load_balancing_loss_bwd_reference,
+    load_balancing_loss_fwd_reference,
+    softmax_topk_bwd_reference,
+    softmax_topk_fwd_reference,
+)
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if t.device.type in ("cuda", "xpu"):
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------- load-balancing loss
+
+@torch.library.custom_op(add_op_namespace_prefix("load_balancing_loss_fwd"), mutates_args=())
+def _lbl_fwd(
+    gate_logits: List[torch.Tensor], mask: Optional[torch.Tensor], num_experts: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(gate_logits[0]):
+        from .triton_kernels import load_balancing_loss_fwd
+
+        return load_balancing_loss_fwd(gate_logits, mask, num_experts, top_k)
+    return load_balancing_loss_fwd_reference(gate_logits, mask, num_experts, top_k)
+
+
+@_lbl_fwd.register_fake
+def _(gate_logits, mask, num_experts, top_k):
+    first = gate_logits[0]
+    return first.new_empty((), dtype=torch.float32), first.new_empty(num_experts, dtype=torch.float32)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("load_balancing_loss_bwd"), mutates_args=())
+def _lbl_bwd(
+    grad_loss: torch.Tensor, gate_logits: List[torch.Tensor], mask: Optional[torch.Tensor],
+    dloss_dprobsum: torch.Tensor,
+) -> List[torch.Tensor]:
+    if _use_triton(gate_logits[0]):
+        from .triton_kernels import load_balancing_loss_bwd
+
+        return load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss_dprobsum)
+    return load_balancing_loss_bwd_reference(grad_loss, gate_logits, mask, dloss_dprobsum)
+
+
+@_lbl_bwd.register_fake
+def _(grad_loss, gate_logits, mask, dloss_dprobsum):
+    return [torch.empty_like(z) for z in gate_logits]
+
+
+def _lbl_setup_context(ctx, inputs, output):
+    gate_logits, mask, _num_experts, _top_k = inputs
+    ctx.num_layers = len(gate_logits)
+    ctx.has_mask = mask is not None
+    ctx.save_for_backward(*gate_logits, *([mask] if mask is not None else []), output[1])
+
+
+def _lbl_backward(ctx, grad_loss, _grad_dloss):
+    saved = ctx.saved_tensors
+    gate_logits = list(saved[:ctx.num_layers])
+    mask = saved[ctx.num_layers] if ctx.has_mask else None
+    grads = _lbl_bwd(grad_loss.contiguous(), gate_logits, mask, saved[-1])
+    return grads, None, None, None
+
+
+_lbl_fwd.register_autograd(_lbl_backward, setup_context=_lbl_setup_context)
+
+
+def _check_int(name: str, what: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: {what} must be an int, got {type(value).__name__}")
+
+
+def load_balancing_loss(
+    gate_logits: Union[Sequence[torch.Tensor], torch.Tensor, None],
+    num_experts: int,
+    top_k: int,
+    attention_mask: Optional[torch.Tensor] = None,
+):
+    """Switch-Transformer auxiliary loss over all layers, as transformers' `load_balancing_loss_func`.
+
+    gate_logits: a tuple/list of per-layer router logits, each (tokens, num_experts), all the same shape
+    and dtype, or a stacked (layers, tokens, num_experts) tensor; None returns 0 (as HF does).
+    attention_mask: optional, any shape with `tokens` elements (HF: (batch, seq)), 0 marks padding.
+    Returns a fp32 scalar tensor: num_experts * sum_e f_e * P_e, with f_e the (mask-weighted) fraction of
+    top-k assignments to e and P_e the mean routing probability of e over all layers' unmasked tokens.
+    Gradient flows to every layer's logits through P_e (the top-k selection is piecewise constant)."""
+    name = "load_balancing_loss"
+    if gate_logits is None:
+        return 0
+    if isinstance(gate_logits, torch.Tensor):
+        if gate_logits.dim() != 3:
+            raise ValueError(f"{name}: a tensor gate_logits must be (layers, tokens, experts), got "
+                             f"{tuple(gate_logits.shape)}")
+        gate_logits = list(gate_logits.unbind(0))
+    elif isinstance(gate_logits, (tuple, list)):
+        gate_logits = list(gate_logits)
+    else:
+        raise TypeError(f"{name}: gate_logits must be a tuple/list of tensors or a 3-D tensor, got "
+                        f"{type(gate_logits).__name__}")
+    if len(gate_logits) == 0:
+        raise ValueError(f"{name}: gate_logits is empty (no layers)")
+    _check_int(name, "num_experts", num_experts)
+    _check_int(name, "top_k", top_k)
+    first = gate_logits[0]
+    for i, z in enumerate(gate_logits):
+        if not isinstance(z, torch.Tensor):
+            raise TypeError(f"{name}: gate_logits[{i}] is a {type(z).__name__}, not a tensor")
+        if z.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name}: gate_logits[{i}] has dtype {z.dtype}; expected float32/float16/bfloat16")
+        if z.dim() != 2:
+            raise ValueError(f"{name}: gate_logits[{i}] must be 2-D (tokens, experts), got {tuple(z.shape)}")
+        if z.shape != first.shape:
+            raise ValueError(f"{name}: gate_logits[{i}] has shape {tuple(z.shape)} but gate_logits[0] has "
+                             f"{tuple(first.shape)}; every layer must route the same tokens")
+        if z.dtype != first.dtype:
+            raise TypeError(f"{name}: gate_logits[{i}] dtype {z.dtype} differs from gate_logits[0] {first.dtype}")
+    tokens, experts = first.shape
+    if experts != num_experts:
+        raise ValueError(f"{name}: num_experts={num_experts} does not match the logits' last dim {experts}")
+    if tokens == 0 or experts == 0:
+        raise ValueError(f"{name}: empty router logits {tuple(first.shape)}")
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{name}: top_k={top_k} must be in [1, num_experts={experts}]")
+    # HF computes on the first layer's device; the kernels need contiguous rows
+    gate_logits = [z.to(first.device).contiguous() for z in gate_logits]
+    mask = None
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"{name}: attention_mask must be a tensor, got {type(attention_mask).__name__}")
+        if attention_mask.numel() != tokens:
+            raise ValueError(f"{name}: attention_mask has {attention_mask.numel()} elements "
+                             f"{tuple(attention_mask.shape)} but the router logits have {tokens} tokens")
+        mask = attention_mask.detach().reshape(-1).to(device=first.device, dtype=torch.float32).contiguous()
+    loss, _ = _lbl_fwd(gate_logits, mask, num_experts, top_k)
+    return loss
+
+
+def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """Drop-in for transformers' `load_balancing_loss_func`, same signature and the same 0 for a
+    non-tuple input, computed by the fused kernel."""
+    if gate_logits is None or not isinstance(gate_logits, tuple):
+        return 0
+    return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask)
+
+
+# ---------------------------------------------------------------- softmax + top-k router
+
+@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_fwd"), mutates_args=())
+def _router_fwd(
+    router_logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_triton(router_logits):
+        from .triton_kernels import softmax_topk_fwd
+
+        return softmax_topk_fwd(router_logits, top_k, normalize)
+    return softmax_topk_fwd_reference(router_logits, top_k, normalize)
+
+
+@_router_fwd.register_fake
+def _(router_logits, top_k, normalize):
+    T = router_logits.shape[0]
+    return (router_logits.new_empty(T, top_k), router_logits.new_empty(T, top_k, dtype=torch.int64),
+            router_logits.new_empty(T, 2, dtype=torch.float32))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_bwd"), mutates_args=())
+def _router_bwd(
+    d_scores: torch.Tensor, router_logits: torch.Tensor, stats: torch.Tensor, indices: torch.Tensor,
+    normalize: bool,
+) -> torch.Tensor:
+    if _use_triton(router_logits):
+        from .triton_kernels import softmax_topk_bwd
+
+        return softmax_topk_bwd(d_scores, router_logits, stats, indices, normalize)
+    return softmax_topk_bwd_reference(d_scores, router_logits, stats, indices, normalize)
+
+
+@_router_bwd.register_fake
+def _(d_scores, router_logits, stats, indices, normalize):
+    return torch.empty_like(router_logits)
+
+
+def _router_setup_context(ctx, inputs, output):
+    router_logits, _top_k, normalize = inputs
+    _scores, indices, stats = output
+    ctx.mark_non_differentiable(indices, stats)
+    ctx.save_for_backward(router_logits, stats, indices)
+    ctx.normalize = normalize
+
+
+def _router_backward(ctx, d_scores, _d_indices, _d_stats):
+    router_logits, stats, indices = ctx.saved_tensors
+    return _router_bwd(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
+
+
+_router_fwd.register_autograd(_router_backward, setup_context=_router_setup_context)
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True):
+    """Fused `softmax(logits, fp32) -> top-k -> (renormalise) -> cast` of HF's MoE routers.
+
+    router_logits: (tokens, experts). Returns (scores (tokens, top_k) in the logits dtype, indices int64),
+    exactly what `Qwen3MoeTopKRouter` / `Qwen3_5MoeTopKRouter` return after the linear. Ties go to the
+    lower expert index (torch.topk's CUDA behaviour)."""
+    name = "softmax_topk"
+    if not isinstance(router_logits, torch.Tensor):
+        raise TypeError(f"{name}: router_logits must be a tensor")
+    if router_logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: router_logits dtype {router_logits.dtype}; expected float32/float16/bfloat16")
+    if router_logits.dim() != 2:
+        raise ValueError(f"{name}: router_logits must be (tokens, experts), got {tuple(router_logits.shape)}")
+    _check_int(name, "top_k", top_k)
+    tokens, experts = router_logits.shape
+    if tokens == 0 or experts == 0:
+        raise ValueError(f"{name}: empty router logits {tuple(router_logits.shape)}")
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{name}: top_k={top_k} must be in [1, experts={experts}]")
+    if top_k > 64:
+        raise ValueError(f"{name}: top_k={top_k} exceeds the supported maximum 64")
+    scores, indices, _ = _router_fwd(router_logits.contiguous(), top_k, bool(normalize))
+    return scores, indices
+
+
+def topk_router(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool = True):
+    """HF MoE router: `logits = hidden @ weight.T` (cuBLAS), then the fused softmax-top-k.
+    Returns (router_logits, scores, indices) like `Qwen3MoeTopKRouter.forward`."""
+    if not isinstance(hidden_states, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("topk_router: hidden_states and weight must be tensors")
+    if weight.dim() != 2 or hidden_states.shape[-1] != weight.shape[1]:
+        raise ValueError(f"topk_router: hidden size {hidden_states.shape[-1]} does not match the router weight "
+                         f"{tuple(weight.shape)} (experts, hidden)")
+    router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, weight.shape[1]), weight)
+    scores, indices = softmax_topk(router_logits, top_k, normalize)
+    return router_logits, scores, indices
