@@ -1,0 +1,375 @@
+"""Numerics of the rotary kernels: RoPE (full / partial) and fused q/k RMSNorm + RoPE, forward and backward.
+
+CPU runs the Triton kernels under TRITON_INTERPRET=1 (root conftest) at small shapes, and also the torch
+reference path (`path="torch"`); GPU tests (bf16, real shapes) are marked `gpu`.
+"""
+import os
+
+import pytest
+import torch
+
+import rotary
+from rotary import ops
+from rotary.reference import STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_hf
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request, monkeypatch):
+    """Run each CPU test through the Triton kernels (interpreter) and through the torch reference path."""
+    if request.param == "torch":
+        if DEV != "cpu":
+            pytest.skip("the torch path is the no-Triton CPU path")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    elif DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    return request.param
+
+
+def make_cos_sin(B, S, R, dtype, device=DEV, batch_broadcast=False, shifted=True):
+    """HF-style cos/sin (Bc, S, R) = cat(freqs, freqs), with packed / shifted (not 0..S-1) positions."""
+    Bc = 1 if batch_broadcast else B
+    if shifted:
+        pos = torch.randint(0, 4096, (Bc, S), device=device).float()
+    else:
+        pos = torch.arange(S, device=device).float().expand(Bc, S)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, R, 2, device=device).float() / R))
+    freqs = pos[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _close(a, b, dtype, what):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+# (B, Hq, Hk, S, D, R, unsqueeze_dim, cos batch broadcast)
+ROPE_CASES = [
+    (2, 4, 2, 5, 16, 16, 1, False),   # full, GQA, odd seq
+    (1, 3, 1, 7, 24, 8, 1, False),    # partial, batch 1, odd head count
+    (2, 4, 2, 3, 32, 8, 2, False),    # partial, (B, S, H, D) layout
+    (3, 2, 2, 1, 8, 8, 2, True),      # single token (decode), cos broadcast over batch
+    (2, 2, 1, 9, 12, 4, 1, True),     # head_dim not a power of 2, partial
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_vs_float64(case, dtype, path):
+    torch.manual_seed(hash((case, str(dtype))) % 2**31)
+    B, Hq, Hk, S, D, R, ud, bb = case
+    shape = (lambda H: (B, H, S, D)) if ud == 1 else (lambda H: (B, S, H, D))
+    q = torch.randn(shape(Hq), dtype=dtype, requires_grad=True)
+    k = torch.randn(shape(Hk), dtype=dtype, requires_grad=True)
+    cos, sin = make_cos_sin(B, S, R, dtype, batch_broadcast=bb)
+    qo, ko = rotary.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=ud)
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    qr, kr = apply_rotary_pos_emb_hf(q64, k64, cos.double(), sin.double(), ud)
+    assert qo.dtype == dtype and qo.shape == q.shape and ko.shape == k.shape
+    _close(qo, qr, dtype, "q_embed")
+    _close(ko, kr, dtype, "k_embed")
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    dq, dk = torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+    dq64, dk64 = torch.autograd.grad((qr, kr), (q64, k64), (gq.double(), gk.double()))
+    _close(dq, dq64, dtype, "dq")
+    _close(dk, dk64, dtype, "dk")
+    # the pass-through part is carried unchanged, forward and backward
+    assert torch.equal(qo[..., R:], q.detach()[..., R:])
+    assert torch.equal(dq[..., R:], gq[..., R:])
+
+
+@pytest.mark.parametrize("case", ROPE_CASES[:3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_bitwise_equal_to_hf_eager(case, dtype, path):
+    """Same dtype as eager: the kernel reproduces HF's roundings, forward and backward, and its strides."""
+    torch.manual_seed(1)
+    B, Hq, Hk, S, D, R, ud, bb = case
+    shape = (lambda H: (B, H, S, D)) if ud == 1 else (lambda H: (B, S, H, D))
+    # q as the attention produces it: a transposed view of a (B, S, H, D) projection
+    q = torch.randn(B, S, Hq, D, dtype=dtype).transpose(1, 2) if ud == 1 else torch.randn(shape(Hq), dtype=dtype)
+    q.requires_grad_()
+    k = torch.randn(shape(Hk), dtype=dtype, requires_grad=True)
+    cos, sin = make_cos_sin(B, S, R, dtype, batch_broadcast=bb)
+    qo, ko = rotary.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=ud)
+    qr, kr = apply_rotary_pos_emb_hf(q, k, cos, sin, ud)
+    assert torch.equal(qo, qr) and torch.equal(ko, kr)
+    assert qo.stride() == qr.stride() and ko.stride() == kr.stride()
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    a = torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+    b = torch.autograd.grad((qr, kr), (q, k), (gq, gk))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_rope_flat_matches_cat(path):
+    torch.manual_seed(2)
+    q = torch.randn(2, 3, 5, 16, requires_grad=True)
+    k = torch.randn(2, 1, 5, 16, requires_grad=True)
+    cos, sin = make_cos_sin(2, 5, 8, torch.float32)
+    flat = rotary.apply_rotary_pos_emb_flat(q, k, cos, sin)
+    qr, kr = apply_rotary_pos_emb_hf(q, k, cos, sin)
+    ref = torch.cat([qr.flatten(), kr.flatten()])
+    assert torch.equal(flat, ref)
+    g = torch.randn_like(flat)
+    assert all(torch.equal(u, v) for u, v in zip(torch.autograd.grad(flat, (q, k), g),
+                                                  torch.autograd.grad(ref, (q, k), g)))
+
+
+def test_rope_one_output_used():
+    q = torch.randn(1, 2, 3, 8, requires_grad=True)
+    k = torch.randn(1, 1, 3, 8, requires_grad=True)
+    cos, sin = make_cos_sin(1, 3, 8, torch.float32)
+    qo, _ = rotary.apply_rotary_pos_emb(q, k, cos, sin)
+    qo.sum().backward()
+    qr, _ = apply_rotary_pos_emb_hf(q.detach().double().requires_grad_(), k.double(), cos.double(), sin.double())
+    assert k.grad is not None and torch.count_nonzero(k.grad) == 0
+    assert q.grad.abs().sum() > 0
+
+
+def test_rope_mixed_dtype_promotes_like_hf():
+    """bf16 q with fp32 cos (autocast): HF returns fp32; so do we."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(1, 2, 4, 8, dtype=torch.float16, requires_grad=True)
+    cos, sin = make_cos_sin(1, 4, 8, torch.float32)
+    qo, ko = rotary.apply_rotary_pos_emb(q, k, cos, sin)
+    qr, kr = apply_rotary_pos_emb_hf(q, k, cos, sin)
+    assert qo.dtype == qr.dtype == torch.float32
+    torch.testing.assert_close(qo, qr, atol=1e-6, rtol=1e-6)
+    dq, = torch.autograd.grad(qo.sum() + ko.sum(), q)
+    assert dq.dtype == torch.float16
+
+
+# ------------------------------------------------------------------ fused q/k RMSNorm + RoPE
+
+# (B, Hq, Hk, S, D, R, strided q rows (Qwen3.5 chunk view), cos batch broadcast)
+NORM_CASES = [
+    (2, 4, 2, 5, 16, 16, False, False),  # full (Qwen3)
+    (1, 2, 1, 7, 32, 8, True, False),    # partial, q rows strided like Qwen3.5's chunk of q_proj
+    (2, 3, 3, 3, 24, 12, False, True),   # head_dim not a power of 2, cos broadcast
+]
+
+
+def _norm_inputs(case, dtype, wdtype=None):
+    B, Hq, Hk, S, D, R, strided, bb = case
+    wdtype = wdtype or dtype
+    if strided:
+        q = torch.randn(B, S, Hq, 2 * D, dtype=dtype).chunk(2, dim=-1)[0]
+    else:
+        q = torch.randn(B, S, Hq, D, dtype=dtype)
+    q = (q * 3 + 0.5).requires_grad_()  # not unit-scale: the norm must matter
+    k = (torch.randn(B, S, Hk, D, dtype=dtype) * 0.5).requires_grad_()
+    wq = (torch.randn(D, dtype=wdtype) * 0.5 + 1).requires_grad_()
+    wk = (torch.randn(D, dtype=wdtype) * 0.5).requires_grad_()
+    cos, sin = make_cos_sin(B, S, R, dtype, batch_broadcast=bb)
+    return q, k, wq, wk, cos, sin
+
+
+FUSED = {STANDARD: rotary.qk_norm_rope, ZERO_CENTERED: rotary.qk_norm_rope_zero_centered}
+
+
+@pytest.mark.parametrize("case", NORM_CASES)
+@pytest.mark.parametrize("mode", [STANDARD, ZERO_CENTERED])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qk_norm_rope_vs_float64(case, mode, dtype, path):
+    torch.manual_seed(3)
+    q, k, wq, wk, cos, sin = _norm_inputs(case, dtype)
+    qo, ko = FUSED[mode](q, k, wq, wk, cos, sin, 1e-6)
+    leaves = (q, k, wq, wk)
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    qr, kr = qk_norm_rope_hf(*l64, cos.double(), sin.double(), 1e-6, mode)
+    assert qo.shape == qr.shape and ko.shape == kr.shape and qo.dtype == dtype
+    _close(qo, qr, dtype, "q")
+    _close(ko, kr, dtype, "k")
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    got = torch.autograd.grad((qo, ko), leaves, (gq, gk))
+    ref = torch.autograd.grad((qr, kr), l64, (gq.double(), gk.double()))
+    for name, a, b in zip(("dq", "dk", "dq_weight", "dk_weight"), got, ref):
+        atol, rtol = TOL[dtype]
+        scale = 1.0 if name in ("dq", "dk") else max(1.0, b.abs().max().item())  # weight grads sum many rows
+        torch.testing.assert_close(a.double(), b, atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", NORM_CASES[:2])
+@pytest.mark.parametrize("mode", [STANDARD, ZERO_CENTERED])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qk_norm_rope_forward_matches_hf_eager(case, mode, dtype, path):
+    """Same dtype as eager: HF's cast order is reproduced (fp16: bitwise; fp32: to rounding), and its strides."""
+    torch.manual_seed(4)
+    q, k, wq, wk, cos, sin = _norm_inputs(case, dtype)
+    qo, ko = FUSED[mode](q, k, wq, wk, cos, sin, 1e-6)
+    qr, kr = qk_norm_rope_hf(q, k, wq, wk, cos, sin, 1e-6, mode)
+    assert qo.stride() == qr.stride() and ko.stride() == kr.stride()
+    if dtype == torch.float16:
+        # fp16 rounding hides fp32 differences (rsqrt vs 1/sqrt): equal but for rare 1-ulp ties
+        assert (qo != qr).float().mean() < 0.01 and (ko != kr).float().mean() < 0.01
+        torch.testing.assert_close(qo, qr, atol=2e-3, rtol=1e-3)
+    else:
+        torch.testing.assert_close(qo, qr, atol=2e-6, rtol=2e-6)
+
+
+def test_qk_norm_rope_weight_dtype_promotion():
+    """fp16 activations with fp32 weights (autocast): HF's standard norm returns fp32; so do we."""
+    torch.manual_seed(5)
+    q, k, wq, wk, cos, sin = _norm_inputs(NORM_CASES[0], torch.float16, wdtype=torch.float32)
+    qo, _ = rotary.qk_norm_rope(q, k, wq, wk, cos, sin)
+    qr, _ = qk_norm_rope_hf(q, k, wq, wk, cos, sin, 1e-6, STANDARD)
+    assert qo.dtype == qr.dtype == torch.float32
+    torch.testing.assert_close(qo, qr, atol=1e-5, rtol=1e-5)
+
+
+def test_qk_norm_rope_backward_deterministic():
+    torch.manual_seed(6)
+    q, k, wq, wk, cos, sin = _norm_inputs((2, 4, 2, 9, 16, 8, False, False), torch.float32)
+    qo, ko = rotary.qk_norm_rope_zero_centered(q, k, wq, wk, cos, sin)
+    g = (torch.randn_like(qo), torch.randn_like(ko))
+    a = torch.autograd.grad((qo, ko), (q, k, wq, wk), g, retain_graph=True)
+    b = torch.autograd.grad((qo, ko), (q, k, wq, wk), g)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _good(dtype=torch.float32):
+    q = torch.randn(2, 4, 5, 16, dtype=dtype)
+    k = torch.randn(2, 2, 5, 16, dtype=dtype)
+    cos, sin = make_cos_sin(2, 5, 8, dtype)
+    return q, k, cos, sin
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda q, k, c, s: (q, k, torch.randn(2, 5, 32), torch.randn(2, 5, 32)), ValueError, "rotary dim"),
+    (lambda q, k, c, s: (q, k, c[..., :7], s[..., :7]), ValueError, "rotary dim"),
+    (lambda q, k, c, s: (q, k, c[:, :4], s[:, :4]), ValueError, "do not match"),
+    (lambda q, k, c, s: (q, k, torch.randn(3, 5, 8), torch.randn(3, 5, 8)), ValueError, "do not match"),
+    (lambda q, k, c, s: (q, k, c, s[..., :6]), ValueError, "cos and sin"),
+    (lambda q, k, c, s: (q, k, c[0], s[0]), ValueError, "cos and sin"),
+    (lambda q, k, c, s: (q, k.half(), c, s), TypeError, "dtypes differ"),
+    (lambda q, k, c, s: (q, k, c, s.half()), TypeError, "dtypes differ"),
+    (lambda q, k, c, s: (q.double(), k.double(), c, s), TypeError, "float32, float16 or bfloat16"),
+    (lambda q, k, c, s: (q.long(), k, c, s), TypeError, "float32"),
+    (lambda q, k, c, s: (q[0], k, c, s), ValueError, "4-D"),
+    (lambda q, k, c, s: (q, k[..., :8], c, s), ValueError, "does not match q"),
+    (lambda q, k, c, s: (q, k[:, :, :4], c, s), ValueError, "does not match q"),
+    (lambda q, k, c, s: (q[:, :, :0], k[:, :, :0], c[:, :0], s[:, :0]), ValueError, "empty"),
+    (lambda q, k, c, s: (q, k, c.to("meta"), s.to("meta")), ValueError, "is on"),
+    (lambda q, k, c, s: (q, [1.0], c, s), TypeError, "must be a tensor"),
+])
+def test_rope_bad_input(mutate, exc, match):
+    with pytest.raises(exc, match=match):
+        rotary.apply_rotary_pos_emb(*mutate(*_good()))
+
+
+def test_rope_bad_unsqueeze_dim():
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        rotary.apply_rotary_pos_emb(*_good(), unsqueeze_dim=3)
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        rotary.apply_rotary_pos_emb(*_good(), unsqueeze_dim=0)
+
+
+def test_qk_norm_rope_bad_input():
+    q, k, wq, wk, cos, sin = _norm_inputs(NORM_CASES[0], torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        rotary.qk_norm_rope(q, k, wq[:8], wk, cos, sin)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        rotary.qk_norm_rope(q, k, wq, wk.half(), cos, sin)
+    with pytest.raises(ValueError, match="does not match"):
+        rotary.qk_norm_rope(q.transpose(1, 2), k, wq, wk, cos, sin)  # (B, H, S, D) given: seq mismatch
+
+
+# ------------------------------------------------------------------ torch.compile
+
+
+def test_torch_compile_fullgraph_no_graph_break(path):
+    """Both ops inside one compiled function, forward and backward, no graph break, same result as eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    q, k, wq, wk, cos, sin = _norm_inputs((1, 2, 1, 3, 16, 8, True, False), torch.float32)
+
+    def f(q, k, wq, wk, cos, sin):
+        qn, kn = rotary.qk_norm_rope_zero_centered(q, k, wq, wk, cos, sin)
+        qr, kr = rotary.apply_rotary_pos_emb(qn, kn, cos, sin)
+        return (qr * 2).sum() + kr.sum() + rotary.apply_rotary_pos_emb_flat(qn, kn, cos, sin).sum()
+
+    explain = torch._dynamo.explain(f)(q, k, wq, wk, cos, sin)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    compiled = torch.compile(f, fullgraph=True, backend="inductor")
+    out = compiled(q, k, wq, wk, cos, sin)
+    got = torch.autograd.grad(out, (q, k, wq, wk))
+    ref_out = f(q, k, wq, wk, cos, sin)
+    ref = torch.autograd.grad(ref_out, (q, k, wq, wk))
+    torch.testing.assert_close(out, ref_out)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_custom_ops_pass_opcheck():
+    torch.manual_seed(8)
+    q, k, cos, sin = _good()
+    torch.library.opcheck(ops._rope_fwd, (q.requires_grad_(), k.requires_grad_(), cos, sin, 1),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    qn, kn, wq, wk, c2, s2 = _norm_inputs(NORM_CASES[1], torch.float32)
+    torch.library.opcheck(ops._qk_norm_rope_fwd, (qn, kn, wq, wk, c2, s2, 1e-6, ZERO_CENTERED),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+# ------------------------------------------------------------------ GPU, bf16, real shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq, Hk, D, R", [(32, 8, 128, 128), (16, 2, 256, 64)])
+@pytest.mark.parametrize("ud", [1, 2])
+def test_rope_gpu_bf16(Hq, Hk, D, R, ud):
+    torch.manual_seed(9)
+    B, S, dt = 8, 2048, torch.bfloat16
+    if ud == 1:  # as the attention produces it: transposed (B, S, H, D)
+        q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2).requires_grad_()
+        k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2).requires_grad_()
+    else:
+        q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt, requires_grad=True)
+        k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt, requires_grad=True)
+    cos, sin = make_cos_sin(B, S, R, dt, device="cuda")
+    qo, ko = rotary.apply_rotary_pos_emb(q, k, cos, sin, ud)
+    qr, kr = apply_rotary_pos_emb_hf(q, k, cos, sin, ud)
+    assert torch.equal(qo, qr) and torch.equal(ko, kr)  # HF's roundings reproduced
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    q6, k6 = apply_rotary_pos_emb_hf(q64, k64, cos.double(), sin.double(), ud)
+    _close(qo, q6, dt, "q_embed")
+    g = (torch.randn_like(qo), torch.randn_like(ko))
+    a = torch.autograd.grad((qo, ko), (q, k), g)
+    b = torch.autograd.grad((qr, kr), (q, k), g)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    c = torch.autograd.grad((q6, k6), (q64, k64), tuple(t.double() for t in g))
+    _close(a[0], c[0], dt, "dq")
+    _close(a[1], c[1], dt, "dk")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq, Hk, D, R, mode, strided", [(32, 8, 128, 128, STANDARD, False),
+                                                         (16, 2, 256, 64, ZERO_CENTERED, True)])
+def test_qk_norm_rope_gpu_bf16(Hq, Hk, D, R, mode, strided):
+    torch.manual_seed(10)
+    B, S, dt = 8, 2048, torch.bfloat16
+    q = torch.randn(B, S, Hq, 2 * D if strided else D, device="cuda", dtype=dt)[..., :D].requires_grad_()
+    k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt, requires_grad=True)
+    wq = (torch.randn(D, device="cuda", dtype=dt) * 0.3 + (1 if mode == STANDARD else 0)).requires_grad_()
+    wk = (torch.randn(D, device="cuda", dtype=dt) * 0.3 + (1 if mode == STANDARD else 0)).requires_grad_()
+    cos, sin = make_cos_sin(B, S, R, dt, device="cuda")
+    qo, ko = FUSED[mode](q, k, wq, wk, cos, sin, 1e-6)
+    qr, kr = qk_norm_rope_hf(q, k, wq, wk, cos, sin, 1e-6, mode)
+    assert qo.stride() == qr.stride()
+    assert (qo != qr).float().mean() < 1e-3  # HF cast order: equal but for rare rsqrt ties
+    leaves = (q, k, wq, wk)
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    q6, k6 = qk_norm_rope_hf(*l64, cos.double(), sin.double(), 1e-6, mode)
+    _close(qo, q6, dt, "q")
+    _close(ko, k6, dt, "k")
+    g = (torch.randn_like(qo), torch.randn_like(ko))
+    got = torch.autograd.grad((qo, ko), leaves, g)
+    ref = torch.autograd.grad((q6, k6), l64, tuple(t.double() for t in g))
+    for name, a, b in zip(("dq", "dk"), got, ref):
+        _close(a, b, dt, name)
+    for name, a, b in zip(("dwq", "dwk"), got[2:], ref[2:]):  # sums over 2.6e5 / 3.3e4 rows, bf16 output
+        torch.testing.assert_close(a.double(), b, atol=1e-2 * b.abs().max().item(), rtol=1e-2)

@@ -1,0 +1,326 @@
+"""Custom ops and the functional API: RoPE (full / partial) and fused per-head RMSNorm + RoPE.
+
+Every forward and backward is a `torch.library.custom_op` registered under this build's unique namespace
+(`_ops.add_op_namespace_prefix`), with a fake implementation and autograd, so `torch.compile(fullgraph=True)`
+sees one opaque node per call. Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU
+(and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
+
+Output memory layout follows HF so that downstream attention kernels see the same strides as in eager:
+full RoPE keeps the input's layout (`q * cos` does), partial RoPE is contiguous (`torch.cat` makes it so).
+"""
+import os
+
+import torch
+
+from ._ops import add_op_namespace_prefix
+from .reference import (
+    NONE, STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_bwd_reference, qk_norm_rope_hf,
+    rope_bwd_reference,
+)
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if t.device.type in ("cuda", "xpu"):
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _canon(t: torch.Tensor, head_pos: int) -> torch.Tensor:
+    """(B, H, S, D) view of a tensor whose head dim is at `head_pos` (1: (B, H, S, D), 2: (B, S, H, D))."""
+    return t if head_pos == 1 else t.transpose(1, 2)
+
+
+def _rope_out(x: torch.Tensor, dtype: torch.dtype, full: bool) -> torch.Tensor:
+    if full:  # preserve_format: keeps x's strides when x is dense, as `q * cos` does
+        return torch.empty_like(x, dtype=dtype)
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+# ------------------------------------------------------------------ RoPE
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rope_fwd"), mutates_args=())
+def _rope_fwd(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.promote_types(q.dtype, cos.dtype)
+    full = cos.shape[-1] == q.shape[-1]
+    q_out, k_out = _rope_out(q, dtype, full), _rope_out(k, dtype, full)
+    if _use_triton(q):
+        from .triton_kernels import qk_rope_fwd
+
+        qk_rope_fwd(_canon(q, head_pos), _canon(k, head_pos), cos, sin, _canon(q_out, head_pos),
+                    _canon(k_out, head_pos))
+    else:
+        qr, kr = apply_rotary_pos_emb_hf(q, k, cos, sin, head_pos)
+        q_out.copy_(qr)
+        k_out.copy_(kr)
+    return q_out, k_out
+
+
+@_rope_fwd.register_fake
+def _(q, k, cos, sin, head_pos):
+    dtype = torch.promote_types(q.dtype, cos.dtype)
+    full = cos.shape[-1] == q.shape[-1]
+    return _rope_out(q, dtype, full), _rope_out(k, dtype, full)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rope_fwd_flat"), mutates_args=())
+def _rope_fwd_flat(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int) -> torch.Tensor:
+    dtype = torch.promote_types(q.dtype, cos.dtype)
+    flat = q.new_empty(q.numel() + k.numel(), dtype=dtype)
+    q_out, k_out = flat[: q.numel()].view(q.shape), flat[q.numel():].view(k.shape)
+    if _use_triton(q):
+        from .triton_kernels import qk_rope_fwd
+
+        qk_rope_fwd(_canon(q, head_pos), _canon(k, head_pos), cos, sin, _canon(q_out, head_pos),
+                    _canon(k_out, head_pos))
+    else:
+        qr, kr = apply_rotary_pos_emb_hf(q, k, cos, sin, head_pos)
+        q_out.copy_(qr)
+        k_out.copy_(kr)
+    return flat
+
+
+@_rope_fwd_flat.register_fake
+def _(q, k, cos, sin, head_pos):
+    return q.new_empty(q.numel() + k.numel(), dtype=torch.promote_types(q.dtype, cos.dtype))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rope_bwd"), mutates_args=())
+def _rope_bwd(
+    dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(dq_out):
+        from .triton_kernels import qk_rope_bwd
+
+        dq, dk = torch.empty_like(dq_out), torch.empty_like(dk_out)
+        qk_rope_bwd(_canon(dq_out, head_pos), _canon(dk_out, head_pos), cos, sin, _canon(dq, head_pos),
+                    _canon(dk, head_pos))
+        return dq, dk
+    dq, dk = rope_bwd_reference(_canon(dq_out, head_pos), _canon(dk_out, head_pos), cos, sin, dq_out.dtype)
+    out_q, out_k = torch.empty_like(dq_out), torch.empty_like(dk_out)
+    _canon(out_q, head_pos).copy_(dq)
+    _canon(out_k, head_pos).copy_(dk)
+    return out_q, out_k
+
+
+@_rope_bwd.register_fake
+def _(dq_out, dk_out, cos, sin, head_pos):
+    return torch.empty_like(dq_out), torch.empty_like(dk_out)
+
+
+def _rope_setup_context(ctx, inputs, output):
+    q, k, cos, sin, head_pos = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.head_pos = head_pos
+    ctx.dtypes = (q.dtype, k.dtype)
+    ctx.shapes = (q.shape, k.shape)
+
+
+def _rope_backward(ctx, dq_out, dk_out):
+    cos, sin = ctx.saved_tensors
+    dq_out = dq_out if dq_out is not None and dq_out.stride(-1) == 1 else _grad_or_zeros(dq_out, ctx, 0)
+    dk_out = dk_out if dk_out is not None and dk_out.stride(-1) == 1 else _grad_or_zeros(dk_out, ctx, 1)
+    dq, dk = _rope_bwd(dq_out, dk_out, cos, sin, ctx.head_pos)
+    return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), None, None, None
+
+
+def _grad_or_zeros(g, ctx, i):
+    if g is None:  # only one of the two outputs was used
+        return torch.zeros(ctx.shapes[i], dtype=torch.promote_types(ctx.dtypes[i], ctx.saved_tensors[0].dtype),
+                           device=ctx.saved_tensors[0].device)
+    return g.contiguous()
+
+
+_rope_fwd.register_autograd(_rope_backward, setup_context=_rope_setup_context)
+
+
+def _rope_flat_backward(ctx, dflat):
+    cos, sin = ctx.saved_tensors
+    dflat = dflat.contiguous()
+    (qs, ks), nq = ctx.shapes, ctx.shapes[0].numel()
+    dq, dk = _rope_bwd(dflat[:nq].view(qs), dflat[nq:].view(ks), cos, sin, ctx.head_pos)
+    return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), None, None, None
+
+
+_rope_fwd_flat.register_autograd(_rope_flat_backward, setup_context=_rope_setup_context)
+
+
+def _check_tensor(name, what, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name}: {what} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_rope(name, q, k, cos, sin, unsqueeze_dim):
+    for what, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        _check_tensor(name, what, t)
+    if q.dtype != k.dtype:
+        raise TypeError(f"{name}: q and k dtypes differ ({q.dtype} vs {k.dtype})")
+    if cos.dtype != sin.dtype:
+        raise TypeError(f"{name}: cos and sin dtypes differ ({cos.dtype} vs {sin.dtype})")
+    for what, t in (("k", k), ("cos", cos), ("sin", sin)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: {what} is on {t.device} but q on {q.device}")
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2, -3, -2):
+        raise ValueError(f"{name}: unsqueeze_dim must be 1 ((B, H, S, D) inputs) or 2 ((B, S, H, D) inputs), "
+                         f"got {unsqueeze_dim}")
+    head_pos = unsqueeze_dim + 4 if unsqueeze_dim < 0 else unsqueeze_dim  # cos is 3-D: -3 -> 1, -2 -> 2
+    seq_pos = 3 - head_pos
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"{name}: q and k must be 4-D, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if cos.dim() != 3 or cos.shape != sin.shape:
+        raise ValueError(f"{name}: cos and sin must both be (batch, seq, rotary_dim), got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    B, S, D = q.shape[0], q.shape[seq_pos], q.shape[3]
+    if k.shape[0] != B or k.shape[seq_pos] != S or k.shape[3] != D:
+        raise ValueError(f"{name}: k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch, sequence or "
+                         f"head_dim (unsqueeze_dim={unsqueeze_dim})")
+    R = cos.shape[-1]
+    if R <= 0 or R % 2 or R > D:
+        raise ValueError(f"{name}: rotary dim (cos.shape[-1]) must be even and in [2, head_dim={D}], got {R}")
+    if cos.shape[1] != S or cos.shape[0] not in (1, B):
+        raise ValueError(f"{name}: cos/sin {tuple(cos.shape)} do not match q {tuple(q.shape)}: expected "
+                         f"({B} or 1, {S}, rotary_dim) for unsqueeze_dim={unsqueeze_dim}")
+    if q.numel() == 0 or k.numel() == 0:
+        raise ValueError(f"{name}: empty input q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return head_pos
+
+
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """HF `apply_rotary_pos_emb`, full or partial (rotary dim = `cos.shape[-1]` <= head_dim), q and k in one
+    launch. q: (B, Hq, S, D) and k: (B, Hk, S, D) for unsqueeze_dim=1, (B, S, H, D) for 2; cos/sin (B or 1, S, R).
+    Returns (q_embed, k_embed) in `promote(q.dtype, cos.dtype)`."""
+    head_pos = _check_rope("apply_rotary_pos_emb", q, k, cos, sin, unsqueeze_dim)
+    return _rope_fwd(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
+
+
+def apply_rotary_pos_emb_flat(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """`torch.cat([q_embed.flatten(), k_embed.flatten()])` written directly by the kernel (one 1-D output)."""
+    head_pos = _check_rope("apply_rotary_pos_emb_flat", q, k, cos, sin, unsqueeze_dim)
+    return _rope_fwd_flat(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
+
+
+# ------------------------------------------------------------------ fused q/k RMSNorm + RoPE
+
+
+def _norm_dtypes(x, w, cos, mode):
+    norm_dtype = torch.promote_types(w.dtype, x.dtype) if mode == STANDARD else x.dtype
+    return norm_dtype, torch.promote_types(norm_dtype, cos.dtype)
+
+
+def _norm_rope_out(x, dtype, full):
+    B, S, H, D = x.shape
+    if full:  # HF: contiguous (B, S, H, D) norm output, transposed
+        return torch.empty_strided((B, H, S, D), (S * H * D, D, H * D, 1), dtype=dtype, device=x.device)
+    return x.new_empty((B, H, S, D), dtype=dtype)  # HF: `torch.cat` output, contiguous (B, H, S, D)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("qk_norm_rope_fwd"), mutates_args=())
+def _qk_norm_rope_fwd(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, eps: float, mode: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    norm_dtype, dtype = _norm_dtypes(q, q_weight, cos, mode)
+    full = cos.shape[-1] == q.shape[-1]
+    q_out, k_out = _norm_rope_out(q, dtype, full), _norm_rope_out(k, dtype, full)
+    if _use_triton(q):
+        from .triton_kernels import qk_rope_fwd
+
+        qk_rope_fwd(q.transpose(1, 2), k.transpose(1, 2), cos, sin, q_out, k_out, q_weight, k_weight, eps, mode,
+                    round_norm=(norm_dtype == q.dtype and q.dtype != torch.float32))
+    else:
+        qr, kr = qk_norm_rope_hf(q, k, q_weight, k_weight, cos, sin, eps, mode)
+        q_out.copy_(qr)
+        k_out.copy_(kr)
+    return q_out, k_out
+
+
+@_qk_norm_rope_fwd.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, eps, mode):
+    _, dtype = _norm_dtypes(q, q_weight, cos, mode)
+    full = cos.shape[-1] == q.shape[-1]
+    return _norm_rope_out(q, dtype, full), _norm_rope_out(k, dtype, full)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("qk_norm_rope_bwd"), mutates_args=())
+def _qk_norm_rope_bwd(
+    dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+    k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, mode: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_triton(q):
+        from .triton_kernels import qk_rope_bwd
+
+        dq = q.new_empty(q.shape)
+        dk = k.new_empty(k.shape)
+        dwq, dwk = qk_rope_bwd(dq_out, dk_out, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2),
+                               q.transpose(1, 2), k.transpose(1, 2), q_weight, k_weight, eps, mode)
+        return dq, dk, dwq.to(q_weight.dtype), dwk.to(k_weight.dtype)
+    return qk_norm_rope_bwd_reference(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, mode)
+
+
+@_qk_norm_rope_bwd.register_fake
+def _(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, mode):
+    return q.new_empty(q.shape), k.new_empty(k.shape), torch.empty_like(q_weight), torch.empty_like(k_weight)
+
+
+def _norm_rope_setup_context(ctx, inputs, output):
+    q, k, q_weight, k_weight, cos, sin, eps, mode = inputs
+    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+    ctx.eps, ctx.mode = eps, mode
+
+
+def _norm_rope_backward(ctx, dq_out, dk_out):
+    q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+    B, S, Hq, D = q.shape
+    dtype = _norm_dtypes(q, q_weight, cos, ctx.mode)[1]
+    dq_out = _last_contig(dq_out) if dq_out is not None else q.new_zeros((B, Hq, S, D), dtype=dtype)
+    dk_out = _last_contig(dk_out) if dk_out is not None else k.new_zeros((B, k.shape[2], S, D), dtype=dtype)
+    dq, dk, dwq, dwk = _qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.mode)
+    return dq, dk, dwq, dwk, None, None, None, None
+
+
+_qk_norm_rope_fwd.register_autograd(_norm_rope_backward, setup_context=_norm_rope_setup_context)
+
+
+def _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin):
+    _check_rope(name, q, k, cos, sin, 2)
+    for what, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        _check_tensor(name, what, w)
+        if w.dim() != 1 or w.shape[0] != q.shape[-1]:
+            raise ValueError(f"{name}: {what} must be 1-D of size head_dim={q.shape[-1]}, got {tuple(w.shape)}")
+        if w.device != q.device:
+            raise ValueError(f"{name}: {what} is on {w.device} but q on {q.device}")
+    if q_weight.dtype != k_weight.dtype:
+        raise TypeError(f"{name}: q_weight and k_weight dtypes differ ({q_weight.dtype} vs {k_weight.dtype})")
+
+
+def _qk_norm_rope(name, q, k, q_weight, k_weight, cos, sin, eps, mode):
+    _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin)
+    return _qk_norm_rope_fwd(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
+                             _last_contig(cos), _last_contig(sin), float(eps), mode)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
+    """Qwen3 / Qwen3-MoE `q_norm`, `k_norm` (standard RMSNorm over head_dim), transpose, RoPE — one kernel.
+
+    q: (B, S, Hq, D), k: (B, S, Hk, D) (rows may be strided views); cos/sin (B or 1, S, R), R <= D.
+    Returns (B, Hq, S, D) and (B, Hk, S, D), as the HF attention has them before the KV cache."""
+    return _qk_norm_rope("qk_norm_rope", q, k, q_weight, k_weight, cos, sin, eps, STANDARD)
+
+
+def qk_norm_rope_zero_centered(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
+    """Qwen3.5 form of `qk_norm_rope`: zero-centred RMSNorm `(1 + w)` in fp32, then (partial) RoPE."""
+    return _qk_norm_rope("qk_norm_rope_zero_centered", q, k, q_weight, k_weight, cos, sin, eps, ZERO_CENTERED)
+
+
+__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "qk_norm_rope", "qk_norm_rope_zero_centered",
+           "NONE", "STANDARD", "ZERO_CENTERED"]
