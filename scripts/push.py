@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         except HfHubHTTPError as e:
             print(f"error: {_http_error_message(e, plan)}", file=sys.stderr)
             return 1
+        except Exception as e:  # network down, offline mode, ...: one line, no traceback
+            msg = f"{plan.name}: upload to {plan.repo_id} failed: {type(e).__name__}: {e}"
+            print(f"error: {msg.splitlines()[0]}", file=sys.stderr)
+            return 1
     return 0
 
 

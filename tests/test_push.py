@@ -278,3 +278,10 @@ def test_other_http_error_is_reported(checkout, patched, capsys):
     assert push.main(["--root", str(checkout), "--repo", "rmsnorm"]) == 1
     assert "hub request for hubfuse/rmsnorm failed" in capsys.readouterr().err
     patched.upload_file.assert_not_called()
+
+
+def test_network_error_is_reported(checkout, patched, capsys):
+    patched.create_repo.side_effect = ConnectionError("Name or service not known")
+    assert push.main(["--root", str(checkout), "--repo", "rmsnorm"]) == 1
+    err = capsys.readouterr().err
+    assert "upload to hubfuse/rmsnorm failed: ConnectionError" in err and "Traceback" not in err

@@ -1,0 +1,94 @@
+"""scripts/build.py: variants, metadata, unique ids and namespaces, and clear failures."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.utils import ROOT, build
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import build as build_tool  # noqa: E402
+
+
+def test_build_writes_every_backend_with_unique_ids():
+    build("rmsnorm")
+    variants = sorted((ROOT / "kernel_repos/rmsnorm/build").glob("torch-*"))
+    assert [v.name for v in variants] == ["torch-cpu", "torch-cuda", "torch-rocm", "torch-xpu"]
+    ids = set()
+    for v in variants:
+        meta = json.loads((v / "metadata.json").read_text())
+        assert meta["name"] == "rmsnorm" and meta["version"] == 1 and meta["python-depends"] == []
+        assert meta["backend"]["type"] == v.name.removeprefix("torch-")
+        assert meta["id"].isidentifier() and meta["id"] in (v / "_ops.py").read_text()
+        assert set(meta["digest"]["files"]) >= {"__init__.py", "ops.py", "_ops.py"}
+        assert not list(v.rglob("__pycache__"))
+        ids.add(meta["id"])
+    assert len(ids) == 4
+
+
+def test_digest_matches_kernels_hash():
+    from kernels._rust import Digest, DigestAlgorithm
+
+    build("rmsnorm")
+    v = ROOT / "kernel_repos/rmsnorm/build/torch-cpu"
+    meta = json.loads((v / "metadata.json").read_text())
+    digest = Digest.hash_variant(DigestAlgorithm.SHA256, str(v))
+    assert set(meta["digest"]["files"]) == set(digest.files)
+
+
+def test_umbrella_nests_op_packages_with_own_namespaces():
+    build("rmsnorm", "hubfuse")
+    v = ROOT / "build/torch-cuda"
+    meta = json.loads((v / "metadata.json").read_text())
+    assert (v / "rmsnorm/ops.py").is_file() and not (v / "rmsnorm").is_symlink()
+    assert f"{meta['id']}_rmsnorm" in (v / "rmsnorm/_ops.py").read_text()
+
+
+def test_source_hash_changes_with_source(tmp_path):
+    src = tmp_path / "pkg"
+    shutil.copytree(ROOT / "kernel_repos/rmsnorm/torch-ext/rmsnorm", src,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    before = build_tool.source_hash(src)
+    (src / "ops.py").write_text((src / "ops.py").read_text() + "\n# edit\n")
+    assert build_tool.source_hash(src) != before
+
+
+def _copy_repo(tmp_path):
+    repo = tmp_path / "rmsnorm"
+    shutil.copytree(ROOT / "kernel_repos/rmsnorm", repo, ignore=shutil.ignore_patterns("build", "__pycache__"))
+    return repo
+
+
+def test_rejects_unknown_build_toml_key(tmp_path):
+    repo = _copy_repo(tmp_path)
+    (repo / "build.toml").write_text((repo / "build.toml").read_text().replace("[torch-noarch]",
+                                                                               "[torch-noarch]\nuniversal = true"))
+    with pytest.raises(build_tool.BuildError, match="rejected by the kernels parser"):
+        build_tool.build_repo(repo)
+
+
+def test_rejects_card_layer_that_does_not_exist(tmp_path):
+    repo = _copy_repo(tmp_path)
+    card = repo / "CARD.md"
+    card.write_text(card.read_text().replace("## Layers\n", "## Layers\n\n- `NoSuchNorm`: missing\n"))
+    with pytest.raises(build_tool.BuildError, match="NoSuchNorm"):
+        build_tool.build_repo(repo)
+
+
+def test_rejects_layer_breaking_kernels_rules(tmp_path):
+    repo = _copy_repo(tmp_path)
+    layers = repo / "torch-ext/rmsnorm/layers.py"
+    layers.write_text(layers.read_text().replace(
+        "    has_backward = True\n    can_torch_compile = True\n\n    def forward(self, hidden_states: torch.Tensor)",
+        "    has_backward = True\n    can_torch_compile = True\n    scale = 2.0\n\n    def forward(self, hidden_states: torch.Tensor)", 1))
+    with pytest.raises(build_tool.BuildError, match="layer rules"):
+        build_tool.build_repo(repo)
+
+
+def test_cli_exit_codes():
+    ok = subprocess.run([sys.executable, "scripts/build.py", "rmsnorm"], cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "scripts/build.py", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown kernel repo" in bad.stderr

@@ -1,0 +1,147 @@
+"""Shared helpers for whole-model tests: build + register local kernel repos, tiny models, parity checks.
+
+Typical use::
+
+    from tests.utils import register_local_kernels, save_tiny_model, load, assert_parity
+    register_local_kernels("rmsnorm")                      # builds it and points LOCAL_KERNELS at it
+    path = save_tiny_model("qwen3", tmp_path)
+    eager = load(path)
+    ours = load(path, {"RMSNorm": hub("rmsnorm", "RMSNorm")})
+    assert_parity(eager, ours, batch)
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ORG = "hubfuse"
+REVISION = "v1"
+_BUILT: set[str] = set()
+
+
+def build(*names: str) -> None:
+    """Build kernel repos once per test process (scripts/build.py, with its load + layer-rule checks)."""
+    todo = [n for n in names if n not in _BUILT]
+    if todo:
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), *todo], check=True, cwd=ROOT)
+        _BUILT.update(todo)
+
+
+def repo_dir(name: str) -> Path:
+    return ROOT if name == "hubfuse" else ROOT / "kernel_repos" / name
+
+
+def register_local_kernels(*names: str) -> None:
+    """Build `names` and make `hubfuse/<name>` resolve to the local build through LOCAL_KERNELS."""
+    build(*names)
+    entries = dict(e.split("=", 1) for e in os.environ.get("LOCAL_KERNELS", "").split(":") if "=" in e)
+    for name in names:
+        entries[f"{ORG}/{name}"] = str(repo_dir(name))
+    os.environ["LOCAL_KERNELS"] = ":".join(f"{k}={v}" for k, v in entries.items())
+
+
+def hub(repo: str, layer: str):
+    """A KernelConfig value for a local build: ("hubfuse/<repo>:<layer>", {"revision": "v1"})."""
+    return (f"{ORG}/{repo}:{layer}", {"revision": REVISION})
+
+
+def tiny_config(family: str, **overrides):
+    """Tiny but complete text configs (fp32, 2-3 layers) for qwen3, qwen3_moe, qwen3_5_moe, llama, qwen2."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if family == "qwen3":
+        kw = dict(common, intermediate_size=96, num_hidden_layers=2)
+    elif family == "qwen3_moe":
+        kw = dict(common, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                  num_hidden_layers=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                  router_aux_loss_coef=0.01)
+    elif family == "qwen3_5_moe_text":
+        kw = dict(common, head_dim=32, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                  num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                  layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                  linear_num_value_heads=4, router_aux_loss_coef=0.01, partial_rotary_factor=0.25)
+    elif family in ("llama", "qwen2"):
+        kw = dict(common, intermediate_size=96, num_hidden_layers=2)
+    else:
+        raise ValueError(f"unknown family {family}")
+    kw.update(overrides)
+    return AutoConfig.for_model(family, **kw)
+
+
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text")
+
+
+def save_tiny_model(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    """Random-initialised tiny causal LM saved with save_pretrained; weights perturbed away from init values
+    (norm weights are ones/zeros at init, which would hide cast-order and (1+w) mistakes)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = Path(directory) / family
+    model.save_pretrained(path)
+    return path
+
+
+def load(path, mapping=None, dtype=torch.float32, device="cpu", **kwargs):
+    """Plain eager load, or a kernelized one through hubfuse.KernelConfig when `mapping` is given."""
+    from transformers import AutoModelForCausalLM
+
+    if str(device) != "cpu":
+        kwargs["device_map"] = device  # kernelize sees the final device (needs accelerate)
+    if mapping is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    from hubfuse import KernelConfig
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_kernels=True,
+                                                kernel_config=KernelConfig(mapping), **kwargs)
+
+
+def make_batch(vocab_size: int, batch: int = 2, seq: int = 7, device="cpu", seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    return {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
+
+
+def forward_backward(model, batch):
+    """Loss, logits and every parameter gradient (by name) of one training step."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), grads
+
+
+def assert_parity(reference, candidate, batch, atol=2e-5, rtol=2e-5):
+    """Loss, logits and all grads of `candidate` match `reference` (same weights) within tolerance."""
+    loss_r, logits_r, grads_r = forward_backward(reference, batch)
+    loss_c, logits_c, grads_c = forward_backward(candidate, batch)
+    torch.testing.assert_close(logits_c, logits_r, atol=atol, rtol=rtol)
+    torch.testing.assert_close(loss_c, loss_r, atol=atol, rtol=rtol)
+    assert grads_c.keys() == grads_r.keys(), set(grads_c) ^ set(grads_r)
+    for name in grads_r:
+        torch.testing.assert_close(grads_c[name], grads_r[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    return loss_r
+
+
+def modules_running(model, layer_name: str) -> list[str]:
+    """Names of modules whose forward is bound to the kernel layer `layer_name` (what kernelize did)."""
+    names = []
+    for name, module in model.named_modules():
+        fwd = module.__dict__.get("forward")
+        func = getattr(fwd, "__func__", None)
+        if func is not None and func.__qualname__.split(".")[0] == layer_name:
+            names.append(name)
+    return names

@@ -1,0 +1,18 @@
+"""hubfuse: fused LLM-training kernels (Triton) as Hugging Face hub kernels.
+
+As a hub kernel (the umbrella repo), `layers` exposes every op family's Layers and Layouts; each family is
+also a sub-package (`hubfuse.rmsnorm`, ...). As a Python package (`pip install -e .`), it also provides
+`KernelConfig`, the transformers `KernelConfig` that works for training and on CPU (imported lazily: the
+hub kernel itself needs nothing beyond torch).
+"""
+from . import layers
+
+__all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state"]
+
+
+def __getattr__(name):
+    if name in ("KernelConfig", "kernel_state_snapshot", "restore_global_state"):
+        from . import kernel_config
+
+        return getattr(kernel_config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

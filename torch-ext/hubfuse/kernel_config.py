@@ -1,0 +1,184 @@
+"""`hubfuse.KernelConfig`: transformers' `KernelConfig`, made usable for training and on CPU.
+
+Stock transformers 5.22.2 has three faults when hub kernels are used for training:
+
+1. `create_compatible_mapping` rejects the `"cpu"` device, although `kernels.kernelize` supports it.
+2. It registers each kernel for one mode only, the mode the model is in when loading ends (`eval`).
+   `model.train()` re-kernelizes in TRAINING mode, finds nothing, and every module silently falls back to
+   its class forward: the kernels are gone for the whole training run.
+3. A kernelized load leaves process-global state behind: class patch mappings, checkpoint conversion
+   mappings (which also grow with every load) and patched output recorders. A later plain load of the same
+   architecture gets our Layouts, un-kernelized, and loses recorded outputs (router logits, attentions).
+   Also, the config object is rewritten in place and cannot serve a second load.
+
+This subclass takes the same mapping forms and fixes all three: it registers every kernel for every mode
+(inference, training, and their torch.compile forms), accepts cpu, binds a private copy of the compiled
+mapping to the model (so the user's object can be reused), and restores the global state it found once the
+model is built. `restore_global_state()` / `kernel_state_snapshot()` are also exported for manual use.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from contextlib import contextmanager
+
+import transformers
+from transformers.utils.kernel_config import infer_device
+
+
+def _all_modes():
+    from kernels import Mode
+
+    return (Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE)
+
+
+class _GlobalState:
+    """What a kernelized `from_pretrained` mutates in transformers, captured so it can be put back."""
+
+    def __init__(self):
+        from transformers import conversion_mapping, monkey_patching
+
+        conversion_mapping.get_checkpoint_conversion_mapping("llama")  # make sure the cache exists
+        self.patch_mapping = monkey_patching.get_patch_mapping()
+        self.conversions = dict(conversion_mapping._checkpoint_conversion_mapping_cache)
+        self.user_registered = set(conversion_mapping.USER_REGISTERED_MAPPINGS)
+        self.recorders = _snapshot_output_recorders()
+
+    def restore(self):
+        from transformers import conversion_mapping, monkey_patching
+
+        with monkey_patching._monkey_patch_lock:
+            monkey_patching._monkey_patch_mapping_cache.clear()
+            monkey_patching._monkey_patch_mapping_cache.update(self.patch_mapping)
+        conversion_mapping._checkpoint_conversion_mapping_cache = dict(self.conversions)
+        conversion_mapping.USER_REGISTERED_MAPPINGS.clear()
+        conversion_mapping.USER_REGISTERED_MAPPINGS.update(self.user_registered)
+        for cls, entries in self.recorders:
+            recorders = cls.__dict__["_can_record_outputs"]
+            recorders.clear()
+            for key, (value, targets) in entries.items():
+                for recorder, target in targets:
+                    recorder.target_class = target
+                recorders[key] = value
+
+
+def _snapshot_output_recorders():
+    """(class, {output: (recorder value, [(OutputRecorder, target_class)])}) for every loaded HF model class.
+
+    `patch_output_recorders` edits these class-level dicts (and the OutputRecorder objects in them) in place.
+    """
+    from transformers.utils.output_capturing import OutputRecorder
+
+    snapshot = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            recorders = obj.__dict__.get("_can_record_outputs") if isinstance(obj, type) else None
+            if not isinstance(recorders, dict):
+                continue
+            entries = {}
+            for key, value in recorders.items():
+                items = value if isinstance(value, list) else [value]
+                targets = [(r, r.target_class) for r in items if isinstance(r, OutputRecorder)]
+                entries[key] = (list(value) if isinstance(value, list) else value, targets)
+            snapshot.append((obj, entries))
+    return snapshot
+
+
+def kernel_state_snapshot():
+    """Capture transformers' global kernel/patch/conversion state; call `.restore()` to put it back."""
+    return _GlobalState()
+
+
+@contextmanager
+def restore_global_state():
+    """Context manager: whatever a kernelized load registers inside is undone on exit."""
+    state = _GlobalState()
+    try:
+        yield
+    finally:
+        state.restore()
+
+
+class KernelConfig(transformers.KernelConfig):
+    """transformers' `KernelConfig`, same mapping forms, plus: every mode, cpu, reusable, no global leftovers.
+
+    Example::
+
+        from hubfuse import KernelConfig
+        kc = KernelConfig({"RMSNorm": ("hubfuse/rmsnorm:RMSNorm", {"version": 1})})
+        model = AutoModelForCausalLM.from_pretrained(ckpt, use_kernels=True, kernel_config=kc)
+        model.train()   # still runs the kernels
+
+    `clean_global_state=False` keeps transformers' stock behaviour of leaving the patch and conversion
+    mappings registered after the load.
+    """
+
+    def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=True, clean_global_state=True):
+        self._user_mapping = copy.deepcopy(kernel_mapping if kernel_mapping is not None else {})
+        self._pending_state = None
+        self._clean_global_state = clean_global_state
+        super().__init__(copy.deepcopy(self._user_mapping), use_local_kernel, inherit_mapping)
+
+    # transformers reads `kernel_mapping` first thing in `from_pretrained` (before it registers patches and
+    # builds the model): that read is our hook to capture the global state the load is about to change.
+    @property
+    def kernel_mapping(self):
+        if self._clean_global_state and self._pending_state is None and self.__dict__.get("_fresh", False):
+            self._pending_state = _GlobalState()
+            self._fresh = False
+        return self.__dict__["_kernel_mapping"]
+
+    @kernel_mapping.setter
+    def kernel_mapping(self, value):
+        self.__dict__["_kernel_mapping"] = value
+        if value == self.__dict__.get("_user_mapping"):
+            self._fresh = True
+
+    def create_compatible_mapping(self, model, compile=False):
+        """Register each kernel for every mode on the model's device (cpu included), bind it to the model."""
+        from kernels import LayerRepository, LocalLayerRepository
+
+        device = infer_device(model)
+        compatible = {}
+        for layer_name, kernel in self.kernel_mapping.items():
+            if isinstance(kernel, dict):  # {device: repo}: keep the entry for this model's device
+                if device not in kernel:
+                    continue
+                kernel = kernel[device]
+            repo_name, meta = kernel if isinstance(kernel, tuple) else (kernel, {})
+            repo_id, _, layer = repo_name.partition(":")
+            if self.use_local_kernel:
+                from pathlib import Path
+
+                repo = LocalLayerRepository(repo_path=Path(repo_id), layer_name=layer)
+            else:
+                revision = meta.get("revision")
+                version = meta.get("version", None if revision is not None else 1)
+                repo = LayerRepository(repo_id=repo_id, layer_name=layer, revision=revision, version=version,
+                                       trust_remote_code=meta.get("trust_remote_code", False))
+            compatible[layer_name] = {device: {mode: repo for mode in _all_modes()}}
+
+        # The model keeps its own compiled copy (used again on every train()/eval()); this object goes back
+        # to the user's mapping so it can serve another load.
+        bound = copy.copy(self)
+        bound.__dict__["_kernel_mapping"] = compatible
+        bound._fresh = False
+        bound._pending_state = None
+        model.kernel_config = bound
+        self._finish_load(model)
+
+    def _finish_load(self, model):
+        state, self._pending_state = self._pending_state, None
+        self.registered_layer_names = {}
+        self.kernel_mapping = copy.deepcopy(self._user_mapping)
+        if state is None:
+            return
+        # Output-capturing hooks read the (patched) class-level recorders when first installed: install them
+        # on this model now, then give the classes their original recorders back.
+        from transformers.utils.output_capturing import install_all_output_capturing_hooks
+
+        if not getattr(model, "_output_capturing_hooks_installed", False):
+            install_all_output_capturing_hooks(model)
+        state.restore()
