@@ -1,7 +1,7 @@
 """Triton row kernel for cross-entropy: log-sum-exp, loss, z-loss and the gradient written in place.
 
 One program per row of logits (a row is one token, V columns, any V). Pass 1 streams the row once with
-per-lane online max / sum-of-exp accumulators (plus the row sum for label smoothing); pass 2 streams it
+an online max / sum-of-exp (plus the row sum for label smoothing); pass 2 streams it
 again (mostly from L2) and overwrites it with the gradient, so the logits buffer becomes dlogits and no
 fp32 copy of the logits ever exists. All arithmetic is fp32; loads are cast up, the store casts down.
 This module imports triton: import it lazily.
@@ -40,9 +40,10 @@ def _ce_rows_kernel(
                 tl.store(row_ptr + cols, zeros.to(LOGITS.dtype.element_ty), mask=cols < V)
         return
 
-    # pass 1: per-lane online log-sum-exp
-    m_vec = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-    s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+    # pass 1: online log-sum-exp with a running scalar max (one exp per element: the SFU, not the
+    # memory, would otherwise bound this pass on H100/H200)
+    m = float("-inf")
+    s = 0.0
     sum_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
         cols = start + cols0
@@ -53,12 +54,9 @@ def _ce_rows_kernel(
         if HAS_SMOOTHING:
             sum_vec += tl.where(mask, x, 0.0)
         x = tl.where(mask, x, float("-inf"))
-        m_new = tl.maximum(m_vec, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that have seen only padding
-        s_vec = s_vec * tl.exp(m_vec - m_safe) + tl.exp(x - m_safe)
-        m_vec = m_new
-    m = tl.max(m_vec, axis=0)
-    s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
+        m_new = tl.maximum(m, tl.max(x, axis=0))  # finite: every block has at least one valid column
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
     lse = m + tl.log(s)
 
     x_label = tl.load(row_ptr + label).to(tl.float32)
