@@ -1,0 +1,218 @@
+"""Custom ops and the functional API of the SwiGLU MLP.
+
+Two custom-op pairs, registered under this build's unique namespace (`_ops.add_op_namespace_prefix`) with fake
+implementations and autograd, so `torch.compile(fullgraph=True)` sees one opaque node per call:
+
+- `swiglu_fwd` / `swiglu_bwd`: the activation alone, `[..., 2I] -> [..., I]`, functional backward.
+- `swiglu_down_fwd` / `swiglu_down_bwd`: the activation followed by `down_proj`, the tail of the MLP. Only
+  `gate_up` is saved; the backward recomputes `h = silu(gate) * up` (for the down weight's gradient) into the
+  buffer of `dh`, and writes `dgate_up` over `gate_up` in place, so the backward allocates no activation-sized
+  buffer beyond `dh`. `gate_up` is an internal of `swiglu_mlp` (never exposed), and autograd's version counter
+  turns a second backward over the same graph (`retain_graph=True`) into an error rather than a wrong result.
+
+`swiglu_mlp(x, ...)` = `F.linear(x, gate_up_weight)` (one GEMM instead of two) + `swiglu_down`.
+Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on CPU under
+`TRITON_INTERPRET=1`), the torch reference otherwise.
+"""
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._ops import add_op_namespace_prefix
+from ._rmsnorm.ops import rms_norm
+from .reference import swiglu_bwd_reference, swiglu_fwd_reference
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if t.device.type in ("cuda", "xpu"):
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------- activation alone
+@torch.library.custom_op(add_op_namespace_prefix("swiglu_fwd"), mutates_args=())
+def _swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
+    if _use_triton(gate_up):
+        from .triton_kernels import swiglu_fwd
+
+        return swiglu_fwd(gate_up)
+    return swiglu_fwd_reference(gate_up)
+
+
+@_swiglu_fwd.register_fake
+def _(gate_up):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("swiglu_bwd"), mutates_args=())
+def _swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    if _use_triton(gate_up):
+        from .triton_kernels import swiglu_bwd
+
+        dgate_up = torch.empty_like(gate_up)
+        swiglu_bwd(dh, gate_up, dgate_up)
+        return dgate_up
+    return swiglu_bwd_reference(dh, gate_up)[0]
+
+
+@_swiglu_bwd.register_fake
+def _(dh, gate_up):
+    return torch.empty_like(gate_up)
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_backward(ctx, dh):
+    (gate_up,) = ctx.saved_tensors
+    return _swiglu_bwd(dh.contiguous(), gate_up)
+
+
+_swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
+
+
+# ---------------------------------------------------------------- activation + down_proj
+@torch.library.custom_op(add_op_namespace_prefix("swiglu_down_fwd"), mutates_args=())
+def _swiglu_down_fwd(
+    gate_up: torch.Tensor, down_weight: torch.Tensor, down_bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    h = _swiglu_fwd(gate_up)
+    return F.linear(h, down_weight, down_bias)
+
+
+@_swiglu_down_fwd.register_fake
+def _(gate_up, down_weight, down_bias):
+    return gate_up.new_empty((gate_up.shape[0], down_weight.shape[0]))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("swiglu_down_bwd"), mutates_args=("gate_up",))
+def _swiglu_down_bwd(
+    dout: torch.Tensor, gate_up: torch.Tensor, down_weight: torch.Tensor, has_down_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (d down_weight, d down_bias or an empty tensor); overwrites `gate_up` with `dgate_up`."""
+    dh = dout @ down_weight  # [M, I]
+    if _use_triton(gate_up):
+        from .triton_kernels import swiglu_bwd
+
+        swiglu_bwd(dh, gate_up, gate_up, h=dh)  # in place: dgate_up over gate_up, recomputed h over dh
+        h = dh
+    else:
+        dgate_up, h = swiglu_bwd_reference(dh, gate_up)
+        gate_up.copy_(dgate_up)
+    d_down_weight = dout.t() @ h
+    d_down_bias = dout.sum(0) if has_down_bias else dout.new_empty(0)
+    return d_down_weight, d_down_bias
+
+
+@_swiglu_down_bwd.register_fake
+def _(dout, gate_up, down_weight, has_down_bias):
+    d_down_bias = dout.new_empty(dout.shape[1]) if has_down_bias else dout.new_empty(0)
+    return torch.empty_like(down_weight), d_down_bias
+
+
+def _swiglu_down_setup_context(ctx, inputs, output):
+    gate_up, down_weight, down_bias = inputs
+    ctx.save_for_backward(gate_up, down_weight)
+    ctx.has_down_bias = down_bias is not None
+
+
+def _swiglu_down_backward(ctx, dout):
+    gate_up, down_weight = ctx.saved_tensors
+    d_down_weight, d_down_bias = _swiglu_down_bwd(dout.contiguous(), gate_up, down_weight, ctx.has_down_bias)
+    # `gate_up` now holds its own gradient
+    return gate_up, d_down_weight, (d_down_bias if ctx.has_down_bias else None)
+
+
+_swiglu_down_fwd.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup_context)
+
+
+# ---------------------------------------------------------------- input checks
+def _check_tensor(name: str, what: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: {what} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_gate_up(name: str, gate_up: torch.Tensor) -> None:
+    _check_tensor(name, "gate_up", gate_up)
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2 != 0:
+        raise ValueError(f"{name}: expected gate_up (..., 2 * intermediate) with an even last dimension, got "
+                         f"{tuple(gate_up.shape)}")
+    if gate_up.numel() == 0:
+        raise ValueError(f"{name}: empty input {tuple(gate_up.shape)}")
+
+
+def _check_mlp(name, x, gate_up_weight, down_weight, gate_up_bias, down_bias) -> None:
+    for what, t in (("hidden_states", x), ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
+        _check_tensor(name, what, t)
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"{name}: expected non-empty hidden_states (..., hidden), got {tuple(x.shape)}")
+    if gate_up_weight.dim() != 2 or down_weight.dim() != 2:
+        raise ValueError(f"{name}: gate_up_weight and down_weight must be 2-D, got {tuple(gate_up_weight.shape)} "
+                         f"and {tuple(down_weight.shape)}")
+    hidden, two_i = x.shape[-1], gate_up_weight.shape[0]
+    if gate_up_weight.shape[1] != hidden or two_i % 2 != 0:
+        raise ValueError(f"{name}: gate_up_weight must be (2 * intermediate, hidden={hidden}), got "
+                         f"{tuple(gate_up_weight.shape)}")
+    if down_weight.shape[1] != two_i // 2:
+        raise ValueError(f"{name}: down_weight must be (out, intermediate={two_i // 2}), got "
+                         f"{tuple(down_weight.shape)}")
+    for what, t in (("gate_up_weight", gate_up_weight), ("down_weight", down_weight),
+                    ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {what} must be a tensor or None")
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name}: {what} dtype {t.dtype} does not match hidden_states dtype {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name}: {what} is on {t.device} but hidden_states on {x.device}")
+    if gate_up_bias is not None and tuple(gate_up_bias.shape) != (two_i,):
+        raise ValueError(f"{name}: gate_up_bias must be ({two_i},), got {tuple(gate_up_bias.shape)}")
+    if down_bias is not None and tuple(down_bias.shape) != (down_weight.shape[0],):
+        raise ValueError(f"{name}: down_bias must be ({down_weight.shape[0]},), got {tuple(down_bias.shape)}")
+
+
+# ---------------------------------------------------------------- public API
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up = [gate | up]` on the last dimension: `[..., 2I] -> [..., I]`."""
+    _check_gate_up("swiglu", gate_up)
+    shape = gate_up.shape
+    h = _swiglu_fwd(gate_up.reshape(-1, shape[-1]).contiguous())
+    return h.view(*shape[:-1], shape[-1] // 2)
+
+
+def swiglu_mlp(
+    hidden_states: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """SwiGLU MLP `down(silu(x W_g^T) * (x W_u^T))` with the fused `[2I, H]` weight `cat([W_g, W_u])`."""
+    _check_mlp("swiglu_mlp", hidden_states, gate_up_weight, down_weight, gate_up_bias, down_bias)
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    gate_up = F.linear(x, gate_up_weight, gate_up_bias)
+    out = _swiglu_down_fwd(gate_up, down_weight, down_bias)
+    return out.view(*shape[:-1], down_weight.shape[0])
+
+
+def rms_norm_swiglu_mlp(
+    hidden_states: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """`swiglu_mlp(rms_norm(x, norm_weight, eps), ...)`: Llama/Qwen RMSNorm (hubfuse rmsnorm kernel), then the MLP."""
+    normed = rms_norm(hidden_states, norm_weight, eps)
+    return swiglu_mlp(normed, gate_up_weight, down_weight, gate_up_bias, down_bias)
