@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Side-by-side per-op benchmark on one GPU: ours vs HF eager, torch.compile, Liger, and the floor.
+
+    python scripts/bench_ops.py                 # every op family in scripts/bench_cases/
+    python scripts/bench_ops.py rmsnorm rotary  # selected families
+
+Method (as shared/bench/anchor_bench.py, so the anchors are measured again in the same run): forward +
+backward with a random upstream gradient, median of `triton.testing.do_bench` after warm-up; peak = extra
+device memory during one step over what the inputs hold; floor = the fewest bytes an ideal fused kernel must
+move over the measured copy bandwidth, or its FLOPs over the measured bf16 matmul rate. Writes
+$OUT/bench_ops.json and $OUT/bench_ops.md (OUT defaults to ./out).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ROOT / "scripts" / "bench_cases"
+dev = "cuda"
+dt = torch.bfloat16
+RESULTS: list[dict] = []
+COPY_BW = None  # bytes/s, measured
+MM_RATE = None  # FLOP/s, measured
+try:
+    import liger_kernel as liger
+except ImportError:  # a peer, not a dependency
+    liger = None
+
+
+def comp(f):
+    return torch.compile(f, dynamic=False)
+
+
+def measure_ceilings():
+    global COPY_BW, MM_RATE
+    a = torch.empty(2 * 1024**3 // 2, dtype=dt, device=dev).normal_()
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=200, return_mode="median")
+    COPY_BW = 2 * a.numel() * 2 / (ms * 1e-3)
+    del a, b
+    x = torch.randn(8192, 8192, dtype=dt, device=dev)
+    y = torch.randn(8192, 8192, dtype=dt, device=dev)
+    ms = triton.testing.do_bench(lambda: x @ y, warmup=50, rep=200, return_mode="median")
+    MM_RATE = 2 * 8192**3 / (ms * 1e-3)
+    print(f"ceilings: copy {COPY_BW / 1e12:.2f} TB/s, bf16 mm {MM_RATE / 1e12:.0f} TFLOP/s", flush=True)
+
+
+def bench(op, impl, fn, make_inputs, floor_ms, note=""):
+    """fn(*inputs) -> output tensor (or scalar loss); runs fwd + bwd with a random upstream grad."""
+    torch.cuda.empty_cache()
+    t0 = time.time()
+    try:
+        inputs = make_inputs()
+        out = fn(*inputs)
+        g = torch.randn_like(out) if out.dim() > 0 else None
+
+        def step():
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.grad = None
+            o = fn(*inputs)
+            o.backward(g) if g is not None else o.backward()
+
+        step()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+        row = dict(op=op, impl=impl, ms=round(ms, 4), peak_extra_MiB=round(peak, 1),
+                   floor_ms=round(floor_ms, 4), floor_ratio=round(floor_ms / ms, 3), note=note)
+    except Exception as e:  # record and go on: one broken peer must not hide the rest
+        row = dict(op=op, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
+    row["wall_s"] = round(time.time() - t0, 1)
+    RESULTS.append(row)
+    print(row, flush=True)
+
+
+_LOADED = {}
+
+
+def load_kernel(name: str):
+    """The kernel package as `kernels` loads it from kernel_repos/<name> (built first)."""
+    if name not in _LOADED:
+        import kernels
+
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), name], check=True, cwd=ROOT)
+        repo = ROOT if name == "hubfuse" else ROOT / "kernel_repos" / name
+        _LOADED[name] = kernels.get_local_kernel(repo)
+    return _LOADED[name]
+
+
+def report(out_dir: Path):
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                liger=getattr(liger, "__version__", None) if liger else None,
+                copy_TBps=round(COPY_BW / 1e12, 3), mm_TFLOPs=round(MM_RATE / 1e12, 1),
+                command="python scripts/bench_ops.py " + " ".join(sys.argv[1:]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_ops.json").write_text(json.dumps(dict(meta=meta, results=RESULTS), indent=1))
+    lines = [f"Device: {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, liger {meta['liger']}; "
+             f"measured copy {meta['copy_TBps']} TB/s, bf16 matmul {meta['mm_TFLOPs']} TFLOP/s.",
+             f"Command: `{meta['command']}` (fwd+bwd, bf16, median of do_bench).", "",
+             "| op | impl | ms | floor ms | floor/ms | peak extra MiB | note |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in RESULTS:
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r['impl']} | error | | | | {r['error'][:120]} |")
+        else:
+            lines.append(f"| {r['op']} | {r['impl']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | {r['floor_ratio']:.2f} "
+                         f"| {r['peak_extra_MiB']:.0f} | {r['note']} |")
+    (out_dir / "bench_ops.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main():
+    measure_ceilings()
+    wanted = sys.argv[1:]
+    files = sorted(CASES.glob("*.py"))
+    names = [f.stem for f in files]
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        sys.exit(f"unknown bench case(s) {unknown}; known: {names}")
+    out_dir = Path(os.environ.get("OUT", ROOT / "out"))
+    this = sys.modules[__name__]
+    for f in files:
+        if wanted and f.stem not in wanted:
+            continue
+        print(f"\n=== {f.stem} ===", flush=True)
+        spec = importlib.util.spec_from_file_location(f"bench_cases_{f.stem}", f)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+            module.run(this)
+        except Exception as e:  # a broken case file must not lose the other results
+            RESULTS.append(dict(op=f.stem, impl="(case file)", error=f"{type(e).__name__}: {str(e)[:300]}"))
+            print(RESULTS[-1], flush=True)
+        report(out_dir)  # keep partial results if a later case runs out of time
+    report(out_dir)
+
+
+if __name__ == "__main__":
+    main()
