@@ -1,8 +1,231 @@
+"""Layers (stateless, for the hub names) and Layouts (stateful, replace HF classes by class-name regex).
+
+- `RotaryPosEmb`: the hub function name `rotary_pos_emb` (`apply_rotary_pos_emb` of Qwen3, Qwen3-MoE, Llama,
+  Qwen2): `forward(self, q, k, cos, sin, unsqueeze_dim=1)`, full or partial RoPE, q and k in one launch.
+- `QKNormRopeAttention` (+ `Layout`) for `^Qwen3Attention$` / `^Qwen3MoeAttention$`, and
+  `GatedQKNormRopeAttention` (+ `Layout`) for `^Qwen3_5MoeAttention$`: n-to-1 in effect — `q_norm`, `k_norm`
+  and RoPE run as one fused kernel. The Layouts own the parameters with the HF names (`q_proj`, `k_proj`,
+  `v_proj`, `o_proj`, `q_norm.weight`, `k_norm.weight`), so checkpoints load and save unchanged
+  (`conversion_mapping` is empty: no re-layout pays here), and their `forward` is the HF reference path.
+  Attention itself goes through transformers' `ALL_ATTENTION_FUNCTIONS` (sdpa / flash / eager all work) and
+  the KV cache is updated as in HF.
+
+transformers is imported lazily (only when an attention module runs): the kernel has no dependency on it.
+"""
+from typing import Optional
+
 import torch
 from torch import nn
-from .ops import apply_rotary_pos_emb
+
+from .ops import apply_rotary_pos_emb, qk_norm_rope, qk_norm_rope_zero_centered
+from .reference import apply_rotary_pos_emb_hf, rms_norm_hf, rms_norm_zero_centered_hf
+
+
 class RotaryPosEmb(nn.Module):
+    """HF `apply_rotary_pos_emb` (hub name `rotary_pos_emb`): full or partial RoPE, fwd + bwd, one launch."""
+
     has_backward = True
     can_torch_compile = True
+
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+# ------------------------------------------------------------------ attention helpers (module level)
+
+
+class HeadRMSNorm(nn.Module):
+    """Qwen3 per-head RMSNorm, same parameter and attribute names as `Qwen3RMSNorm` (`weight`, `variance_epsilon`)."""
+
+    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm_hf(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class HeadRMSNormZeroCentered(nn.Module):
+    """Qwen3.5 per-head zero-centred RMSNorm, same names as `Qwen3_5MoeRMSNorm` (`weight` init 0, `eps`)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_zero_centered_hf(x, self.weight, self.eps)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
+                            **kwargs):
+    """transformers' `eager_attention_forward` of the Qwen3 family (the default of `get_interface`)."""
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+def _attention_interface(attn_implementation):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(attn_implementation, eager_attention_forward)
+
+
+def _init_attention(module: nn.Module, config, layer_idx: int, gated: bool) -> None:
+    """The HF `__init__` of Qwen3Attention / Qwen3MoeAttention (gated=False) or Qwen3_5MoeAttention (True)."""
+    module.config = config
+    module.layer_idx = layer_idx
+    module.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    module.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+    module.scaling = module.head_dim**-0.5
+    module.attention_dropout = config.attention_dropout
+    module.is_causal = True
+    q_out = config.num_attention_heads * module.head_dim * (2 if gated else 1)  # gated: query and output gate
+    module.q_proj = nn.Linear(config.hidden_size, q_out, bias=config.attention_bias)
+    module.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * module.head_dim,
+                              bias=config.attention_bias)
+    module.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * module.head_dim,
+                              bias=config.attention_bias)
+    module.o_proj = nn.Linear(config.num_attention_heads * module.head_dim, config.hidden_size,
+                              bias=config.attention_bias)
+    if gated:
+        module.q_norm = HeadRMSNormZeroCentered(module.head_dim, eps=config.rms_norm_eps)
+        module.k_norm = HeadRMSNormZeroCentered(module.head_dim, eps=config.rms_norm_eps)
+    else:
+        module.q_norm = HeadRMSNorm(module.head_dim, eps=config.rms_norm_eps)
+        module.k_norm = HeadRMSNorm(module.head_dim, eps=config.rms_norm_eps)
+        if hasattr(config, "layer_types"):  # Qwen3: per-layer sliding window
+            module.layer_type = config.layer_types[layer_idx]
+            module.sliding_window = config.sliding_window if module.layer_type == "sliding_attention" else None
+        else:  # Qwen3-MoE
+            module.layer_type = None
+            module.sliding_window = getattr(config, "sliding_window", None)
+
+
+def _attention_forward(module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+                       gated: bool, fused: bool):
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    if gated:
+        q_raw, gate = torch.chunk(module.q_proj(hidden_states).view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(*input_shape, -1)
+    else:
+        q_raw = module.q_proj(hidden_states).view(hidden_shape)
+    k_raw = module.k_proj(hidden_states).view(hidden_shape)
+    value_states = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+
+    if fused:  # q_norm, k_norm, transpose and RoPE in one kernel, q and k in one launch
+        if gated:
+            query_states, key_states = qk_norm_rope_zero_centered(
+                q_raw, k_raw, module.q_norm.weight, module.k_norm.weight, cos, sin, module.q_norm.eps)
+        else:
+            query_states, key_states = qk_norm_rope(
+                q_raw, k_raw, module.q_norm.weight, module.k_norm.weight, cos, sin, module.q_norm.variance_epsilon)
+    else:  # HF reference path
+        query_states = module.q_norm(q_raw.view(hidden_shape)).transpose(1, 2)
+        key_states = module.k_norm(k_raw).transpose(1, 2)
+        query_states, key_states = apply_rotary_pos_emb_hf(query_states, key_states, cos, sin)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, module.layer_idx)
+
+    attention_interface = _attention_interface(module.config._attn_implementation)
+    if not gated:
+        kwargs = {"sliding_window": module.sliding_window, **kwargs}
+    attn_output, attn_weights = attention_interface(
+        module, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if gated:
+        attn_output = attn_output * torch.sigmoid(gate)
+    attn_output = module.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+# ------------------------------------------------------------------ Qwen3 / Qwen3-MoE attention
+
+
+class QKNormRopeAttention(nn.Module):
+    """Qwen3 / Qwen3-MoE attention with q/k RMSNorm + RoPE fused into one kernel (for `QKNormRopeAttentionLayout`)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        return _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+                                  gated=False, fused=True)
+
+
+class QKNormRopeAttentionLayout(nn.Module):
+    """Replaces `^Qwen3Attention$` / `^Qwen3MoeAttention$`: same `__init__(config, layer_idx)` and parameters."""
+
+    conversion_mapping = []  # same parameter names and shapes as the HF class: nothing to re-lay
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        _init_attention(self, config, layer_idx, gated=False)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: Optional[torch.Tensor], past_key_values=None, **kwargs):
+        return _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+                                  gated=False, fused=False)
+
+
+# ------------------------------------------------------------------ Qwen3.5-MoE gated attention
+
+
+class GatedQKNormRopeAttention(nn.Module):
+    """Qwen3.5-MoE gated attention: zero-centred q/k norm + partial RoPE fused, `* sigmoid(gate)` before o_proj."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        return _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+                                  gated=True, fused=True)
+
+
+class GatedQKNormRopeAttentionLayout(nn.Module):
+    """Replaces `^Qwen3_5MoeAttention$`: same `__init__(config, layer_idx)` and parameters (q_proj is 2x wide)."""
+
+    conversion_mapping = []
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        _init_attention(self, config, layer_idx, gated=True)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: Optional[torch.Tensor], past_key_values=None, **kwargs):
+        return _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+                                  gated=True, fused=False)
+
+
+__all__ = [
+    "RotaryPosEmb",
+    "QKNormRopeAttention", "QKNormRopeAttentionLayout",
+    "GatedQKNormRopeAttention", "GatedQKNormRopeAttentionLayout",
+]

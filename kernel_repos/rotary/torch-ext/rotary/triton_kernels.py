@@ -1,321 +1,349 @@
-"""Triton kernels: the fused load-balancing loss (all layers in one launch) and the fused softmax-top-k router.
+"""Triton kernels: RoPE (full and partial) and fused per-head RMSNorm + RoPE, forward and backward.
 
-Load-balancing loss. The layers' router logits stay where the model left them (no stacking copy): a small
-int64 table of their addresses is passed and each program reads its layer's base pointer. Program (i, l)
-owns a contiguous slab of rows of layer l; per tile it computes the softmax in fp32, rounds it to the logits
-dtype (HF's routing weights), selects the top-k with packed (value, column) keys — one `tl.max` per k, ties
-to the lower index, no (tokens, K, E) one-hot — and accumulates per-expert selection counts and probability
-sums (mask-weighted) in fp32. Each program writes one partial row; a one-program finalize kernel sums the
-partials in a fixed order (deterministic, no atomics) and writes the loss and dloss/dprob_sum. The backward
-re-reads the logits, recomputes p and writes mask_t * p * (w - <p, w>) straight into each layer's gradient.
-Traffic: one read forward, one read + one write backward, plus O(programs x E) partials.
+All tensors are seen as canonical (B, H, S, D) views with arbitrary strides (last dim contiguous); q and
+k go through ONE launch (programs [0, Pq) take q rows, the rest k rows). A program owns a contiguous range of
+rows (b, h, s); each row is read once as three column groups: the two rotary halves [0, R/2), [R/2, R)
+and the pass-through part [R, D). cos/sin are (Bc, S, R) with Bc in {1, B} (batch stride 0 broadcasts).
 
-Router. One kernel per direction: softmax (fp32), top-k by the same packed keys, renormalisation, cast;
-the row max and row sum of exp are kept (8 bytes per token) so the backward recomputes p exactly.
-
-This module imports triton: import it lazily.
+Arithmetic is fp32. The forward reproduces HF's roundings when the output dtype is narrower than fp32
+(each product rounded, then the sum; the norm output rounded before the rotation), so outputs match eager
+bit for bit in the usual cases. The RoPE backward (inverse rotation) rounds the same way autograd does.
+The fused backward is plain fp32 and deterministic: dweight is written as per-program fp32 partials that
+are summed afterwards. This module imports triton: import it lazily.
 """
 import torch
 import triton
 import triton.language as tl
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-_TARGET_PROGRAMS = 1024  # ~8 per SM on H100/H200: enough to hide latency, few partial rows to reduce
-
-
-def _tile(num_experts: int):
-    block_e = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(128, 4096 // block_e))
-    num_warps = 4 if block_t * block_e <= 4096 else 8
-    return block_t, block_e, num_warps
-
-
-def _rows_per_program(rows: int, layers: int, block_t: int) -> int:
-    per = triton.cdiv(rows * layers, _TARGET_PROGRAMS)
-    return triton.cdiv(max(per, block_t), block_t) * block_t
+from .reference import NONE, STANDARD
 
 
 @triton.jit
-def _routing_probs(z_ptr, rows, row_ok, cols, col_ok, E, DT: tl.constexpr):
-    """fp32 softmax of a (BLOCK_T, BLOCK_E) tile, rounded to the logits dtype (HF routing weights)."""
-    ptrs = z_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :]
-    z = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)
-    z = tl.where(row_ok[:, None], z, 0.0)  # rows past the end: harmless finite values, weighted by 0
-    z = tl.where(col_ok[None, :], z, float("-inf"))
-    z_max = tl.max(z, axis=1)
-    e = tl.exp(z - z_max[:, None])
-    p = e / tl.sum(e, axis=1)[:, None]
-    return p.to(DT).to(tl.float32)
-
-
-@triton.jit
-def _lbl_fwd_kernel(
-    PTRS, MASK, PART_COUNT, PART_PROB, T, E, rows_per_program,
-    DT: tl.constexpr, HAS_MASK: tl.constexpr, TOP_K: tl.constexpr, UNROLL_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    layer = tl.program_id(1)
-    z_ptr = tl.load(PTRS + layer).to(tl.pointer_type(DT))
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    rev_cols = (65535 - cols)[None, :]
-    count_acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    prob_acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    row_begin = pid * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, T)
-    for start in range(row_begin, row_end, BLOCK_T):
-        rows = start + tl.arange(0, BLOCK_T)
-        row_ok = rows < row_end
-        p = _routing_probs(z_ptr, rows, row_ok, cols, col_ok, E, DT)
-        if HAS_MASK:
-            wt = tl.load(MASK + rows, mask=row_ok, other=0.0)
-        else:
-            wt = tl.where(row_ok, 1.0, 0.0)
-        prob_acc += tl.sum(p * wt[:, None], axis=0)
-        # key = (bits of p) << 16 | (65535 - col): distinct per row, ordered by p then by lower column
-        if DT == tl.float32:
-            key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | rev_cols
-        else:
-            key = (p.to(DT).to(tl.int16, bitcast=True).to(tl.int32) << 16) | rev_cols
-        key = tl.where(col_ok[None, :], key, -1)
-        selected = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        if UNROLL_K:
-            for _ in tl.static_range(TOP_K):
-                best = tl.max(key, axis=1)
-                hit = key == best[:, None]
-                selected = tl.where(hit, 1.0, selected)
-                key = tl.where(hit, -1, key)
-        else:
-            for _ in range(TOP_K):
-                best = tl.max(key, axis=1)
-                hit = key == best[:, None]
-                selected = tl.where(hit, 1.0, selected)
-                key = tl.where(hit, -1, key)
-        count_acc += tl.sum(selected * wt[:, None], axis=0)
-    part = layer * tl.num_programs(0) + pid
-    tl.store(PART_COUNT + part * E + cols, count_acc, mask=col_ok)
-    tl.store(PART_PROB + part * E + cols, prob_acc, mask=col_ok)
-
-
-@triton.jit
-def _lbl_finalize_kernel(
-    PART_COUNT, PART_PROB, MASK, LOSS, DLOSS, num_parts, T, E, num_layers_f, num_rows_f, num_experts_f,
-    HAS_MASK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    counts = tl.zeros([BLOCK_E], dtype=tl.float32)
-    probs = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for start in range(0, num_parts, BLOCK_P):
-        parts = start + tl.arange(0, BLOCK_P)
-        m = (parts < num_parts)[:, None] & col_ok[None, :]
-        offs = parts.to(tl.int64)[:, None] * E + cols[None, :]
-        counts += tl.sum(tl.load(PART_COUNT + offs, mask=m, other=0.0), axis=0)
-        probs += tl.sum(tl.load(PART_PROB + offs, mask=m, other=0.0), axis=0)
-    if HAS_MASK:
-        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start in range(0, T, BLOCK_M):
-            r = start + tl.arange(0, BLOCK_M)
-            acc += tl.load(MASK + r, mask=r < T, other=0.0)
-        rows_total = tl.sum(acc, axis=0) * num_layers_f
+def _row_offsets(rows, H, S, s_b, s_h, s_s, HEAD_INNER: tl.constexpr):
+    # row index -> (b, h, s); HEAD_INNER follows the input's memory order (h innermost for (B, S, H, D) data)
+    if HEAD_INNER:
+        h = rows % H
+        t = rows // H
+        s = t % S
+        b = t // S
     else:
-        rows_total = num_rows_f * num_layers_f
-    tokens_per_expert = counts / rows_total
-    loss = tl.sum(tokens_per_expert * (probs / rows_total), axis=0) * num_experts_f
-    tl.store(LOSS, loss)
-    tl.store(DLOSS + cols, tokens_per_expert * num_experts_f / rows_total, mask=col_ok)
+        s = rows % S
+        t = rows // S
+        h = t % H
+        b = t // H
+    b = b.to(tl.int64)
+    h = h.to(tl.int64)
+    s = s.to(tl.int64)
+    return b, h, s, b * s_b + h * s_h + s * s_s
 
 
 @triton.jit
-def _lbl_bwd_kernel(
-    PTRS, GRAD_PTRS, MASK, DLOSS, GRAD_OUT, T, E, rows_per_program,
-    DT: tl.constexpr, GDT: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+def _fwd_rows(
+    X, O, W, COS, SIN, row_begin, row_end, H, S,
+    sx_b, sx_h, sx_s, so_b, so_h, so_s, sc_b, sc_s, eps, D, HALF,
+    NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER: tl.constexpr,
+    HAS_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    layer = tl.program_id(1)
-    z_ptr = tl.load(PTRS + layer).to(tl.pointer_type(DT))
-    g_ptr = tl.load(GRAD_PTRS + layer).to(tl.pointer_type(GDT))
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    w = (tl.load(DLOSS + cols, mask=col_ok, other=0.0) * tl.load(GRAD_OUT))[None, :]
-    row_begin = pid * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, T)
-    for start in range(row_begin, row_end, BLOCK_T):
-        rows = start + tl.arange(0, BLOCK_T)
-        row_ok = rows < row_end
-        p = _routing_probs(z_ptr, rows, row_ok, cols, col_ok, E, DT)
-        dz = p * (w - tl.sum(p * w, axis=1)[:, None])
-        if HAS_MASK:
-            dz = dz * tl.load(MASK + rows, mask=row_ok, other=0.0)[:, None]
-        ptrs = g_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :]
-        tl.store(ptrs, dz.to(GDT), mask=row_ok[:, None] & col_ok[None, :])
-
-
-def _pointer_table(tensors, device):
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
-
-
-def load_balancing_loss_fwd(gate_logits, mask, num_experts: int, top_k: int):
-    first = gate_logits[0]
-    L, (T, E) = len(gate_logits), first.shape
-    block_t, block_e, num_warps = _tile(E)
-    rows_per_program = _rows_per_program(T, L, block_t)
-    grid = (triton.cdiv(T, rows_per_program), L)
-    num_parts = grid[0] * L
-    part_count = torch.empty(num_parts, E, dtype=torch.float32, device=first.device)
-    part_prob = torch.empty_like(part_count)
-    ptrs = _pointer_table(gate_logits, first.device)
-    mask_arg = mask if mask is not None else part_count
-    _lbl_fwd_kernel[grid](
-        ptrs, mask_arg, part_count, part_prob, T, E, rows_per_program,
-        DT=_TL_DTYPE[first.dtype], HAS_MASK=mask is not None, TOP_K=top_k, UNROLL_K=top_k <= 16,
-        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
-    )
-    loss = torch.empty((), dtype=torch.float32, device=first.device)
-    dloss = torch.empty(E, dtype=torch.float32, device=first.device)
-    _lbl_finalize_kernel[(1,)](
-        part_count, part_prob, mask_arg, loss, dloss, num_parts, T, E, float(L), float(T), float(num_experts),
-        HAS_MASK=mask is not None, BLOCK_P=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e, BLOCK_M=1024,
-        num_warps=8,
-    )
-    return loss, dloss
-
-
-def load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss):
-    first = gate_logits[0]
-    L, (T, E) = len(gate_logits), first.shape
-    block_t, block_e, num_warps = _tile(E)
-    rows_per_program = _rows_per_program(T, L, block_t)
-    grid = (triton.cdiv(T, rows_per_program), L)
-    grads = [torch.empty_like(z) for z in gate_logits]
-    ptrs = _pointer_table(gate_logits, first.device)
-    grad_ptrs = _pointer_table(grads, first.device)
-    _lbl_bwd_kernel[grid](
-        ptrs, grad_ptrs, mask if mask is not None else dloss, dloss, grad_loss.float().reshape(1), T, E,
-        rows_per_program, DT=_TL_DTYPE[first.dtype], GDT=_TL_DTYPE[first.dtype], HAS_MASK=mask is not None,
-        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
-    )
-    return grads
+    ch = tl.arange(0, HALF_BLOCK)
+    hmask = ch < HALF
+    cp = 2 * HALF + tl.arange(0, PASS_BLOCK)
+    pmask = cp < D
+    if NORM != 0:
+        w1 = tl.load(W + ch, mask=hmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + ch, mask=hmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_PASS:
+            wp = tl.load(W + cp, mask=pmask, other=0.0).to(tl.float32)[None, :]
+    for start in range(row_begin, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        b, h, s, x_off = _row_offsets(rows, H, S, sx_b, sx_h, sx_s, HEAD_INNER)
+        o_off = b * so_b + h * so_h + s * so_s
+        c_off = b * sc_b + s * sc_s
+        m = rmask[:, None] & hmask[None, :]
+        x1_raw = tl.load(X + x_off[:, None] + ch[None, :], mask=m, other=0.0)
+        x1 = x1_raw.to(tl.float32)
+        x2 = tl.load(X + x_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_PASS:
+            mp = rmask[:, None] & pmask[None, :]
+            xp = tl.load(X + x_off[:, None] + cp[None, :], mask=mp, other=0.0).to(tl.float32)
+        if NORM != 0:
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            if HAS_PASS:
+                ss += tl.sum(xp * xp, axis=1)
+            rstd = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+            if NORM == 1:  # standard: cast(n) to the input dtype, then * w (HF: `weight * h.to(dtype)`)
+                x1 = (x1 * rstd).to(x1_raw.dtype).to(tl.float32) * w1
+                x2 = (x2 * rstd).to(x1_raw.dtype).to(tl.float32) * w2
+                if HAS_PASS:
+                    xp = (xp * rstd).to(x1_raw.dtype).to(tl.float32) * wp
+            else:  # zero-centred: n * (1 + w) in fp32
+                x1 = x1 * rstd * (1.0 + w1)
+                x2 = x2 * rstd * (1.0 + w2)
+                if HAS_PASS:
+                    xp = xp * rstd * (1.0 + wp)
+            if ROUND_NORM:  # the norm's output tensor has the input dtype
+                x1 = x1.to(x1_raw.dtype).to(tl.float32)
+                x2 = x2.to(x1_raw.dtype).to(tl.float32)
+                if HAS_PASS:
+                    xp = xp.to(x1_raw.dtype).to(tl.float32)
+        c1 = tl.load(COS + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + c_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + c_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        # y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2 (rotate_half(x) = [-x2, x1])
+        a1 = x1 * c1
+        b1 = x2 * s1
+        a2 = x2 * c2
+        b2 = x1 * s2
+        if ROUND_ROPE:
+            a1 = a1.to(O.dtype.element_ty).to(tl.float32)
+            b1 = b1.to(O.dtype.element_ty).to(tl.float32)
+            a2 = a2.to(O.dtype.element_ty).to(tl.float32)
+            b2 = b2.to(O.dtype.element_ty).to(tl.float32)
+        tl.store(O + o_off[:, None] + ch[None, :], (a1 - b1).to(O.dtype.element_ty), mask=m)
+        tl.store(O + o_off[:, None] + HALF + ch[None, :], (a2 + b2).to(O.dtype.element_ty), mask=m)
+        if HAS_PASS:
+            tl.store(O + o_off[:, None] + cp[None, :], xp.to(O.dtype.element_ty), mask=mp)
 
 
 @triton.jit
-def _router_fwd_kernel(
-    Z, SCORES, INDICES, STATS, T, E, stride_z, rows_per_program,
-    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _fwd_kernel(
+    Q, K, QO, KO, WQ, WK, COS, SIN, Mq, Mk, rows_per_prog_q, rows_per_prog_k, n_prog_q, H_q, H_k, S,
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sqo_b, sqo_h, sqo_s, sko_b, sko_h, sko_s, sc_b, sc_s, eps, D, HALF,
+    NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_ROPE: tl.constexpr,
+    HEAD_INNER_Q: tl.constexpr, HEAD_INNER_K: tl.constexpr, HAS_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    kcols = tl.arange(0, BLOCK_K)[None, :]
-    row_begin = pid * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, T)
-    for start in range(row_begin, row_end, BLOCK_T):
-        rows = start + tl.arange(0, BLOCK_T)
-        row_ok = rows < row_end
-        rows64 = rows.to(tl.int64)
-        z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=float("-inf")).to(tl.float32)
-        z = tl.where(row_ok[:, None], z, 0.0)
-        z = tl.where(col_ok[None, :], z, float("-inf"))
-        z_max = tl.max(z, axis=1)
-        e = tl.exp(z - z_max[:, None])
-        e_sum = tl.sum(e, axis=1)
-        p = e / e_sum[:, None]
-        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (65535 - cols)[None, :]
-        key = tl.where(col_ok[None, :], key, -1)
-        top_vals = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        top_idx = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(key, axis=1)
-            val = (best >> 16).to(tl.int32).to(tl.float32, bitcast=True)
-            idx = 65535 - (best & 65535)
-            top_vals = tl.where(kcols == j, val[:, None], top_vals)
-            top_idx = tl.where(kcols == j, idx[:, None], top_idx)
-            key = tl.where(key == best[:, None], -1, key)
-        if NORMALIZE:
-            top_vals = top_vals / tl.sum(top_vals, axis=1)[:, None]
-        out_mask = row_ok[:, None] & (kcols < TOP_K)
-        out_offs = rows64[:, None] * TOP_K + kcols
-        tl.store(SCORES + out_offs, top_vals.to(SCORES.dtype.element_ty), mask=out_mask)
-        tl.store(INDICES + out_offs, top_idx, mask=out_mask)
-        tl.store(STATS + rows64 * 2, z_max, mask=row_ok)
-        tl.store(STATS + rows64 * 2 + 1, e_sum, mask=row_ok)
+    if pid < n_prog_q:
+        row_begin = pid * rows_per_prog_q
+        row_end = tl.minimum(row_begin + rows_per_prog_q, Mq)
+        _fwd_rows(Q, QO, WQ, COS, SIN, row_begin, row_end, H_q, S, sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
+                  sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS,
+                  BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+    else:
+        row_begin = (pid - n_prog_q) * rows_per_prog_k
+        row_end = tl.minimum(row_begin + rows_per_prog_k, Mk)
+        _fwd_rows(K, KO, WK, COS, SIN, row_begin, row_end, H_k, S, sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
+                  sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS,
+                  BLOCK_M, HALF_BLOCK, PASS_BLOCK)
 
 
 @triton.jit
-def _router_bwd_kernel(
-    DS, Z, STATS, INDICES, DZ, T, E, stride_z, rows_per_program,
-    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _bwd_rows(
+    DY, X, DX, W, DW, COS, SIN, row_begin, row_end, H, S,
+    sdy_b, sdy_h, sdy_s, sx_b, sx_h, sx_s, sdx_b, sdx_h, sdx_s, sc_b, sc_s, eps, D, HALF,
+    NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER: tl.constexpr, HAS_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    kcols = tl.arange(0, BLOCK_K)[None, :]
-    row_begin = pid * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, T)
-    for start in range(row_begin, row_end, BLOCK_T):
-        rows = start + tl.arange(0, BLOCK_T)
-        row_ok = rows < row_end
-        rows64 = rows.to(tl.int64)
-        tile_mask = row_ok[:, None] & col_ok[None, :]
-        k_mask = row_ok[:, None] & (kcols < TOP_K)
-        z = tl.load(Z + rows64[:, None] * stride_z + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-        z_max = tl.load(STATS + rows64 * 2, mask=row_ok, other=0.0)
-        e_sum = tl.load(STATS + rows64 * 2 + 1, mask=row_ok, other=1.0)
-        p = tl.exp(z - z_max[:, None]) / e_sum[:, None]
-        k_offs = rows64[:, None] * TOP_K + kcols
-        idx = tl.load(INDICES + k_offs, mask=k_mask, other=0)
-        ds = tl.load(DS + k_offs, mask=k_mask, other=0.0).to(tl.float32)
-        zk = tl.load(Z + rows64[:, None] * stride_z + idx, mask=k_mask, other=float("-inf")).to(tl.float32)
-        v = tl.exp(zk - z_max[:, None]) / e_sum[:, None]  # chosen probabilities (0 in padded slots)
-        if NORMALIZE:
-            total = tl.where(row_ok, tl.sum(v, axis=1), 1.0)[:, None]  # rows past the end: v == 0
-            dv = (ds - tl.sum(ds * v / total, axis=1)[:, None]) / total
+    ch = tl.arange(0, HALF_BLOCK)
+    hmask = ch < HALF
+    cp = 2 * HALF + tl.arange(0, PASS_BLOCK)
+    pmask = cp < D
+    if NORM != 0:
+        w1 = tl.load(W + ch, mask=hmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + ch, mask=hmask, other=0.0).to(tl.float32)[None, :]
+        dw1 = tl.zeros([HALF_BLOCK], dtype=tl.float32)
+        dw2 = tl.zeros([HALF_BLOCK], dtype=tl.float32)
+        if HAS_PASS:
+            wp = tl.load(W + cp, mask=pmask, other=0.0).to(tl.float32)[None, :]
+            dwp = tl.zeros([PASS_BLOCK], dtype=tl.float32)
+    for start in range(row_begin, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        b, h, s, dy_off = _row_offsets(rows, H, S, sdy_b, sdy_h, sdy_s, HEAD_INNER)
+        dx_off = b * sdx_b + h * sdx_h + s * sdx_s
+        c_off = b * sc_b + s * sc_s
+        m = rmask[:, None] & hmask[None, :]
+        dy1 = tl.load(DY + dy_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        dy2 = tl.load(DY + dy_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_PASS:
+            mp = rmask[:, None] & pmask[None, :]
+            dyp = tl.load(DY + dy_off[:, None] + cp[None, :], mask=mp, other=0.0).to(tl.float32)
+        c1 = tl.load(COS + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + c_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + c_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        # inverse rotation: d1 = dy1 c1 + dy2 s2, d2 = dy2 c2 - dy1 s1
+        a1 = dy1 * c1
+        b1 = dy2 * s2
+        a2 = dy2 * c2
+        b2 = dy1 * s1
+        if ROUND_ROPE:
+            a1 = a1.to(DX.dtype.element_ty).to(tl.float32)
+            b1 = b1.to(DX.dtype.element_ty).to(tl.float32)
+            a2 = a2.to(DX.dtype.element_ty).to(tl.float32)
+            b2 = b2.to(DX.dtype.element_ty).to(tl.float32)
+        d1 = a1 + b1
+        d2 = a2 - b2
+        if NORM == 0:
+            tl.store(DX + dx_off[:, None] + ch[None, :], d1.to(DX.dtype.element_ty), mask=m)
+            tl.store(DX + dx_off[:, None] + HALF + ch[None, :], d2.to(DX.dtype.element_ty), mask=m)
+            if HAS_PASS:
+                tl.store(DX + dx_off[:, None] + cp[None, :], dyp.to(DX.dtype.element_ty), mask=mp)
         else:
-            dv = ds
-        dv = tl.where(k_mask, dv, 0.0)
-        dp = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            idx_j = tl.sum(tl.where(kcols == j, idx, 0), axis=1)
-            dv_j = tl.sum(tl.where(kcols == j, dv, 0.0), axis=1)
-            dp = tl.where(cols[None, :] == idx_j[:, None], dv_j[:, None], dp)
-        dz = p * (dp - tl.sum(v * dv, axis=1)[:, None])
-        tl.store(DZ + rows64[:, None] * E + cols[None, :], dz.to(DZ.dtype.element_ty), mask=tile_mask)
+            x_off = b * sx_b + h * sx_h + s * sx_s
+            x1_raw = tl.load(X + x_off[:, None] + ch[None, :], mask=m, other=0.0)
+            x1 = x1_raw.to(tl.float32)
+            x2 = tl.load(X + x_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            if HAS_PASS:
+                xp = tl.load(X + x_off[:, None] + cp[None, :], mask=mp, other=0.0).to(tl.float32)
+                ss += tl.sum(xp * xp, axis=1)
+            rstd = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+            n1 = x1 * rstd
+            n2 = x2 * rstd
+            if NORM == 1:  # y = w * cast(n)
+                dw1 += tl.sum(d1 * n1.to(x1_raw.dtype).to(tl.float32), axis=0)
+                dw2 += tl.sum(d2 * n2.to(x1_raw.dtype).to(tl.float32), axis=0)
+                g1 = d1 * w1
+                g2 = d2 * w2
+            else:  # y = n * (1 + w)
+                dw1 += tl.sum(d1 * n1, axis=0)
+                dw2 += tl.sum(d2 * n2, axis=0)
+                g1 = d1 * (1.0 + w1)
+                g2 = d2 * (1.0 + w2)
+            dot = tl.sum(g1 * n1, axis=1) + tl.sum(g2 * n2, axis=1)
+            if HAS_PASS:
+                np_ = xp * rstd
+                if NORM == 1:
+                    dwp += tl.sum(dyp * np_.to(x1_raw.dtype).to(tl.float32), axis=0)
+                    gp = dyp * wp
+                else:
+                    dwp += tl.sum(dyp * np_, axis=0)
+                    gp = dyp * (1.0 + wp)
+                dot += tl.sum(gp * np_, axis=1)
+            mean = (dot / D)[:, None]
+            # d/dx of x * rstd(x): rstd * (g - n * mean(g * n))
+            tl.store(DX + dx_off[:, None] + ch[None, :], (rstd * (g1 - n1 * mean)).to(DX.dtype.element_ty), mask=m)
+            tl.store(DX + dx_off[:, None] + HALF + ch[None, :], (rstd * (g2 - n2 * mean)).to(DX.dtype.element_ty),
+                     mask=m)
+            if HAS_PASS:
+                tl.store(DX + dx_off[:, None] + cp[None, :], (rstd * (gp - np_ * mean)).to(DX.dtype.element_ty),
+                         mask=mp)
+    if NORM != 0:
+        tl.store(DW + ch, dw1, mask=hmask)
+        tl.store(DW + HALF + ch, dw2, mask=hmask)
+        if HAS_PASS:
+            tl.store(DW + cp, dwp, mask=pmask)
 
 
-def _router_launch_params(T: int, E: int, top_k: int):
-    block_t, block_e, num_warps = _tile(E)
-    while block_t > 1 and block_t * (block_e + 2 * triton.next_power_of_2(top_k)) > 4096:
-        block_t //= 2
-    rows_per_program = _rows_per_program(T, 1, block_t)
-    return block_t, block_e, num_warps, rows_per_program
+@triton.jit
+def _bwd_kernel(
+    DQO, DKO, Q, K, DQ, DK, WQ, WK, DWQ, DWK, COS, SIN,
+    Mq, Mk, rows_per_prog_q, rows_per_prog_k, n_prog_q, H_q, H_k, S,
+    sdq_b, sdq_h, sdq_s, sdk_b, sdk_h, sdk_s, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s,
+    sgq_b, sgq_h, sgq_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
+    NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER_Q: tl.constexpr, HEAD_INNER_K: tl.constexpr,
+    HAS_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < n_prog_q:
+        row_begin = pid * rows_per_prog_q
+        row_end = tl.minimum(row_begin + rows_per_prog_q, Mq)
+        _bwd_rows(DQO, Q, DQ, WQ, DWQ + pid * D, COS, SIN, row_begin, row_end, H_q, S,
+                  sdq_b, sdq_h, sdq_s, sq_b, sq_h, sq_s, sgq_b, sgq_h, sgq_s, sc_b, sc_s, eps, D, HALF,
+                  NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+    else:
+        kp = pid - n_prog_q
+        row_begin = kp * rows_per_prog_k
+        row_end = tl.minimum(row_begin + rows_per_prog_k, Mk)
+        _bwd_rows(DKO, K, DK, WK, DWK + kp * D, COS, SIN, row_begin, row_end, H_k, S,
+                  sdk_b, sdk_h, sdk_s, sk_b, sk_h, sk_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
+                  NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK)
 
 
-def softmax_topk_fwd(router_logits, top_k: int, normalize: bool):
-    T, E = router_logits.shape
-    block_t, block_e, num_warps, rows_per_program = _router_launch_params(T, E, top_k)
-    scores = torch.empty(T, top_k, dtype=router_logits.dtype, device=router_logits.device)
-    indices = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
-    stats = torch.empty(T, 2, dtype=torch.float32, device=router_logits.device)
-    _router_fwd_kernel[(triton.cdiv(T, rows_per_program),)](
-        router_logits, scores, indices, stats, T, E, router_logits.stride(0), rows_per_program,
-        TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
+# ---------------------------------------------------------------------------------------------------------
+# Launch wrappers. All 4-D tensors are canonical (B, H, S, D) views; cos/sin (Bc, S, R).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _blocks(D: int, R: int, elems_per_block: int):
+    half_block = triton.next_power_of_2(max(R // 2, 1))
+    pass_block = triton.next_power_of_2(D - R) if D > R else 1
+    row_elems = 2 * half_block + (pass_block if D > R else 0)
+    block_m = 1 << max(0, min(128, elems_per_block // row_elems).bit_length() - 1)  # power of 2, <= 128
+    num_warps = max(1, min(8, block_m * row_elems // 512))
+    return block_m, half_block, pass_block, num_warps
+
+
+def _bhs(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _head_inner(t) -> bool:
+    return t.stride(1) <= t.stride(2) and t.shape[1] > 1
+
+
+def _cos_strides(cos):
+    return (cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1)
+
+
+def _round(dtype) -> bool:
+    return dtype != torch.float32
+
+
+def qk_rope_fwd(q, k, cos, sin, q_out, k_out, q_weight=None, k_weight=None, eps=0.0, norm=NONE,
+                round_norm=False):
+    """Writes rope(norm(q)) into q_out and rope(norm(k)) into k_out (both given, canonical views)."""
+    B, Hq, S, D = q.shape
+    Hk = k.shape[1]
+    R = cos.shape[-1]
+    Mq, Mk = B * Hq * S, B * Hk * S
+    block_m, half_block, pass_block, num_warps = _blocks(D, R, 4096 if norm == NONE else 2048)
+    n_prog_q, n_prog_k = triton.cdiv(Mq, block_m), triton.cdiv(Mk, block_m)
+    wq = q_weight if q_weight is not None else cos
+    wk = k_weight if k_weight is not None else cos
+    sc_b, sc_s = _cos_strides(cos)
+    _fwd_kernel[(n_prog_q + n_prog_k,)](
+        q, k, q_out, k_out, wq, wk, cos, sin, Mq, Mk, block_m, block_m, n_prog_q, Hq, Hk, S,
+        *_bhs(q), *_bhs(k), *_bhs(q_out), *_bhs(k_out), sc_b, sc_s, float(eps), D, R // 2,
+        NORM=norm, ROUND_NORM=round_norm, ROUND_ROPE=_round(q_out.dtype),
+        HEAD_INNER_Q=_head_inner(q), HEAD_INNER_K=_head_inner(k), HAS_PASS=D > R,
+        BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block, num_warps=num_warps,
     )
-    return scores, indices, stats
 
 
-def softmax_topk_bwd(d_scores, router_logits, stats, indices, normalize: bool):
-    T, E = router_logits.shape
-    top_k = indices.shape[1]
-    block_t, block_e, num_warps, rows_per_program = _router_launch_params(T, E, top_k)
-    dz = torch.empty(T, E, dtype=router_logits.dtype, device=router_logits.device)
-    _router_bwd_kernel[(triton.cdiv(T, rows_per_program),)](
-        d_scores, router_logits, stats, indices, dz, T, E, router_logits.stride(0), rows_per_program,
-        TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
+def _num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * 8
+    return 4
+
+
+def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None, k_weight=None, eps=0.0,
+                norm=NONE):
+    """Writes the input grads into dq / dk; with a norm, returns fp32 (dq_weight, dk_weight)."""
+    B, Hq, S, D = dq_out.shape
+    Hk = dk_out.shape[1]
+    R = cos.shape[-1]
+    Mq, Mk = B * Hq * S, B * Hk * S
+    block_m, half_block, pass_block, num_warps = _blocks(D, R, 4096 if norm == NONE else 2048)
+    if norm == NONE:  # one block of rows per program, like the forward
+        rpp_q = rpp_k = block_m
+    else:  # fewer, longer programs: one fp32 dweight partial each, summed afterwards (deterministic)
+        total = max(1, _num_programs(dq_out.device))
+        n_q = max(1, min(triton.cdiv(Mq, block_m), total * Mq // (Mq + Mk)))
+        n_k = max(1, min(triton.cdiv(Mk, block_m), total * Mk // (Mq + Mk)))
+        rpp_q = triton.cdiv(triton.cdiv(Mq, n_q), block_m) * block_m
+        rpp_k = triton.cdiv(triton.cdiv(Mk, n_k), block_m) * block_m
+    n_prog_q, n_prog_k = triton.cdiv(Mq, rpp_q), triton.cdiv(Mk, rpp_k)
+    if norm != NONE:
+        dwq = torch.empty((n_prog_q, D), dtype=torch.float32, device=dq.device)
+        dwk = torch.empty((n_prog_k, D), dtype=torch.float32, device=dq.device)
+        qx, kx, wq, wk = q, k, q_weight, k_weight
+    else:
+        dwq = dwk = cos
+        qx, kx, wq, wk = dq_out, dk_out, cos, cos
+    sc_b, sc_s = _cos_strides(cos)
+    _bwd_kernel[(n_prog_q + n_prog_k,)](
+        dq_out, dk_out, qx, kx, dq, dk, wq, wk, dwq, dwk, cos, sin,
+        Mq, Mk, rpp_q, rpp_k, n_prog_q, Hq, Hk, S,
+        *_bhs(dq_out), *_bhs(dk_out), *_bhs(qx), *_bhs(kx), *_bhs(dq), *_bhs(dk), sc_b, sc_s,
+        float(eps), D, R // 2,
+        NORM=norm, ROUND_ROPE=(norm == NONE and _round(dq.dtype)),
+        HEAD_INNER_Q=_head_inner(dq_out), HEAD_INNER_K=_head_inner(dk_out), HAS_PASS=D > R,
+        BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block, num_warps=num_warps,
     )
-    return dz
+    if norm != NONE:
+        return dwq.sum(0), dwk.sum(0)
+    return None
