@@ -269,3 +269,19 @@ def test_deterministic_and_cuda_graph_gpu():
     torch.cuda.synchronize()
     ref_out, ref_g = _run(moe.moe_experts, x, new_idx, w, gu, dn, dout)
     assert torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(gs, ref_g))
+
+
+def test_autocast_fp32_weights():
+    # fp32 parameters under autocast (mixed-precision training): GEMMs run in the autocast dtype, grads reach
+    # the fp32 leaves in fp32
+    x, idx, w, gu, dn, dout = _make(9, 32, 32, 4, 2, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = moe.moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+    assert out.dtype == torch.float16
+    grads = torch.autograd.grad(out, leaves, dout.half())
+    assert [g.dtype for g in grads] == [torch.float32] * 4
+    ref_out, ref_grads = _reference(x, idx, w, gu, dn, dout)
+    assert (out.double() - ref_out).abs().max() < 2e-2 * ref_out.abs().max()
+    for g, r in zip(grads, ref_grads):
+        assert (g.double() - r).abs().max() < 2e-2 * r.abs().max()

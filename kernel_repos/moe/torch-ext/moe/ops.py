@@ -36,7 +36,8 @@ def moe_experts_fwd(
         out, gate_up_out, act = moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                         sorted_slot, expert_offsets)
         return out, gate_up_out, act, sorted_slot, expert_offsets
-    return moe_fwd_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    with torch.autocast(hidden.device.type, enabled=False):  # the reference keeps the op's own precision
+        return moe_fwd_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
 
 @moe_experts_fwd.register_fake
@@ -65,7 +66,8 @@ def moe_experts_bwd(
         from .triton_kernels import moe_bwd
 
         return moe_bwd(*args)
-    return moe_bwd_reference(*args)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return moe_bwd_reference(*args)
 
 
 @moe_experts_bwd.register_fake
@@ -158,6 +160,12 @@ def moe_experts(
     gate rows first; down_proj (E, H, I). Returns (T, H) in the dtype of hidden_states. Differentiable in
     hidden_states, top_k_weights, gate_up_proj and down_proj; deterministic (no atomics).
     """
+    if isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
+        # mixed-precision training (fp32 master weights under autocast): run the GEMMs in the autocast dtype,
+        # as F.linear does in HF's eager path; the casts are differentiable
+        dtype = torch.get_autocast_dtype(hidden_states.device.type)
+        hidden_states, gate_up_proj, down_proj = (t.to(dtype) if isinstance(t, torch.Tensor) else t
+                                                  for t in (hidden_states, gate_up_proj, down_proj))
     _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     out, *_ = moe_experts_fwd(hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(),
                               gate_up_proj.contiguous(), down_proj.contiguous())

@@ -20,6 +20,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _in_bounds(offs, bound, EVEN: tl.constexpr):
+    # EVEN (bound is a multiple of the block): an all-true constant mask, which keeps loads and stores along
+    # a contiguous dimension vectorised (a data-dependent mask there would split them into scalar accesses)
+    if EVEN:
+        return tl.full(offs.shape, 1, tl.int1)
+    else:
+        return offs < bound
+
+
+@triton.jit
+def _program_tile(TILES_N):
+    # 1-D grid, column tiles fastest: the programs of one row tile run together and share its
+    # (gathered) activation rows in L2; consecutive row tiles mostly belong to the same expert.
+    pid = tl.program_id(0)
+    return pid % TILES_N, pid // TILES_N
+
+
+@triton.jit
 def _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M: tl.constexpr):
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     row0 = tl.load(OFFSETS + e) + (pid_m - tl.load(TILE_START + e)) * BLOCK_M
@@ -31,19 +49,19 @@ def _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M: tl.constexpr):
 @triton.jit
 def _gate_up_fwd_kernel(
     X, W, ROW_TOKEN, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT,
-    H, I, E, stride_x, stride_we, stride_wn, stride_gu, stride_act,
+    H, I, E, TILES_N, stride_x, stride_we, stride_wn, stride_gu, stride_act,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     # gate = x @ Wg[e]^T, up = x @ Wu[e]^T for BLOCK_N intermediate columns; act = silu(gate) * up
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
     e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
     tok = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < I
+    col_mask = _in_bounds(cols, I, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = X + tok[:, None] * stride_x + ks[None, :]
     wg_ptrs = W + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
@@ -51,7 +69,7 @@ def _gate_up_fwd_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_mask = (k0 + ks) < H
+        k_mask = _in_bounds(k0 + ks, H, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         bg = tl.load(wg_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         bu = tl.load(wu_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
@@ -75,24 +93,24 @@ def _gate_up_fwd_kernel(
 @triton.jit
 def _down_fwd_kernel(
     ACT, D, TILE_EXPERT, TILE_START, OFFSETS, Y,
-    H, I, E, stride_act, stride_de, stride_dn, stride_y,
+    H, I, E, TILES_N, stride_act, stride_de, stride_dn, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     # y = act @ Wd[e]^T for BLOCK_N hidden columns (rows in sorted order)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
     e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < H
+    col_mask = _in_bounds(cols, H, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = ACT + rows[:, None] * stride_act + ks[None, :]
     b_ptrs = D + e * stride_de + cols[None, :].to(tl.int64) * stride_dn + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        k_mask = (k0 + ks) < I
+        k_mask = _in_bounds(k0 + ks, I, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
@@ -131,26 +149,26 @@ def _combine_kernel(
 @triton.jit
 def _down_bwd_act_kernel(
     DOUT, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT, DGU, DW_PART,
-    H, I, E, stride_dout, stride_de, stride_dn, stride_gu, stride_act, stride_dgu, stride_part,
+    H, I, E, TILES_N, stride_dout, stride_de, stride_dn, stride_gu, stride_act, stride_dgu, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     # g_act = dout[token] @ Wd[e]   (unweighted grad of act, BLOCK_N intermediate columns)
     # epilogue: dweight partial = sum_i g_act * act; dact = w * g_act; SwiGLU backward -> dgate, dup
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
     e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
     tok = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < I
+    col_mask = _in_bounds(cols, I, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = DOUT + tok[:, None] * stride_dout + ks[None, :]
     b_ptrs = D + e * stride_de + ks[:, None].to(tl.int64) * stride_dn + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_mask = (k0 + ks) < H
+        k_mask = _in_bounds(k0 + ks, H, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
@@ -175,24 +193,24 @@ def _down_bwd_act_kernel(
 @triton.jit
 def _gate_up_bwd_x_kernel(
     DGU, W, TILE_EXPERT, TILE_START, OFFSETS, DX,
-    H, TWO_I, E, stride_dgu, stride_we, stride_wn, stride_dx,
+    H, TWO_I, E, TILES_N, stride_dgu, stride_we, stride_wn, stride_dx,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     # dx_row = dgate_up_row @ Wgu[e]   (rows in sorted order; the combine sums each token's K copies)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
     e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < H
+    col_mask = _in_bounds(cols, H, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = DGU + rows[:, None] * stride_dgu + ks[None, :]
     b_ptrs = W + e * stride_we + ks[:, None].to(tl.int64) * stride_wn + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, TWO_I, BLOCK_K):
-        k_mask = (k0 + ks) < TWO_I
+        k_mask = _in_bounds(k0 + ks, TWO_I, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
@@ -207,6 +225,7 @@ def _gate_up_bwd_w_kernel(
     DGU, X, ROW_TOKEN, OFFSETS, DW,
     H, TWO_I, stride_dgu, stride_x, stride_dwe, stride_dwn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     # dWgu[e][m, n] = sum over the expert's rows r of dgate_up[r, m] * x[token_r, n]   (one program per tile)
     pid = tl.program_id(0)
@@ -218,8 +237,8 @@ def _gate_up_bwd_w_kernel(
     hi = tl.load(OFFSETS + e + 1)
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = ms < TWO_I
-    n_mask = ns < H
+    m_mask = _in_bounds(ms, TWO_I, EVEN_M)
+    n_mask = _in_bounds(ns, H, EVEN_N)
     ks = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(lo, hi, BLOCK_K):
@@ -238,6 +257,7 @@ def _down_bwd_w_kernel(
     DOUT, ROW_W, ACT, ROW_TOKEN, OFFSETS, DW,
     H, I, stride_dout, stride_act, stride_dwe, stride_dwn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     # dWd[e][h, i] = sum over the expert's rows r of (w_r * dout[token_r, h]) * act[r, i]
     pid = tl.program_id(0)
@@ -249,8 +269,8 @@ def _down_bwd_w_kernel(
     hi = tl.load(OFFSETS + e + 1)
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = ms < H
-    n_mask = ns < I
+    m_mask = _in_bounds(ms, H, EVEN_M)
+    n_mask = _in_bounds(ns, I, EVEN_N)
     ks = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(lo, hi, BLOCK_K):
@@ -339,17 +359,21 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     gate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
     act = torch.empty((S, inter), dtype=dtype, device=hidden.device)
     bn, bk, warps, stages = _gemm_cfg(gpu, dtype, n_block=64)
-    _gate_up_fwd_kernel[(triton.cdiv(inter, bn), max_tiles)](
+    tiles_n = triton.cdiv(inter, bn)
+    _gate_up_fwd_kernel[(tiles_n * max_tiles,)](
         hidden, gate_up_proj, row_token, tile_expert, tile_start, expert_offsets, gate_up_out, act,
-        H, inter, E, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_out.stride(0),
-        act.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+        H, inter, E, tiles_n, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_out.stride(0),
+        act.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_N=inter % bn == 0, EVEN_K=H % bk == 0,
+        num_warps=warps, num_stages=stages,
     )
     y_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
     bn, bk, warps, stages = _gemm_cfg(gpu, dtype)
-    _down_fwd_kernel[(triton.cdiv(H, bn), max_tiles)](
+    tiles_n = triton.cdiv(H, bn)
+    _down_fwd_kernel[(tiles_n * max_tiles,)](
         act, down_proj, tile_expert, tile_start, expert_offsets, y_rows,
-        H, inter, E, act.stride(0), down_proj.stride(0), down_proj.stride(1), y_rows.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+        H, inter, E, tiles_n, act.stride(0), down_proj.stride(0), down_proj.stride(1), y_rows.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_N=H % bn == 0, EVEN_K=inter % bk == 0,
+        num_warps=warps, num_stages=stages,
     )
     out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
     return out, gate_up_out, act
@@ -376,11 +400,12 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     tiles_i = triton.cdiv(inter, bn)
     dgate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
     dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=hidden.device)
-    _down_bwd_act_kernel[(tiles_i, max_tiles)](
+    _down_bwd_act_kernel[(tiles_i * max_tiles,)](
         dout, down_proj, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, act,
-        dgate_up_out, dw_part, H, inter, E, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
+        dgate_up_out, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
         gate_up_out.stride(0), act.stride(0), dgate_up_out.stride(0), dw_part.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_N=inter % bn == 0, EVEN_K=H % bk == 0,
+        num_warps=warps, num_stages=stages,
     )
     # routing-weight grad: fixed-order sum of the per-column-tile partials, back to slot order
     valid = (top_k_index >= 0) & (top_k_index < E)
@@ -389,10 +414,12 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     # 2. grad of hidden: per-row dx, then sum of each token's K copies
     bn, bk, warps, stages = _gemm_cfg(gpu, dtype)
     dx_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
-    _gate_up_bwd_x_kernel[(triton.cdiv(H, bn), max_tiles)](
+    tiles_n = triton.cdiv(H, bn)
+    _gate_up_bwd_x_kernel[(tiles_n * max_tiles,)](
         dgate_up_out, gate_up_proj, tile_expert, tile_start, expert_offsets, dx_rows,
-        H, two_i, E, dgate_up_out.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), dx_rows.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+        H, two_i, E, tiles_n, dgate_up_out.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), dx_rows.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_N=H % bn == 0, EVEN_K=two_i % bk == 0,
+        num_warps=warps, num_stages=stages,
     )
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
@@ -405,12 +432,14 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     _gate_up_bwd_w_kernel[(triton.cdiv(two_i, bm) * triton.cdiv(H, bn), E)](
         dgate_up_out, hidden, row_token, expert_offsets, dgate_up_proj,
         H, two_i, dgate_up_out.stride(0), hidden.stride(0), dgate_up_proj.stride(0), dgate_up_proj.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_M=two_i % bm == 0, EVEN_N=H % bn == 0,
+        num_warps=warps, num_stages=stages,
     )
     ddown_proj = torch.empty_like(down_proj)
     _down_bwd_w_kernel[(triton.cdiv(H, bm) * triton.cdiv(inter, bn), E)](
         dout, row_w, act, row_token, expert_offsets, ddown_proj,
         H, inter, dout.stride(0), act.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_M=H % bm == 0, EVEN_N=inter % bn == 0,
+        num_warps=warps, num_stages=stages,
     )
     return dhidden, dweights, dgate_up_proj, ddown_proj
