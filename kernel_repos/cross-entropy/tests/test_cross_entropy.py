@@ -204,7 +204,8 @@ def test_weight_grad_fp32_accumulation():
     _close(h.grad, h64.grad, torch.float16, "dh")
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend):
     torch._dynamo.reset()
     torch.manual_seed(7)
     h = torch.randn(10, 16, device=DEV, requires_grad=True)
@@ -216,7 +217,7 @@ def test_torch_compile_fullgraph():
         b = fused_ce(h @ w.t(), y, label_smoothing=0.1)
         return a + b
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
     loss = compiled(h, w, y)
     dh, dw = torch.autograd.grad(loss, (h, w))
     eager = step(h, w, y)
