@@ -36,6 +36,12 @@ except ImportError:  # a peer, not a dependency
     liger = None
 
 
+def _version(dist):
+    from importlib.metadata import version
+
+    return version(dist)
+
+
 def comp(f):
     return torch.compile(f, dynamic=False)
 
@@ -104,7 +110,7 @@ def load_kernel(name: str):
 
 def report(out_dir: Path):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                liger=getattr(liger, "__version__", None) if liger else None,
+                liger=_version("liger-kernel") if liger else None,
                 copy_TBps=round(COPY_BW / 1e12, 3), mm_TFLOPs=round(MM_RATE / 1e12, 1),
                 command="python scripts/bench_ops.py " + " ".join(sys.argv[1:]))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (device tool): install carried wheels, build, GPU tests, side-by-side bench.
 #   bash scripts/gpu_check.sh [tests] [bench [case ...]]     (default: tests and every bench case)
-#   TEST_PATHS / MODEL_TEST_PATHS narrow the kernel / model test selection.
+#   BUILD_REPOS, TEST_PATHS, MODEL_TEST_PATHS narrow the builds and the kernel / model test selection.
 # Carry `.whl` (transformers 5.22.2, kernels 0.17.2, liger-kernel 0.8.5 wheels; see docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers, kernels; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'kernels', kernels.__version__)"
-python3 scripts/build.py || exit 1
+python3 scripts/build.py ${BUILD_REPOS:-} || exit 1
 mode="${1:-all}"; shift || true
 status=0
 if [ "$mode" = all ] || [ "$mode" = tests ]; then

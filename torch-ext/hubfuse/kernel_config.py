@@ -112,10 +112,12 @@ class KernelConfig(transformers.KernelConfig):
         model.train()   # still runs the kernels
 
     `clean_global_state=False` keeps transformers' stock behaviour of leaving the patch and conversion
-    mappings registered after the load.
+    mappings registered after the load. `inherit_mapping` defaults to False (stock: True): only the kernels
+    you list are bound, instead of also pulling transformers' default hub kernels for every other hooked
+    layer on CUDA (a network fetch at load time, and numerics you did not ask for).
     """
 
-    def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=True, clean_global_state=True):
+    def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=False, clean_global_state=True):
         self._user_mapping = copy.deepcopy(kernel_mapping if kernel_mapping is not None else {})
         self._pending_state = None
         self._clean_global_state = clean_global_state
