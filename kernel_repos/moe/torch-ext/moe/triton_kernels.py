@@ -288,6 +288,22 @@ def _down_bwd_w_kernel(
 
 # ----------------------------------------------------------------------------------------------- launch
 
+# Tile configs for 16-bit inputs on CUDA (H100/H200 class), one entry per kernel. Row tiles (BLOCK_M) of the
+# grouped kernels drop to 64 when experts get few rows (decode, many experts). Module-level so that a tuning
+# run (benchmarks/tune_moe.py) can sweep them without editing code.
+GPU_CONFIGS = {
+    "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),  # x2 accumulators
+    "down_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),  # heavy epilogue
+    "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+}
+_FP32_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)  # IEEE fp32: no tensor cores
+# interpreter: small tiles, so that the tests cover several row tiles per expert and several column tiles
+_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
+_INTERPRETER_W_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
+
 
 def _on_gpu(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
@@ -297,31 +313,41 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
 
 
-def _row_block(S: int, E: int, gpu: bool) -> int:
-    if not gpu:  # interpreter: small tiles so that the tests cover several tiles per expert
-        return 16
-    return 64 if S < 96 * E else 128  # few rows per expert (decode, many experts): less padding waste
+def _config(name: str, t: torch.Tensor, S: int, E: int) -> dict:
+    if not _on_gpu(t):
+        return dict(_INTERPRETER_W_CONFIG if name.endswith("_w") else _INTERPRETER_CONFIG)
+    if t.dtype == torch.float32:
+        return dict(_FP32_CONFIG)
+    cfg = dict(GPU_CONFIGS[name])
+    if not name.endswith("_w") and S < 96 * E:  # few rows per expert: less padding waste per row tile
+        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
+    return cfg
 
 
-def _gemm_cfg(gpu: bool, dtype: torch.dtype, n_block: int = 128):
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a grouped GEMM program."""
-    if not gpu:
-        return 32, 16, 4, 1
-    if dtype == torch.float32:
-        return min(n_block, 64), 32, 8, 3
-    return n_block, 64, 8, 3
+class _RowTiles:
+    """Row-tile maps of the sorted rows, one per BLOCK_M in use, built on the device (no host sync)."""
+
+    def __init__(self, expert_offsets: torch.Tensor, S: int):
+        self.expert_offsets, self.S, self._maps = expert_offsets, S, {}
+
+    def __call__(self, block_m: int):
+        if block_m not in self._maps:
+            offsets = self.expert_offsets
+            E = offsets.numel() - 1
+            counts = offsets[1:] - offsets[:-1]
+            tiles = (counts + block_m - 1) // block_m
+            tile_end = torch.cumsum(tiles, 0)
+            tile_start = tile_end - tiles
+            # static bound on the number of row tiles: the grid size never depends on the routing
+            max_tiles = max(1, min(triton.cdiv(self.S, block_m) + E, self.S))
+            tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=offsets.device), right=True)
+            self._maps[block_m] = (tile_expert, tile_start, max_tiles)
+        return self._maps[block_m]
 
 
-def _tile_map(expert_offsets: torch.Tensor, S: int, block_m: int):
-    """Per M-program expert id (E = past the end) and per-expert first tile; on device, no host sync."""
-    E = expert_offsets.numel() - 1
-    counts = expert_offsets[1:] - expert_offsets[:-1]
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0)
-    tile_start = tile_end - tiles
-    max_tiles = max(1, min(triton.cdiv(S, block_m) + E, S))  # static bound: grid size never depends on data
-    tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=tile_end.device), right=True)
-    return tile_expert, tile_start, max_tiles
+def _launch_opts(cfg: dict) -> dict:
+    return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _positions(sorted_slot: torch.Tensor) -> torch.Tensor:
@@ -349,31 +375,30 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     E, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     S = T * K
-    gpu = _on_gpu(hidden)
     dtype = hidden.dtype
     prec = _prec(dtype)
     row_token = sorted_slot // K
-    block_m = _row_block(S, E, gpu)
-    tile_expert, tile_start, max_tiles = _tile_map(expert_offsets, S, block_m)
+    row_tiles = _RowTiles(expert_offsets, S)
 
     gate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
     act = torch.empty((S, inter), dtype=dtype, device=hidden.device)
-    bn, bk, warps, stages = _gemm_cfg(gpu, dtype, n_block=64)
-    tiles_n = triton.cdiv(inter, bn)
+    cfg = _config("gate_up_fwd", hidden, S, E)
+    tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
+    tiles_n = triton.cdiv(inter, cfg["BLOCK_N"])
     _gate_up_fwd_kernel[(tiles_n * max_tiles,)](
         hidden, gate_up_proj, row_token, tile_expert, tile_start, expert_offsets, gate_up_out, act,
         H, inter, E, tiles_n, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_out.stride(0),
-        act.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_N=inter % bn == 0, EVEN_K=H % bk == 0,
-        num_warps=warps, num_stages=stages,
+        act.stride(0), PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=H % cfg["BLOCK_K"] == 0,
+        **_launch_opts(cfg),
     )
     y_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
-    bn, bk, warps, stages = _gemm_cfg(gpu, dtype)
-    tiles_n = triton.cdiv(H, bn)
+    cfg = _config("down_fwd", hidden, S, E)
+    tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
+    tiles_n = triton.cdiv(H, cfg["BLOCK_N"])
     _down_fwd_kernel[(tiles_n * max_tiles,)](
         act, down_proj, tile_expert, tile_start, expert_offsets, y_rows,
         H, inter, E, tiles_n, act.stride(0), down_proj.stride(0), down_proj.stride(1), y_rows.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_N=H % bn == 0, EVEN_K=inter % bk == 0,
-        num_warps=warps, num_stages=stages,
+        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=inter % cfg["BLOCK_K"] == 0, **_launch_opts(cfg),
     )
     out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
     return out, gate_up_out, act
@@ -386,60 +411,54 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     E, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     S = T * K
-    gpu = _on_gpu(hidden)
     dtype = hidden.dtype
     prec = _prec(dtype)
     row_token = sorted_slot // K
     row_w = top_k_weights.reshape(-1)[sorted_slot].float()
     pos = _positions(sorted_slot)
-    block_m = _row_block(S, E, gpu)
-    tile_expert, tile_start, max_tiles = _tile_map(expert_offsets, S, block_m)
+    row_tiles = _RowTiles(expert_offsets, S)
 
     # 1. grad of act (SwiGLU backward and routing-weight grad partials in the epilogue)
-    bn, bk, warps, stages = _gemm_cfg(gpu, dtype, n_block=64)
-    tiles_i = triton.cdiv(inter, bn)
+    cfg = _config("down_bwd_act", hidden, S, E)
+    tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
+    tiles_i = triton.cdiv(inter, cfg["BLOCK_N"])
     dgate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
     dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=hidden.device)
     _down_bwd_act_kernel[(tiles_i * max_tiles,)](
         dout, down_proj, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, act,
         dgate_up_out, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
         gate_up_out.stride(0), act.stride(0), dgate_up_out.stride(0), dw_part.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_N=inter % bn == 0, EVEN_K=H % bk == 0,
-        num_warps=warps, num_stages=stages,
+        PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=H % cfg["BLOCK_K"] == 0, **_launch_opts(cfg),
     )
     # routing-weight grad: fixed-order sum of the per-column-tile partials, back to slot order
     valid = (top_k_index >= 0) & (top_k_index < E)
     dweights = torch.where(valid, dw_part.sum(1)[pos].view(T, K), 0.0).to(top_k_weights.dtype)
 
-    # 2. grad of hidden: per-row dx, then sum of each token's K copies
-    bn, bk, warps, stages = _gemm_cfg(gpu, dtype)
+    # 2. grad of hidden: per-row dx, then the sum of each token's K copies
+    cfg = _config("gate_up_bwd_x", hidden, S, E)
+    tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
+    tiles_n = triton.cdiv(H, cfg["BLOCK_N"])
     dx_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
-    tiles_n = triton.cdiv(H, bn)
     _gate_up_bwd_x_kernel[(tiles_n * max_tiles,)](
         dgate_up_out, gate_up_proj, tile_expert, tile_start, expert_offsets, dx_rows,
         H, two_i, E, tiles_n, dgate_up_out.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), dx_rows.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_N=H % bn == 0, EVEN_K=two_i % bk == 0,
-        num_warps=warps, num_stages=stages,
+        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=two_i % cfg["BLOCK_K"] == 0, **_launch_opts(cfg),
     )
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
-    # 3. weight grads: one program per (expert, output tile), reducing over that expert's rows
-    if gpu:
-        bm, bn, bk, warps, stages = (128, 128, 64, 8, 3) if dtype != torch.float32 else (64, 64, 32, 8, 3)
-    else:
-        bm, bn, bk, warps, stages = 32, 32, 16, 4, 1
+    # 3. weight grads: one program per (output tile, expert), reducing over that expert's rows in order
+    cfg = _config("gate_up_bwd_w", hidden, S, E)
     dgate_up_proj = torch.empty_like(gate_up_proj)
-    _gate_up_bwd_w_kernel[(triton.cdiv(two_i, bm) * triton.cdiv(H, bn), E)](
+    _gate_up_bwd_w_kernel[(triton.cdiv(two_i, cfg["BLOCK_M"]) * triton.cdiv(H, cfg["BLOCK_N"]), E)](
         dgate_up_out, hidden, row_token, expert_offsets, dgate_up_proj,
         H, two_i, dgate_up_out.stride(0), hidden.stride(0), dgate_up_proj.stride(0), dgate_up_proj.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_M=two_i % bm == 0, EVEN_N=H % bn == 0,
-        num_warps=warps, num_stages=stages,
+        PREC=prec, EVEN_M=two_i % cfg["BLOCK_M"] == 0, EVEN_N=H % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
     )
+    cfg = _config("down_bwd_w", hidden, S, E)
     ddown_proj = torch.empty_like(down_proj)
-    _down_bwd_w_kernel[(triton.cdiv(H, bm) * triton.cdiv(inter, bn), E)](
+    _down_bwd_w_kernel[(triton.cdiv(H, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]), E)](
         dout, row_w, act, row_token, expert_offsets, ddown_proj,
         H, inter, dout.stride(0), act.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, EVEN_M=H % bm == 0, EVEN_N=inter % bn == 0,
-        num_warps=warps, num_stages=stages,
+        PREC=prec, EVEN_M=H % cfg["BLOCK_M"] == 0, EVEN_N=inter % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
     )
     return dhidden, dweights, dgate_up_proj, ddown_proj
