@@ -226,5 +226,7 @@ def test_gpu_bf16_fused_loss(family, model_dirs, ce):
     out_ref, g_ref = _step(eager, **batch)
     out, g = _step(ours, **batch)
     torch.testing.assert_close(out.loss.float(), out_ref.loss.float(), atol=2e-2, rtol=2e-2)
-    for n in g_ref:
-        torch.testing.assert_close(g[n].float(), g_ref[n].float(), atol=2e-2, rtol=5e-2, msg=lambda m: f"{n}: {m}")
+    assert g.keys() == g_ref.keys()
+    for n in g_ref:  # bf16 end to end: whole-tensor relative error
+        err = ((g[n].float() - g_ref[n].float()).norm() / g_ref[n].float().norm().clamp_min(1e-30)).item()
+        assert err < 5e-2, f"{n}: relative error {err}"

@@ -16,6 +16,14 @@ from cross_entropy.ops import _use_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}
+# relative error of the whole tensor (|a - b| / |b|): catches errors that an absolute tolerance hides when
+# the values are tiny (gradients of a mean over many tokens)
+REL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _ref(logits64, labels, **opts):
@@ -54,6 +62,8 @@ def _close(a, b, dtype, what, scale=1.0):
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
     err = (a - b).abs().max().item() if a.numel() else 0.0
     assert torch.allclose(a, b, atol=atol * scale, rtol=rtol), f"{what}: max abs err {err}"
+    if a.numel() and b.abs().max() > 0:
+        assert _rel_err(a, b) < REL[dtype], f"{what}: relative error {_rel_err(a, b)}"
 
 
 OPTION_SETS = [
@@ -316,8 +326,9 @@ def test_gpu_bf16_linear_cross_entropy_real_vocab(opts):
     ref, _ = _ref((h2 @ w2.t()).float(), y, **o)
     rdh, rdw = torch.autograd.grad(ref, (h2, w2), up)
     torch.testing.assert_close(loss, ref, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(dh.float(), rdh.float(), atol=2e-3, rtol=3e-2)
-    torch.testing.assert_close(dw.float(), rdw.float(), atol=2e-3, rtol=3e-2)
+    # gradients of a mean over 4096 tokens are ~1e-6: compare whole-tensor relative errors
+    assert _rel_err(dh, rdh) < 1e-2, _rel_err(dh, rdh)
+    assert _rel_err(dw, rdw) < 1e-2, _rel_err(dw, rdw)
 
 
 @pytest.mark.gpu
@@ -332,4 +343,4 @@ def test_gpu_bf16_cross_entropy_inplace_real_vocab():
     ref, _ = _ref(x2, y, label_smoothing=0.1, z_loss_weight=1e-4)
     (rdx,) = torch.autograd.grad(ref, (x2,))
     torch.testing.assert_close(loss, ref, atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(dx.float(), rdx, atol=1e-6, rtol=2e-2)
+    assert _rel_err(dx, rdx) < 1e-2, _rel_err(dx, rdx)
