@@ -57,10 +57,6 @@ def rmsnorm_cases():
     profile_step("rmsnorm_gated hubfuse", lambda x, g, w: k.rms_norm_gated(x, g, w), mkg)
 
 
-if __name__ == "__main__":
-    for case in sys.argv[1:] or ["rmsnorm"]:
-        globals()[f"{case}_cases"]()
-
 
 def rmsnorm_sweep_cases():
     """Launch-shape sweep of the rmsnorm kernels (patches the loaded module's launch helpers)."""
@@ -69,9 +65,15 @@ def rmsnorm_sweep_cases():
                   torch.randn(4096, dtype=torch.bfloat16, device="cuda", requires_grad=True))
     k.rms_norm(*mk())  # imports triton_kernels
     tk = sys.modules[k.__name__ + ".triton_kernels"]
-    orig_shape, orig_programs = tk._launch_shape, tk._num_programs
-    for block_m, warps, per_sm in [(1, 4, 4), (1, 8, 2), (1, 8, 8), (1, 16, 4), (2, 8, 4), (4, 16, 4), (1, 4, 16)]:
-        tk._launch_shape = lambda n, bm=block_m, w=warps: (bm, 4096, w)
-        tk._num_programs = lambda d, p=per_sm: torch.cuda.get_device_properties(d).multi_processor_count * p
-        profile_step(f"rmsnorm block_m={block_m} warps={warps} x{per_sm}", lambda x, w: k.rms_norm(x, w), mk)
-    tk._launch_shape, tk._num_programs = orig_shape, orig_programs
+    orig = tk._bwd_config
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for block_m, warps, per_sm in [(1, 8, 1), (1, 8, 2), (1, 8, 4), (1, 16, 2), (2, 8, 2), (2, 16, 2),
+                                   (4, 16, 2), (1, 4, 4), (2, 8, 1)]:
+        tk._bwd_config = lambda n, d, bm=block_m, w=warps, p=per_sm: (bm, 4096, w, sms * p)
+        profile_step(f"rmsnorm bwd block_m={block_m} warps={warps} x{per_sm}", lambda x, w: k.rms_norm(x, w), mk)
+    tk._bwd_config = orig
+
+
+if __name__ == "__main__":
+    for case in sys.argv[1:] or ["rmsnorm"]:
+        globals()[f"{case}_cases"]()

@@ -2,8 +2,10 @@
 
 The fused forward and backward are `torch.library.custom_op`s registered under this build's unique
 namespace (`_ops.add_op_namespace_prefix`), with fake implementations and autograd, so that
-`torch.compile(fullgraph=True)` sees one opaque node per call. Each op dispatches on the tensor's device at
-run time: Triton on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
+`torch.compile(fullgraph=True)` sees one opaque node per call. In eager mode the same implementations run
+through a plain `autograd.Function`, which costs far less Python per call than the custom-op dispatcher
+(the ops are small enough for that overhead to show). Both dispatch on the tensor's device at run time:
+Triton on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
 """
 import os
 from typing import Optional
@@ -20,6 +22,23 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _fwd_impl(x, weight, gate, eps, mode):
+    if _use_triton(x):
+        from .triton_kernels import rms_norm_fwd
+
+        return rms_norm_fwd(x, weight, gate, eps, mode, _out_dtype(x, weight, mode))
+    y, rstd = rms_norm_fwd_reference(x, weight, gate, eps, mode)
+    return y.contiguous(), rstd
+
+
+def _bwd_impl(dy, x, weight, gate, rstd, mode):
+    if _use_triton(x):
+        from .triton_kernels import rms_norm_bwd
+
+        return rms_norm_bwd(dy, x, weight, gate, rstd, mode)
+    return rms_norm_bwd_reference(dy, x, weight, gate, rstd, mode)
+
+
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor, mode: int) -> torch.dtype:
     # HF: standard returns `weight * h.to(x.dtype)` (type promotion); the others cast back to x.dtype
     return torch.promote_types(weight.dtype, x.dtype) if mode == STANDARD else x.dtype
@@ -29,12 +48,7 @@ def _out_dtype(x: torch.Tensor, weight: torch.Tensor, mode: int) -> torch.dtype:
 def _rms_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor], eps: float, mode: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_triton(x):
-        from .triton_kernels import rms_norm_fwd
-
-        return rms_norm_fwd(x, weight, gate, eps, mode, _out_dtype(x, weight, mode))
-    y, rstd = rms_norm_fwd_reference(x, weight, gate, eps, mode)
-    return y.contiguous(), rstd
+    return _fwd_impl(x, weight, gate, eps, mode)
 
 
 @_rms_norm_fwd.register_fake
@@ -47,11 +61,7 @@ def _rms_norm_bwd(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor], rstd: torch.Tensor,
     mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_triton(x):
-        from .triton_kernels import rms_norm_bwd
-
-        return rms_norm_bwd(dy, x, weight, gate, rstd, mode)
-    return rms_norm_bwd_reference(dy, x, weight, gate, rstd, mode)
+    return _bwd_impl(dy, x, weight, gate, rstd, mode)
 
 
 @_rms_norm_bwd.register_fake
@@ -73,6 +83,23 @@ def _backward(ctx, dy, _drstd):
 
 
 _rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """Eager-mode twin of the custom op (same implementations, less dispatch overhead)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, gate, eps, mode):
+        y, rstd = _fwd_impl(x, weight, gate, eps, mode)
+        ctx.save_for_backward(x, weight, gate, rstd)
+        ctx.mode = mode
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, gate, rstd = ctx.saved_tensors
+        dx, dw, dgate = _bwd_impl(dy.contiguous(), x, weight, gate, rstd, ctx.mode)
+        return dx, dw, (dgate if gate is not None else None), None, None
 
 
 def _check_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor]) -> None:
@@ -109,7 +136,10 @@ def _apply(name, x, weight, gate, eps, mode):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     g2 = gate.reshape(-1, shape[-1]).contiguous() if gate is not None else None
-    y, _ = _rms_norm_fwd(x2, weight.contiguous(), g2, float(eps), mode)
+    if torch.compiler.is_compiling():
+        y, _ = _rms_norm_fwd(x2, weight.contiguous(), g2, float(eps), mode)
+    else:
+        y = _RMSNormFunction.apply(x2, weight.contiguous(), g2, float(eps), mode)
     return y.view(shape)
 
 

@@ -4,6 +4,8 @@ One kernel per direction, specialised by MODE. All arithmetic is fp32 (loads are
 down); the casts that HF performs between steps are reproduced so the output matches eager bit for bit
 in the common cases. This module imports triton: import it lazily.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -91,11 +93,24 @@ def _rms_norm_bwd_kernel(
     tl.store(DW_PARTIAL + pid * N + cols, dw_acc, mask=col_mask)
 
 
-def _launch_shape(n_cols: int):
+def _fwd_config(n_cols: int):
+    """(BLOCK_M, BLOCK_N, num_warps): whole rows per program; several rows when rows are short."""
     block_n = triton.next_power_of_2(n_cols)
-    block_m = max(1, min(64, 2048 // block_n))  # small hidden sizes: several rows per program
+    block_m = max(1, min(64, 2048 // block_n))
     num_warps = min(16, max(1, block_m * block_n // 512))
     return block_m, block_n, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _bwd_config(n_cols: int, device: torch.device):
+    """(BLOCK_M, BLOCK_N, num_warps, max programs): a few programs per SM, each looping over a row slab."""
+    block_m, block_n, num_warps = _fwd_config(n_cols)
+    programs = _sm_count(device.index or 0) * 2 if device.type == "cuda" else 4
+    return block_m, block_n, num_warps, programs
 
 
 def _round_t(x, weight, mode):
@@ -107,7 +122,7 @@ def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype)
     M, N = x.shape
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    block_m, block_n, num_warps = _launch_shape(N)
+    block_m, block_n, num_warps = _fwd_config(N)
     g = gate if gate is not None else x
     _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
         x, weight, g, y, rstd, M, N, x.stride(0), g.stride(0), y.stride(0), eps,
@@ -116,17 +131,10 @@ def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype)
     return y, rstd
 
 
-def _num_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count * 4
-    return 4
-
-
 def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int):
     M, N = x.shape
-    block_m, block_n, num_warps = _launch_shape(N)
-    grid = max(1, min(_num_programs(x.device), triton.cdiv(M, block_m)))
-    rows_per_program = triton.cdiv(triton.cdiv(M, grid), block_m) * block_m
+    block_m, block_n, num_warps, programs = _bwd_config(N, x.device)
+    rows_per_program = triton.cdiv(triton.cdiv(M, min(programs, triton.cdiv(M, block_m))), block_m) * block_m
     grid = triton.cdiv(M, rows_per_program)
     dx = torch.empty_like(x)
     dgate = torch.empty_like(gate) if gate is not None else x.new_empty(0)
