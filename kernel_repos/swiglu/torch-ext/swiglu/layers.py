@@ -13,12 +13,17 @@ takes `gate_up_proj` / `down_proj`: the conversion mapping moves `mlp.{gate,up}_
 `mlp.down_proj` under `post_attention_layernorm`, and back on save.
 
 The two cannot be combined over the same modules (the fusion would receive the already-swapped MLP, and the two
-conversion mappings claim the same checkpoint keys): `RMSNormSwiGLUMLPLayout` raises a ValueError saying so. The
-fusion needs a gate/up/down MLP under every matched layer: in MoE layers (`*SparseMoeBlock`) it raises and
-points at the 1-to-1 Layout.
+conversion mappings claim the same checkpoint keys). A ValueError saying so is raised while transformers registers
+the entries, before the model is built (from the `conversion_mapping` access), and again, as a second line, by
+`RMSNormSwiGLUMLPLayout.__init__` if it receives a swapped MLP. The fusion needs a gate/up/down MLP under every
+matched layer: in MoE layers (`*SparseMoeBlock`) its `__init__` raises and points at the 1-to-1 Layout. (An
+exception inside model construction leaves transformers' module classes patched: transformers' `apply_patches`
+has no try/finally. Start a fresh process after such a failure.)
 
 A Layer has no `__init__` and no state: `kernelize` binds its `forward` to the Layout instance.
 """
+import sys
+
 import torch
 from torch import nn
 
@@ -35,14 +40,57 @@ def _check_hidden_act(cls_name: str, hidden_act) -> None:
                          f"{hidden_act!r}. Do not map this kernel onto a model with another activation.")
 
 
+_COMBINED_MESSAGE = (
+    "A 1-to-1 MLP Layout (e.g. 'SwiGLUMLP' on '^Qwen3MLP$') and the (post_attention_layernorm, mlp) fusion "
+    "('RMSNormSwiGLUMLP') cannot be combined over the same modules: keep only one of the two entries in the "
+    "KernelConfig.")
+
+
+def _fusion_layout_in(patched_cls):
+    """The fusion Layout class a transformers `Fused<Parent>` class builds (found in its `__init__` closure)."""
+    init = getattr(patched_cls, "__dict__", {}).get("__init__")
+    for cell in getattr(init, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, type) and value.__name__ == "RMSNormSwiGLUMLPLayout":
+            return value
+    return None
+
+
+def _check_no_mlp_layout_under_fusion() -> None:
+    """Raise before the model is built if a registered MLP Layout would replace the MLP class of a decoder layer
+    that a registered fusion takes apart. transformers reads `conversion_mapping` right after registering each
+    entry's class patches and before building the model; failing there, rather than in the fused module's
+    `__init__` (inside transformers' `apply_patches`, which does not undo its patches on an exception), leaves the
+    transformers modules unpatched."""
+    try:
+        from transformers.monkey_patching import _find_replacement_class, get_patch_mapping
+    except ImportError:
+        return
+    mapping = get_patch_mapping()
+    for key, patched in mapping.items():
+        if _fusion_layout_in(patched) is None or not patched.__bases__:
+            continue
+        module = sys.modules.get(patched.__bases__[0].__module__)
+        for name in dir(module) if module is not None else ():
+            replacement = _find_replacement_class(name, mapping)
+            if isinstance(replacement, type) and replacement.__name__ == "SwiGLUMLPLayout":
+                raise ValueError(f"{name} is mapped to SwiGLUMLPLayout while {key} is fused by "
+                                 f"RMSNormSwiGLUMLPLayout. {_COMBINED_MESSAGE}")
+
+
 class _ConversionMapping:
     """Class attribute built on access: transformers' transform objects are imported lazily (the kernel has no
-    dependency on transformers) and are fresh on every load (they carry per-load state)."""
+    dependency on transformers) and are fresh on every load (they carry per-load state). Access also checks that
+    the MLP Layout and the fusion are not registered together."""
 
     def __init__(self, build):
         self.build = build
 
     def __get__(self, obj, owner=None):
+        _check_no_mlp_layout_under_fusion()
         return self.build()
 
 
@@ -126,8 +174,7 @@ def _check_fusion_children(cls_name: str, norm: nn.Module, mlp: nn.Module) -> No
     if isinstance(mlp, SwiGLUMLPLayout) or (hasattr(mlp, "gate_up_proj") and not hasattr(mlp, "gate_proj")):
         raise ValueError(
             f"{cls_name}: the mlp given to the fusion is already a {type(mlp).__name__} (a 1-to-1 MLP Layout). "
-            "A 1-to-1 MLP Layout (e.g. 'SwiGLUMLP' on '^Qwen3MLP$') and the (post_attention_layernorm, mlp) fusion "
-            "cannot be combined over the same modules: keep only one of the two entries in the KernelConfig.")
+            + _COMBINED_MESSAGE)
     missing = [n for n in ("gate_proj", "up_proj", "down_proj") if not isinstance(getattr(mlp, n, None), nn.Linear)]
     if missing:
         raise ValueError(
