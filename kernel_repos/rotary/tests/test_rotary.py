@@ -209,6 +209,19 @@ def test_qk_norm_rope_forward_matches_hf_eager(case, mode, dtype, path):
         torch.testing.assert_close(qo, qr, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("mode", [STANDARD, ZERO_CENTERED])
+def test_qk_norm_rope_flat_matches_cat(mode, path):
+    torch.manual_seed(11)
+    q, k, wq, wk, cos, sin = _norm_inputs(NORM_CASES[1], torch.float32)
+    flat = rotary.qk_norm_rope_flat(q, k, wq, wk, cos, sin, 1e-6, zero_centered=mode == ZERO_CENTERED)
+    qo, ko = FUSED[mode](q, k, wq, wk, cos, sin, 1e-6)
+    ref = torch.cat([qo.flatten(), ko.flatten()])
+    assert torch.equal(flat, ref)
+    g = torch.randn_like(flat)
+    for a, b in zip(torch.autograd.grad(flat, (q, k, wq, wk), g), torch.autograd.grad(ref, (q, k, wq, wk), g)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 def test_qk_norm_rope_weight_dtype_promotion():
     """fp16 activations with fp32 weights (autocast): HF's standard norm returns fp32; so do we."""
     torch.manual_seed(5)

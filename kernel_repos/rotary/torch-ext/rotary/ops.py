@@ -291,6 +291,47 @@ def _norm_rope_backward(ctx, dq_out, dk_out):
 _qk_norm_rope_fwd.register_autograd(_norm_rope_backward, setup_context=_norm_rope_setup_context)
 
 
+@torch.library.custom_op(add_op_namespace_prefix("qk_norm_rope_fwd_flat"), mutates_args=())
+def _qk_norm_rope_fwd_flat(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, eps: float, mode: int,
+) -> torch.Tensor:
+    norm_dtype, dtype = _norm_dtypes(q, q_weight, cos, mode)
+    B, S, Hq, D = q.shape
+    Hk = k.shape[2]
+    flat = q.new_empty(q.numel() + k.numel(), dtype=dtype)
+    q_out = flat[: q.numel()].view(B, Hq, S, D)
+    k_out = flat[q.numel():].view(B, Hk, S, D)
+    if _use_triton(q):
+        from .triton_kernels import qk_rope_fwd
+
+        qk_rope_fwd(q.transpose(1, 2), k.transpose(1, 2), cos, sin, q_out, k_out, q_weight, k_weight, eps, mode,
+                    round_norm=(norm_dtype == q.dtype and q.dtype != torch.float32))
+    else:
+        qr, kr = qk_norm_rope_hf(q, k, q_weight, k_weight, cos, sin, eps, mode)
+        q_out.copy_(qr)
+        k_out.copy_(kr)
+    return flat
+
+
+@_qk_norm_rope_fwd_flat.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, eps, mode):
+    return q.new_empty(q.numel() + k.numel(), dtype=_norm_dtypes(q, q_weight, cos, mode)[1])
+
+
+def _norm_rope_flat_backward(ctx, dflat):
+    q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+    B, S, Hq, D = q.shape
+    dflat = dflat.contiguous()
+    dq_out = dflat[: q.numel()].view(B, Hq, S, D)
+    dk_out = dflat[q.numel():].view(B, k.shape[2], S, D)
+    dq, dk, dwq, dwk = _qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.mode)
+    return dq, dk, dwq, dwk, None, None, None, None
+
+
+_qk_norm_rope_fwd_flat.register_autograd(_norm_rope_flat_backward, setup_context=_norm_rope_setup_context)
+
+
 def _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin):
     _check_rope(name, q, k, cos, sin, 2)
     for what, w in (("q_weight", q_weight), ("k_weight", k_weight)):
@@ -322,5 +363,15 @@ def qk_norm_rope_zero_centered(q, k, q_weight, k_weight, cos, sin, eps: float = 
     return _qk_norm_rope("qk_norm_rope_zero_centered", q, k, q_weight, k_weight, cos, sin, eps, ZERO_CENTERED)
 
 
+def qk_norm_rope_flat(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, zero_centered: bool = False):
+    """`torch.cat([q_out.flatten(), k_out.flatten()])` of `qk_norm_rope` (or `_zero_centered`), written directly."""
+    name = "qk_norm_rope_flat"
+    _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin)
+    return _qk_norm_rope_fwd_flat(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
+                                  _last_contig(cos), _last_contig(sin), float(eps),
+                                  ZERO_CENTERED if zero_centered else STANDARD)
+
+
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "qk_norm_rope", "qk_norm_rope_zero_centered",
+           "qk_norm_rope_flat",
            "NONE", "STANDARD", "ZERO_CENTERED"]
