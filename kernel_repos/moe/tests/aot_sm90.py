@@ -55,6 +55,13 @@ def main():
         assert n_wgmma > 0, f"{name}: no wgmma instructions"
         assert n_cp > 0, f"{name}: no cp.async pipelining"
         assert k.metadata.shared <= SMEM_LIMIT, f"{name}: {k.metadata.shared} bytes of shared memory"
+    # fp32 inputs (IEEE dots) and fp16, odd dims (masked paths), with their configs
+    for name, kern in kernels.items():
+        for dtype, prec, cfg in (("fp32", "ieee", dict(tk._FP32_CONFIG)), ("fp16", "tf32", dict(tk.GPU_CONFIGS[name]))):
+            warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+            even = {"EVEN_M": False, "EVEN_N": False} if name.endswith("_w") else {"EVEN_N": False, "EVEN_K": False}
+            compile_sm90(kern, dict(cfg, PREC=prec, **even), warps, stages, dtype=dtype)
+        print(f"{name}: fp32 and fp16 (masked) ok")
     k = compile_sm90(tk._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=8, BLOCK_N=256), 4, 1)
     print(f"combine: shared={k.metadata.shared}")
     print("ok")
