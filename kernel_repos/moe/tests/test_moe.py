@@ -92,6 +92,18 @@ def test_empty_experts_and_top1():
     _check(5, 32, 48, 8, 1, torch.float32, seed=3)  # 5 tokens over 8 experts: most experts empty
 
 
+def test_int32_index_noncontiguous_inputs():
+    x, idx, w, gu, dn, dout = _make(11, 32, 32, 4, 2, torch.float32)
+    ref_out, ref_grads = _reference(x, idx, w, gu, dn, dout)
+    # transposed storage for the weights and hidden states, int32 indices
+    x_nc = x.t().contiguous().t()
+    gu_nc = gu.transpose(1, 2).contiguous().transpose(1, 2)
+    out, grads = _run(moe.moe_experts, x_nc, idx.int(), w, gu_nc, dn, dout)
+    _assert_close("out", out, ref_out, torch.float32)
+    for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), grads, ref_grads):
+        _assert_close(name, g, r, torch.float32)
+
+
 def test_reference_path_matches():
     # the torch path of the custom ops (used on devices without Triton) against the same float64 reference
     orig = ops._use_triton
