@@ -2,7 +2,7 @@
 
 Layout: the S = T*K token copies are sorted by expert (`reference.route`, on the device); expert `e` owns
 sorted rows `expert_offsets[e]:expert_offsets[e + 1]`. Row tiles of BLOCK_M never straddle two experts: a
-tile map (`_tile_map`, torch ops on the device, no host sync) gives every M-program its expert and its first
+tile map (`_RowTiles`, torch ops on the device, no host sync) gives every M-program its expert and its first
 row, and the grid has a static upper bound on the number of tiles (programs past the end exit at once), so
 every launch is CUDA-graph capturable. Activations are gathered by token id inside the kernels (no permuted
 copy of `hidden`), weights are read in the HF v5 layout: gate_up_proj (E, 2I, H), down_proj (E, H, I).
