@@ -195,7 +195,19 @@ def swiglu_mlp(
     gate_up_bias: Optional[torch.Tensor] = None,
     down_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """SwiGLU MLP `down(silu(x W_g^T) * (x W_u^T))` with the fused `[2I, H]` weight `cat([W_g, W_u])`."""
+    """SwiGLU MLP `down(silu(x W_g^T) * (x W_u^T))` with the fused `[2I, H]` weight `cat([W_g, W_u])`.
+
+    Under `torch.autocast` the inputs are cast to the autocast dtype first (as autocast casts `F.linear`'s inputs
+    in the HF module; the gradients flow back to the fp32 master weights through the casts), and the MLP runs
+    with autocast off, in that dtype, forward and backward.
+    """
+    if isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
+        device_type = hidden_states.device.type
+        cast = torch.get_autocast_dtype(device_type)
+        args = [t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in (hidden_states, gate_up_weight, down_weight, gate_up_bias, down_bias)]
+        with torch.autocast(device_type=device_type, enabled=False):
+            return swiglu_mlp(*args)
     _check_mlp("swiglu_mlp", hidden_states, gate_up_weight, down_weight, gate_up_bias, down_bias)
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])

@@ -63,21 +63,25 @@ def _swiglu_bwd_kernel(
         tl.store(H + rows64 * stride_h + cols[None, :], (s * u).to(H.dtype.element_ty), mask=mask)
 
 
-def _launch_shape(M: int, I: int):
-    # ~4096 elements per program (16 per thread at 8 warps: two 16-byte vectors per bf16 tensor); rows of
-    # small I are packed several per program. Row blocks on grid axis 0 (no 65535 limit), columns on axis 1.
-    block_n = min(triton.next_power_of_2(I), 2048)
-    block_m = max(1, min(64, 4096 // block_n))
-    num_warps = 8 if block_m * block_n >= 4096 else 4
+def _launch_shape(M: int, I: int, config=None):
+    """(grid, BLOCK_M, BLOCK_N, num_warps). Default: ~4096 elements per program (16 per thread at 8 warps: two
+    16-byte vectors per bf16 tensor); rows of small I are packed several per program. Row blocks on grid axis 0
+    (no 65535 limit), columns on axis 1. `config=(BLOCK_M, BLOCK_N, num_warps)` overrides (tuning)."""
+    if config is not None:
+        block_m, block_n, num_warps = config
+    else:
+        block_n = min(triton.next_power_of_2(I), 2048)
+        block_m = max(1, min(64, 4096 // block_n))
+        num_warps = 8 if block_m * block_n >= 4096 else 4
     grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_n))
     return grid, block_m, block_n, num_warps
 
 
-def swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu_fwd(gate_up: torch.Tensor, config=None) -> torch.Tensor:
     M, two_i = gate_up.shape
     I = two_i // 2
     h = torch.empty((M, I), dtype=gate_up.dtype, device=gate_up.device)
-    grid, block_m, block_n, num_warps = _launch_shape(M, I)
+    grid, block_m, block_n, num_warps = _launch_shape(M, I, config)
     _swiglu_fwd_kernel[grid](
         gate_up, h, M, I, gate_up.stride(0), h.stride(0),
         ROUND=gate_up.dtype != torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -85,11 +89,11 @@ def swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor, dgate_up: torch.Tensor, h=None) -> None:
+def swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor, dgate_up: torch.Tensor, h=None, config=None) -> None:
     """Writes `dgate_up` (may be `gate_up` itself) and, if given, the recomputed `h` (may be `dh` itself)."""
     M, two_i = gate_up.shape
     I = two_i // 2
-    grid, block_m, block_n, num_warps = _launch_shape(M, I)
+    grid, block_m, block_n, num_warps = _launch_shape(M, I, config)
     h_out = h if h is not None else dh
     _swiglu_bwd_kernel[grid](
         dh, gate_up, dgate_up, h_out, M, I, dh.stride(0), gate_up.stride(0), dgate_up.stride(0), h_out.stride(0),
