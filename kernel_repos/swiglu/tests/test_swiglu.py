@@ -440,3 +440,25 @@ def test_autocast_fp32_master_weights(fused_norm):
             continue
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, r, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing(use_reentrant):
+    # the in-place backward must be safe when the forward is recomputed (HF gradient checkpointing)
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(6)
+    x, w_gu, w_d, _, _ = _mlp_inputs((2, 8, 16), 24, torch.float32, False)
+    w_n = torch.rand(16, device=DEV) + 0.5
+
+    def block(x, a, b, wn):
+        return swiglu.rms_norm_swiglu_mlp(x, wn, 1e-6, a, b)
+
+    grads = []
+    for use_ckpt in (False, True):
+        leaves = [_leaf(t) for t in (x, w_gu, w_d, w_n)]
+        out = checkpoint(block, *leaves, use_reentrant=use_reentrant) if use_ckpt else block(*leaves)
+        out.square().sum().backward()
+        grads.append([t.grad for t in leaves])
+    for g, r in zip(*grads):
+        torch.testing.assert_close(g, r, atol=0, rtol=0)
