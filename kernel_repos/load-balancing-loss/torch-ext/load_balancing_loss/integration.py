@@ -7,6 +7,9 @@ own copy of the class's forward function whose globals are a copy of the modelin
 (`can_return_tuple`, ...) is rebuilt around the copy, and the result is bound to the instance
 (`model.forward = MethodType(...)`).
 
+When the hubfuse cross-entropy hook is on the instance, its `aux_loss_fn` slot is used instead (see
+`enable_fused_aux_loss`).
+
 Why this design: nothing global is touched (no module attribute is swapped, not even temporarily), so other
 instances of the same architecture, other threads and later plain loads see stock transformers; it is safe
 under threads and async code (no swap-and-restore window), and `torch.compile` traces it like any function.
@@ -15,16 +18,16 @@ are not seen by this instance until you disable and re-enable).
 """
 import types
 
-import torch
 from torch import nn
 
 from .ops import load_balancing_loss_func
 
 _HF_NAME = "load_balancing_loss_func"
-_MARK = "_hubfuse_fused_aux_loss"
+_MARK = "_hubfuse_fused_aux_loss"  # per-instance state (a plain dict in the instance __dict__)
+_CE_STATE = "_hubfuse_fused_loss"  # the hubfuse cross-entropy hook's per-instance state (its aux_loss_fn slot)
 
 
-def _rebuild(fn, new_globals: dict, fused):
+def _rebuild(fn, new_globals: dict):
     """Copy of `fn` (and of every function it wraps via `__wrapped__`) where the innermost function's
     globals are `new_globals`. Returns None when some wrapper does not hold the wrapped function in a
     closure cell (then we cannot rebuild it faithfully)."""
@@ -34,7 +37,7 @@ def _rebuild(fn, new_globals: dict, fused):
             return None
         new = types.FunctionType(fn.__code__, new_globals, fn.__name__, fn.__defaults__, fn.__closure__)
     else:
-        new_inner = _rebuild(inner, new_globals, fused)
+        new_inner = _rebuild(inner, new_globals)
         if new_inner is None or not fn.__closure__:
             return None
         cells, replaced = [], False
@@ -55,21 +58,7 @@ def _rebuild(fn, new_globals: dict, fused):
     return new
 
 
-def enable_fused_aux_loss(model: nn.Module) -> nn.Module:
-    """Make `model.forward` (a transformers MoE `*ForCausalLM`, e.g. Qwen3-MoE, Qwen3.5-MoE) compute
-    `aux_loss` with the fused kernel. Per instance; idempotent; returns the model.
-
-    If another per-instance forward is already installed (e.g. a fused-CE `enable_fused_loss`), this raises:
-    pass `aux_loss_fn=load_balancing_loss_func` to that hook instead."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"enable_fused_aux_loss: expected an nn.Module, got {type(model).__name__}")
-    if getattr(model, _MARK, False):
-        return model
-    if "forward" in model.__dict__:
-        raise ValueError(
-            "enable_fused_aux_loss: this model instance already has its own forward (another per-instance "
-            "hook, e.g. a fused cross-entropy); give that hook this kernel's `load_balancing_loss_func` as its "
-            "aux-loss function instead")
+def _fused_forward_for(model: nn.Module):
     class_forward = type(model).forward
     innermost = class_forward
     while getattr(innermost, "__wrapped__", None) is not None:
@@ -79,21 +68,59 @@ def enable_fused_aux_loss(model: nn.Module) -> nn.Module:
                          f"`{_HF_NAME}` (not a transformers MoE causal-LM?)")
     new_globals = dict(innermost.__globals__)
     new_globals[_HF_NAME] = load_balancing_loss_func
-    new_forward = _rebuild(class_forward, new_globals, load_balancing_loss_func)
+    new_forward = _rebuild(class_forward, new_globals)
     if new_forward is None:
         raise ValueError(f"enable_fused_aux_loss: cannot rebuild the decorators of {type(model).__name__}.forward")
-    model.forward = types.MethodType(new_forward, model)
-    setattr(model, _MARK, True)
+    return types.MethodType(new_forward, model)
+
+
+def enable_fused_aux_loss(model: nn.Module) -> nn.Module:
+    """Make this model instance (a transformers MoE `*ForCausalLM`: Qwen3-MoE, Qwen3.5-MoE, ...) compute
+    `aux_loss` with the fused kernel. Per instance, idempotent; returns the model.
+
+    With the hubfuse cross-entropy hook (`enable_fused_loss(model)`, state in `model._hubfuse_fused_loss`)
+    already on the instance, this plugs the fused aux loss into that hook's `aux_loss_fn` slot (and into its
+    no-labels path) instead of installing a forward; call it after `enable_fused_loss`, or pass
+    `aux_loss_fn=load_balancing_loss_func` to `enable_fused_loss` directly. Any other per-instance forward
+    already installed is refused (ValueError) rather than silently overridden."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable_fused_aux_loss: expected an nn.Module, got {type(model).__name__}")
+    state = model.__dict__.get(_MARK)
+    if state is None:
+        state = {"fused_forward": _fused_forward_for(model)}
+    ce_state = model.__dict__.get(_CE_STATE)
+    if ce_state is not None:
+        if "ce_previous_aux" not in state:
+            state["ce_previous_aux"] = ce_state.get("aux_loss_fn")
+        ce_state["aux_loss_fn"] = load_balancing_loss_func
+        if ce_state.get("previous_forward") is None:
+            ce_state["previous_forward"] = state["fused_forward"]
+    else:
+        current = model.__dict__.get("forward")
+        if current is not None and current is not state["fused_forward"]:
+            raise ValueError(
+                "enable_fused_aux_loss: this model instance already has its own forward (another per-instance "
+                "hook); give that hook this kernel's `load_balancing_loss_func` as its aux-loss function instead")
+        model.__dict__["forward"] = state["fused_forward"]
+    model.__dict__[_MARK] = state
     return model
 
 
 def disable_fused_aux_loss(model: nn.Module) -> nn.Module:
     """Undo `enable_fused_aux_loss` on this instance (no-op if it was not enabled). Returns the model."""
-    if getattr(model, _MARK, False):
-        model.__dict__.pop("forward", None)
-        model.__dict__.pop(_MARK, None)
+    state = model.__dict__.pop(_MARK, None)
+    if state is None:
+        return model
+    ce_state = model.__dict__.get(_CE_STATE)
+    if ce_state is not None:
+        if "ce_previous_aux" in state and ce_state.get("aux_loss_fn") is load_balancing_loss_func:
+            ce_state["aux_loss_fn"] = state["ce_previous_aux"]
+        if ce_state.get("previous_forward") is state["fused_forward"]:
+            ce_state["previous_forward"] = None
+    if model.__dict__.get("forward") is state["fused_forward"]:
+        del model.__dict__["forward"]
     return model
 
 
 def fused_aux_loss_enabled(model: nn.Module) -> bool:
-    return bool(getattr(model, _MARK, False))
+    return _MARK in model.__dict__
