@@ -9,12 +9,13 @@ Stock transformers 5.22.2 has three faults when hub kernels are used for trainin
 3. A kernelized load leaves process-global state behind: class patch mappings, checkpoint conversion
    mappings (which also grow with every load) and patched output recorders. A later plain load of the same
    architecture gets our Layouts, un-kernelized, and loses recorded outputs (router logits, attentions).
-   Also, the config object is rewritten in place and cannot serve a second load.
+   A load that fails half-way also leaves transformers' module classes swapped (`apply_patches` has no
+   try/finally). Also, the config object is rewritten in place and cannot serve a second load.
 
 This subclass takes the same mapping forms and fixes all three: it registers every kernel for every mode
 (inference, training, and their torch.compile forms), accepts cpu, binds a private copy of the compiled
 mapping to the model (so the user's object can be reused), and restores the global state it found once the
-model is built. `restore_global_state()` / `kernel_state_snapshot()` are also exported for manual use.
+model is built (or, after a load that raised, when the next load starts). `restore_global_state()` / `kernel_state_snapshot()` are also exported for manual use.
 """
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ class _GlobalState:
         self.conversions = dict(conversion_mapping._checkpoint_conversion_mapping_cache)
         self.user_registered = set(conversion_mapping.USER_REGISTERED_MAPPINGS)
         self.recorders = _snapshot_output_recorders()
+        # `apply_patches` swaps classes in transformers' modules and has no try/finally: a load that fails
+        # while building the model leaves them swapped. Keep the originals to put back.
+        self.module_classes = {name: {k: v for k, v in vars(module).items() if isinstance(v, type)}
+                               for name, module in list(sys.modules.items())
+                               if name.startswith("transformers") and module is not None}
 
     def restore(self):
         from transformers import conversion_mapping, monkey_patching
@@ -60,6 +66,23 @@ class _GlobalState:
                 for recorder, target in targets:
                     recorder.target_class = target
                 recorders[key] = value
+        for name, classes in self.module_classes.items():
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            for attr, cls in classes.items():
+                if vars(module).get(attr) is not cls:
+                    setattr(module, attr, cls)
+
+
+# States captured at the start of a kernelized load and not yet restored: a load that raised leaves its
+# entry here, and the next load (through any hubfuse.KernelConfig) restores it before starting.
+_UNFINISHED: list[_GlobalState] = []
+
+
+def _recover_from_failed_loads():
+    while _UNFINISHED:
+        _UNFINISHED.pop().restore()  # the oldest is restored last: it holds the state before all of them
 
 
 def _snapshot_output_recorders():
@@ -128,7 +151,9 @@ class KernelConfig(transformers.KernelConfig):
     @property
     def kernel_mapping(self):
         if self._clean_global_state and self._pending_state is None and self.__dict__.get("_fresh", False):
+            _recover_from_failed_loads()
             self._pending_state = _GlobalState()
+            _UNFINISHED.append(self._pending_state)
             self._fresh = False
         return self.__dict__["_kernel_mapping"]
 
@@ -177,6 +202,8 @@ class KernelConfig(transformers.KernelConfig):
         self.kernel_mapping = copy.deepcopy(self._user_mapping)
         if state is None:
             return
+        if state in _UNFINISHED:
+            _UNFINISHED.remove(state)
         # Output-capturing hooks read the (patched) class-level recorders when first installed: install them
         # on this model now, then give the classes their original recorders back.
         from transformers.utils.output_capturing import install_all_output_capturing_hooks
