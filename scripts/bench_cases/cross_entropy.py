@@ -34,10 +34,56 @@ def _eager_ce(x, y):
     return F.cross_entropy(x.float(), y, ignore_index=-100)
 
 
+def _configured(ce, defaults, fn, **cfg):
+    """fn with ops.KERNEL_CONFIG = defaults + cfg at every call (variants of the same kernel side by side)."""
+    def call(*a):
+        ce.ops.KERNEL_CONFIG.clear()
+        ce.ops.KERNEL_CONFIG.update(defaults, **cfg)
+        return fn(*a)
+    return call
+
+
+def _memory_phases(h, op, ce, mk):
+    """Where the peak of one fwd+bwd step is: forward vs backward, and whether autograd adopts our dX/dW
+    buffers as .grad (stolen) or copies them (a copy would add dX+dW to the peak)."""
+    try:
+        hid, w, y = mk()
+        for _ in range(2):
+            hid.grad = w.grad = None
+            ce.linear_cross_entropy(hid, w, y).backward()
+        torch.cuda.synchronize()
+        hid.grad = w.grad = None
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = ce.linear_cross_entropy(hid, w, y)
+        torch.cuda.synchronize()
+        fwd_peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        after_fwd = (torch.cuda.memory_allocated() - base) / 2**20
+        saved_ptrs = {t.data_ptr() for t in loss.grad_fn.saved_tensors} if hasattr(loss.grad_fn, "saved_tensors") \
+            else set()
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        torch.cuda.synchronize()
+        bwd_peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        stolen = (hid.grad.data_ptr() in saved_ptrs, w.grad.data_ptr() in saved_ptrs) if saved_ptrs else "n/a"
+        note = (f"fwd peak {fwd_peak:.0f} MiB, held after fwd {after_fwd:.0f}, bwd peak {bwd_peak:.0f} MiB over "
+                f"no grads; grads adopted (dX, dW): {stolen}")
+        row = dict(op=op, impl="hubfuse_memory_phases", ms=0.0, peak_extra_MiB=round(max(fwd_peak, bwd_peak), 1),
+                   floor_ms=0.0, floor_ratio=0.0, note=note)
+    except Exception as e:
+        row = dict(op=op, impl="hubfuse_memory_phases", error=f"{type(e).__name__}: {str(e)[:300]}")
+    h.RESULTS.append(row)
+    print(row, flush=True)
+
+
 def run(h):
     ce = h.load_kernel("cross-entropy")
     dt = torch.bfloat16
     dev = h.dev
+    defaults = dict(ce.ops.KERNEL_CONFIG)
+
+    def cfg(fn, **kw):
+        return lambda: _configured(ce, defaults, fn, **kw)
 
     def mk_lce():
         g = torch.Generator(device=dev).manual_seed(0)
@@ -48,7 +94,9 @@ def run(h):
         return hid, w, y
 
     floor = 6 * N * H * V / h.MM_RATE * 1e3
-    note = "floor = 3 GEMMs; peak includes dX+dW (1315 MiB): target peak <= ~1615 MiB, <= 95 ms"
+    # the harness sets .grad = None inside the step, so the previous dX+dW are freed before ours are made:
+    # "peak extra" is already the excess over the dX/dW buffers (Liger's 148 MiB = its 512-token chunk)
+    note = "floor = 3 GEMMs; peak = extra over dX+dW: target <= 300 MiB, <= 95 ms"
     op = "linear_cross_entropy_16k_4096_151936"
     impls = [("eager", lambda: _eager_lce), ("torch.compile", lambda: h.comp(_eager_lce))]
     if h.liger is not None:
@@ -60,13 +108,21 @@ def run(h):
     if hasattr(F, "linear_cross_entropy"):
         impls.append(("torch.F.linear_cross_entropy", lambda: lambda hid, w, y: F.linear_cross_entropy(
             hid, w, y, ignore_index=-100)))
+    lce = ce.linear_cross_entropy
     impls += [
-        ("hubfuse", lambda: lambda hid, w, y: ce.linear_cross_entropy(hid, w, y)),
-        ("hubfuse_chunk1024", lambda: lambda hid, w, y: ce.linear_cross_entropy(hid, w, y, chunk_size=1024)),
-        ("hubfuse_chunk2048", lambda: lambda hid, w, y: ce.linear_cross_entropy(hid, w, y, chunk_size=2048)),
-        ("hubfuse_dw_fp32", lambda: lambda hid, w, y: ce.linear_cross_entropy(hid, w, y, weight_grad_fp32=True)),
+        # default: chunk 1024 (296.75 MiB of logits), scalar row kernel 32768 x 32 warps, unit-scale skip
+        ("hubfuse", cfg(lambda hid, w, y: lce(hid, w, y))),
+        ("hubfuse_vector_lse", cfg(lambda hid, w, y: lce(hid, w, y), vector_lse=True)),
+        ("hubfuse_mul_scale", cfg(lambda hid, w, y: lce(hid, w, y), skip_unit_scale=False)),
+        ("hubfuse_old_rowkernel_4096x8", cfg(lambda hid, w, y: lce(hid, w, y), block_v=4096, num_warps=8)),
+        ("hubfuse_chunk768", cfg(lambda hid, w, y: lce(hid, w, y, chunk_size=768))),
+        ("hubfuse_chunk1536", cfg(lambda hid, w, y: lce(hid, w, y, chunk_size=1536))),
+        ("hubfuse_chunk2048", cfg(lambda hid, w, y: lce(hid, w, y, chunk_size=2048))),
+        ("hubfuse_dw_fp32", cfg(lambda hid, w, y: lce(hid, w, y, weight_grad_fp32=True))),
     ]
     _run_impls(h, op, impls, mk_lce, floor, note)
+    ce.ops.KERNEL_CONFIG.update(defaults)
+    _memory_phases(h, op, ce, mk_lce)
 
     op = "linear_cross_entropy_all_options"
     impls = [("torch.compile", lambda: h.comp(_eager_lce_all_options))]
@@ -76,8 +132,9 @@ def run(h):
 
             return lambda hid, w, y: L.apply(hid, w, y, None, None, -100, 1e-4, 0.1, "mean", 30.0)[0]
         impls.append(("liger_flce", liger_opts))
-    impls.append(("hubfuse", lambda: lambda hid, w, y: ce.linear_cross_entropy(
-        hid, w, y, label_smoothing=0.1, z_loss_weight=1e-4, softcap=30.0)))
+    def lce_opts(hid, w, y):
+        return ce.linear_cross_entropy(hid, w, y, label_smoothing=0.1, z_loss_weight=1e-4, softcap=30.0)
+    impls += [("hubfuse", cfg(lce_opts)), ("hubfuse_vector_lse", cfg(lce_opts, vector_lse=True))]
     _run_impls(h, op, impls, mk_lce, floor, "label_smoothing 0.1, z-loss 1e-4, softcap 30")
 
     def mk_ce():
@@ -96,8 +153,20 @@ def run(h):
 
             return lambda x, y: L.apply(x, y, None)[0]
         impls.append(("liger_ce", liger_ce))
-    impls.append(("hubfuse_inplace", lambda: lambda x, y: ce.cross_entropy(x, y, inplace=True)))
+    def ce_inplace(x, y):
+        return ce.cross_entropy(x, y, inplace=True)
+    impls += [
+        ("hubfuse_inplace", cfg(ce_inplace)),  # scalar kernel 32768 x 32 warps, unit-scale skip, sync check
+        ("hubfuse_vector_lse_8192x16", cfg(ce_inplace, vector_lse=True)),
+        ("hubfuse_vector_lse_16384x32", cfg(ce_inplace, vector_lse=True, block_v=16384, num_warps=32)),
+        ("hubfuse_vector_lse_4096x8", cfg(ce_inplace, vector_lse=True, block_v=4096, num_warps=8)),
+        ("hubfuse_scalar_16384x16", cfg(ce_inplace, block_v=16384, num_warps=16)),
+        ("hubfuse_old_4096x8", cfg(ce_inplace, block_v=4096, num_warps=8)),
+        ("hubfuse_label_check_async", cfg(ce_inplace, label_check="async")),
+        ("hubfuse_mul_scale", cfg(ce_inplace, skip_unit_scale=False)),
+    ]
     _run_impls(h, op, impls, mk_ce, floor, "floor = read logits + write grad once (bf16)")
+    ce.ops.KERNEL_CONFIG.update(defaults)
 
 
 def _run_impls(h, op, impls, mk, floor, note):

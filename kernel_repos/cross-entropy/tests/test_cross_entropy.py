@@ -344,3 +344,92 @@ def test_gpu_bf16_cross_entropy_inplace_real_vocab():
     (rdx,) = torch.autograd.grad(ref, (x2,))
     torch.testing.assert_close(loss, ref, atol=1e-3, rtol=1e-3)
     assert _rel_err(dx, rdx) < 1e-2, _rel_err(dx, rdx)
+
+
+@pytest.fixture
+def kernel_config():
+    from cross_entropy import ops
+
+    saved = dict(ops.KERNEL_CONFIG)
+    yield ops.KERNEL_CONFIG
+    ops.KERNEL_CONFIG.clear()
+    ops.KERNEL_CONFIG.update(saved)
+
+
+@pytest.mark.parametrize("vector_lse", [False, True])
+@pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss_weight=1e-3, softcap=5.0),
+                                  dict(reduction="none")], ids=["default", "all", "none"])
+def test_row_kernel_variants_several_blocks(kernel_config, vector_lse, opts):
+    # blocks of 16 columns over V=83 (a masked tail), -inf logits in whole blocks: both pass-1 variants
+    kernel_config.update(vector_lse=vector_lse, block_v=16, num_warps=1)
+    torch.manual_seed(11)
+    x = torch.randn(7, 83, device=DEV) * 3
+    x[1, :40] = float("-inf")
+    x[2, 70:] = float("-inf")
+    y = _labels((7,), 83, seed=11)
+    y[1], y[2] = 50, 5
+    loss_ref, _ = _ref(x.double(), y, **dict(opts))
+    leaf = x.clone().requires_grad_()
+    leaf64 = x.double().requires_grad_()
+    ref, _ = _ref(leaf64, y, **dict(opts))
+    loss = fused_ce(leaf * 1, y, **opts)
+    g = torch.rand_like(loss) if loss.dim() else None
+    loss.backward(g)
+    ref.backward(g.double() if g is not None else None)
+    grad_ref = torch.nan_to_num(leaf64.grad)  # d/dx of a -inf logit is 0
+    _close(loss, loss_ref, torch.float32, "loss")
+    _close(leaf.grad, grad_ref, torch.float32, "dx")
+
+
+@pytest.mark.parametrize("g", [1.0, 0.37])
+@pytest.mark.parametrize("skip", [True, False])
+def test_backward_scale_by_upstream_grad(kernel_config, g, skip):
+    # the scalar-loss backward scales the saved gradients on the device, skipping the work when g == 1
+    kernel_config.update(skip_unit_scale=skip)
+    torch.manual_seed(12)
+    h = torch.randn(21, 16, device=DEV, requires_grad=True)
+    w = torch.randn(37, 16, device=DEV, requires_grad=True)
+    y = _labels((21,), 37, seed=12)
+    (linear_cross_entropy(h, w, y, chunk_size=8) * g).backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (_ref(h64 @ w64.t(), y)[0] * g).backward()
+    _close(h.grad, h64.grad, torch.float32, "dh")
+    _close(w.grad, w64.grad, torch.float32, "dw")
+    x = torch.randn(5, 37, device=DEV, requires_grad=True)
+    x64 = x.detach().double().requires_grad_()
+    (fused_ce(x * 1, y[:5]) * g).backward()
+    (_ref(x64, y[:5])[0] * g).backward()
+    _close(x.grad, x64.grad, torch.float32, "dx")
+
+
+def test_scale_unless_one_kernel():
+    if not _use_triton(torch.empty(1, device=DEV)):
+        pytest.skip("Triton path not active")
+    from cross_entropy.triton_kernels import scale_unless_one_
+
+    x = torch.randn(10000, device=DEV, dtype=torch.float16)
+    before = x.clone()
+    scale_unless_one_(x, torch.tensor([1.0], device=DEV))
+    assert torch.equal(x, before)
+    scale_unless_one_(x, torch.tensor([-2.5], device=DEV))
+    torch.testing.assert_close(x, (before.float() * -2.5).half())
+
+
+def test_label_check_async_still_raises_on_cpu(kernel_config):
+    kernel_config.update(label_check="async")
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="must be in"):
+            fused_ce(torch.randn(4, 10), torch.tensor([0, 1, 2, 11]))
+    kernel_config.update(label_check="sync")
+    with pytest.raises(ValueError, match="found -3"):
+        fused_ce(torch.randn(4, 10, device=DEV), torch.tensor([0, -3, -100, 1], device=DEV))
+
+
+def test_default_chunk_size_policy():
+    from cross_entropy import default_chunk_size
+
+    assert default_chunk_size(16384, 151936, 2) == 1024  # 296.75 MiB of bf16 logits per chunk
+    assert default_chunk_size(16384, 151936, 4) == 512
+    assert default_chunk_size(300, 151936, 2) == 300  # all tokens fit in one chunk
+    assert default_chunk_size(100000, 10**7, 4) == 256  # never below one aligned tile
+    assert default_chunk_size(5000, 32000, 2) % 256 == 0
