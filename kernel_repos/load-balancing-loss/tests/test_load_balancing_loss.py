@@ -165,6 +165,18 @@ def test_lbl_input_forms_and_determinism():
                                lbl.load_balancing_loss([z.contiguous() for z in nc], 12, 3))
 
 
+def test_lbl_unaligned_layer_views():
+    """Layers that are views into one buffer at offsets that are not 16-byte multiples (70 bytes apart)."""
+    torch.manual_seed(4)
+    stacked = torch.randn(3, 7, 5, device=DEV).half().requires_grad_()
+    mask = make_mask(7)
+    loss = lbl.load_balancing_loss(stacked, 5, 2, mask)
+    loss.backward()
+    ref_loss, ref_grads = lbl_float64(list(stacked.detach().unbind(0)), 5, 2, mask)
+    torch.testing.assert_close(loss.double().cpu(), ref_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(stacked.grad.double().cpu(), torch.stack(ref_grads), **TOL[torch.float16])
+
+
 def test_lbl_bad_inputs():
     z = torch.randn(10, 8)
     with pytest.raises(ValueError, match="num_experts"):

@@ -51,7 +51,7 @@ def _(gate_logits, mask, num_experts, top_k):
 def _lbl_bwd(
     grad_loss: torch.Tensor, gate_logits: List[torch.Tensor], mask: Optional[torch.Tensor],
     dloss_dprobsum: torch.Tensor,
-) -> List[torch.Tensor]:
+) -> torch.Tensor:
     if _use_triton(gate_logits[0]):
         from .triton_kernels import load_balancing_loss_bwd
 
@@ -61,7 +61,8 @@ def _lbl_bwd(
 
 @_lbl_bwd.register_fake
 def _(grad_loss, gate_logits, mask, dloss_dprobsum):
-    return [torch.empty_like(z) for z in gate_logits]
+    first = gate_logits[0]
+    return first.new_empty(len(gate_logits), *first.shape)
 
 
 def _lbl_setup_context(ctx, inputs, output):
@@ -75,8 +76,8 @@ def _lbl_backward(ctx, grad_loss, _grad_dloss):
     saved = ctx.saved_tensors
     gate_logits = list(saved[:ctx.num_layers])
     mask = saved[ctx.num_layers] if ctx.has_mask else None
-    grads = _lbl_bwd(grad_loss.contiguous(), gate_logits, mask, saved[-1])
-    return grads, None, None, None
+    grads = _lbl_bwd(grad_loss.contiguous(), gate_logits, mask, saved[-1])  # (layers, T, E), one buffer
+    return list(grads.unbind(0)), None, None, None
 
 
 _lbl_fwd.register_autograd(_lbl_backward, setup_context=_lbl_setup_context)
@@ -119,29 +120,35 @@ def load_balancing_loss(
     _check_int(name, "num_experts", num_experts)
     _check_int(name, "top_k", top_k)
     first = gate_logits[0]
-    for i, z in enumerate(gate_logits):
-        if not isinstance(z, torch.Tensor):
-            raise TypeError(f"{name}: gate_logits[{i}] is a {type(z).__name__}, not a tensor")
-        if z.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name}: gate_logits[{i}] has dtype {z.dtype}; expected float32/float16/bfloat16")
-        if z.dim() != 2:
-            raise ValueError(f"{name}: gate_logits[{i}] must be 2-D (tokens, experts), got {tuple(z.shape)}")
-        if z.shape != first.shape:
-            raise ValueError(f"{name}: gate_logits[{i}] has shape {tuple(z.shape)} but gate_logits[0] has "
-                             f"{tuple(first.shape)}; every layer must route the same tokens")
-        if z.dtype != first.dtype:
-            raise TypeError(f"{name}: gate_logits[{i}] dtype {z.dtype} differs from gate_logits[0] {first.dtype}")
-    tokens, experts = first.shape
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"{name}: gate_logits[0] is a {type(first).__name__}, not a tensor")
+    if first.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: gate_logits have dtype {first.dtype}; expected float32/float16/bfloat16")
+    if first.dim() != 2:
+        raise ValueError(f"{name}: gate_logits[0] must be 2-D (tokens, experts), got {tuple(first.shape)}")
+    shape, dtype, device = first.shape, first.dtype, first.device
+    # one cheap pass over the layers (this runs every step with ~50 layers); details only on failure
+    if not all(isinstance(z, torch.Tensor) and z.shape == shape and z.dtype == dtype for z in gate_logits):
+        for i, z in enumerate(gate_logits):
+            if not isinstance(z, torch.Tensor):
+                raise TypeError(f"{name}: gate_logits[{i}] is a {type(z).__name__}, not a tensor")
+            if z.dtype != dtype:
+                raise TypeError(f"{name}: gate_logits[{i}] dtype {z.dtype} differs from gate_logits[0] {dtype}")
+            if z.shape != shape:
+                raise ValueError(f"{name}: gate_logits[{i}] has shape {tuple(z.shape)} but gate_logits[0] has "
+                                 f"{tuple(shape)}; every layer must route the same tokens")
+    tokens, experts = shape
     if experts != num_experts:
         raise ValueError(f"{name}: num_experts={num_experts} does not match the logits' last dim {experts}")
     if tokens == 0 or experts == 0:
-        raise ValueError(f"{name}: empty router logits {tuple(first.shape)}")
+        raise ValueError(f"{name}: empty router logits {tuple(shape)}")
     if experts > MAX_EXPERTS:
         raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
     if not 1 <= top_k <= experts:
         raise ValueError(f"{name}: top_k={top_k} must be in [1, num_experts={experts}]")
     # HF computes on the first layer's device; the kernels need contiguous rows
-    gate_logits = [z.to(first.device).contiguous() for z in gate_logits]
+    if not all(z.device == device and z.is_contiguous() for z in gate_logits):
+        gate_logits = [z.to(device).contiguous() for z in gate_logits]
     mask = None
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):

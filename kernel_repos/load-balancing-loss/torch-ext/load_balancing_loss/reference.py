@@ -95,7 +95,8 @@ def load_balancing_loss_fwd_reference(gate_logits, mask, num_experts: int, top_k
 
 
 def load_balancing_loss_bwd_reference(grad_loss, gate_logits, mask, dloss_dprobsum):
-    """d loss / d logits per layer: mask_t * p * (w - <p, w>), w = grad * dloss/dprob_sum."""
+    """d loss / d logits of every layer, stacked (layers, T, E): mask_t * p * (w - <p, w>),
+    w = grad * dloss/dprob_sum."""
     w = (grad_loss.float() * dloss_dprobsum)[None, :]
     grads = []
     for z in gate_logits:
@@ -104,7 +105,7 @@ def load_balancing_loss_bwd_reference(grad_loss, gate_logits, mask, dloss_dprobs
         if mask is not None:
             dz = dz * mask[:, None]
         grads.append(dz.to(z.dtype))
-    return grads
+    return torch.stack(grads)
 
 
 def softmax_topk_fwd_reference(router_logits, top_k: int, normalize: bool):

@@ -1,13 +1,15 @@
 """Triton kernels: the fused load-balancing loss (all layers in one launch) and the fused softmax-top-k router.
 
 Load-balancing loss. The layers' router logits stay where the model left them (no stacking copy): a small
-int64 table of their addresses is passed and each program reads its layer's base pointer. Program (i, l)
+int64 table of each layer's offset from the first layer's pointer (in 16-byte units when aligned, so the
+loads keep their vectorisation) is passed and each program finds its layer's base. Program (i, l)
 owns a contiguous slab of rows of layer l; per tile it computes the softmax in fp32, rounds it to the logits
 dtype (HF's routing weights), selects the top-k with packed (value, column) keys — one `tl.max` per k, ties
 to the lower index, no (tokens, K, E) one-hot — and accumulates per-expert selection counts and probability
 sums (mask-weighted) in fp32. Each program writes one partial row; a one-program finalize kernel sums the
 partials in a fixed order (deterministic, no atomics) and writes the loss and dloss/dprob_sum. The backward
-re-reads the logits, recomputes p and writes mask_t * p * (w - <p, w>) straight into each layer's gradient.
+re-reads the logits, recomputes p and writes mask_t * p * (w - <p, w>) into one (layers, T, E) gradient
+buffer whose per-layer views are handed to autograd (one allocation, not one per layer).
 Traffic: one read forward, one read + one write backward, plus O(programs x E) partials.
 
 Router. One kernel per direction: softmax (fp32), top-k by the same packed keys, renormalisation, cast;
@@ -50,13 +52,15 @@ def _routing_probs(z_ptr, rows, row_ok, cols, col_ok, E, DT: tl.constexpr):
 
 @triton.jit
 def _lbl_fwd_kernel(
-    PTRS, MASK, PART_COUNT, PART_PROB, T, E, rows_per_program,
-    DT: tl.constexpr, HAS_MASK: tl.constexpr, TOP_K: tl.constexpr, UNROLL_K: tl.constexpr,
+    Z0, OFFS, MASK, PART_COUNT, PART_PROB, T, E, rows_per_program,
+    DT: tl.constexpr, UNIT: tl.constexpr, HAS_MASK: tl.constexpr, TOP_K: tl.constexpr, UNROLL_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     layer = tl.program_id(1)
-    z_ptr = tl.load(PTRS + layer).to(tl.pointer_type(DT))
+    # layer base = first layer's pointer + a multiple of UNIT elements: keeps the 16-byte alignment that
+    # Triton knows for Z0 (so loads vectorise), unlike a raw int->pointer cast
+    z_ptr = Z0 + tl.load(OFFS + layer) * UNIT
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     rev_cols = (65535 - cols)[None, :]
@@ -129,13 +133,14 @@ def _lbl_finalize_kernel(
 
 @triton.jit
 def _lbl_bwd_kernel(
-    PTRS, GRAD_PTRS, MASK, DLOSS, GRAD_OUT, T, E, rows_per_program,
-    DT: tl.constexpr, GDT: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    Z0, OFFS, GRAD, MASK, DLOSS, GRAD_OUT, T, E, rows_per_program,
+    DT: tl.constexpr, UNIT: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     layer = tl.program_id(1)
-    z_ptr = tl.load(PTRS + layer).to(tl.pointer_type(DT))
-    g_ptr = tl.load(GRAD_PTRS + layer).to(tl.pointer_type(GDT))
+    z_ptr = Z0 + tl.load(OFFS + layer) * UNIT
+    g_ptr = GRAD + layer.to(tl.int64) * T * E  # one (layers, T, E) gradient buffer
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     w = (tl.load(DLOSS + cols, mask=col_ok, other=0.0) * tl.load(GRAD_OUT))[None, :]
@@ -149,11 +154,29 @@ def _lbl_bwd_kernel(
         if HAS_MASK:
             dz = dz * tl.load(MASK + rows, mask=row_ok, other=0.0)[:, None]
         ptrs = g_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :]
-        tl.store(ptrs, dz.to(GDT), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(ptrs, dz.to(GRAD.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _pointer_table(tensors, device):
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+_OFFSET_TABLES = {}  # (device, unit, offsets) -> device tensor: the allocator often repeats a layout
+
+
+def _offset_table(tensors):
+    """Each tensor's start relative to tensors[0], in units of UNIT elements: 16 bytes when every start is
+    16-byte aligned relative to the first (fresh allocations always are), else one element.
+    Returns (int64 table on the device, UNIT). Tables are cached by content (no host->device copy when the
+    layout repeats, as it does step after step)."""
+    elem = tensors[0].element_size()
+    base = tensors[0].data_ptr()
+    deltas = [t.data_ptr() - base for t in tensors]
+    unit_bytes = 16 if all(d % 16 == 0 for d in deltas) else elem
+    device = tensors[0].device
+    key = (str(device), unit_bytes, tuple(d // unit_bytes for d in deltas))
+    table = _OFFSET_TABLES.get(key)
+    if table is None:
+        if len(_OFFSET_TABLES) >= 64:
+            _OFFSET_TABLES.clear()
+        table = _OFFSET_TABLES[key] = torch.tensor(key[2], dtype=torch.int64).to(device)
+    return table, unit_bytes // elem
 
 
 def load_balancing_loss_fwd(gate_logits, mask, num_experts: int, top_k: int):
@@ -165,11 +188,11 @@ def load_balancing_loss_fwd(gate_logits, mask, num_experts: int, top_k: int):
     num_parts = grid[0] * L
     part_count = torch.empty(num_parts, E, dtype=torch.float32, device=first.device)
     part_prob = torch.empty_like(part_count)
-    ptrs = _pointer_table(gate_logits, first.device)
+    offsets, unit = _offset_table(gate_logits)
     mask_arg = mask if mask is not None else part_count
     _lbl_fwd_kernel[grid](
-        ptrs, mask_arg, part_count, part_prob, T, E, rows_per_program,
-        DT=_TL_DTYPE[first.dtype], HAS_MASK=mask is not None, TOP_K=top_k, UNROLL_K=top_k <= 16,
+        first, offsets, mask_arg, part_count, part_prob, T, E, rows_per_program,
+        DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, TOP_K=top_k, UNROLL_K=top_k <= 16,
         BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
     )
     loss = torch.empty((), dtype=torch.float32, device=first.device)
@@ -188,12 +211,12 @@ def load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss):
     block_t, block_e, num_warps = _tile(E)
     rows_per_program = _rows_per_program(T, L, block_t)
     grid = (triton.cdiv(T, rows_per_program), L)
-    grads = [torch.empty_like(z) for z in gate_logits]
-    ptrs = _pointer_table(gate_logits, first.device)
-    grad_ptrs = _pointer_table(grads, first.device)
+    grads = torch.empty(L, T, E, dtype=first.dtype, device=first.device)
+    offsets, unit = _offset_table(gate_logits)
     _lbl_bwd_kernel[grid](
-        ptrs, grad_ptrs, mask if mask is not None else dloss, dloss, grad_loss.float().reshape(1), T, E,
-        rows_per_program, DT=_TL_DTYPE[first.dtype], GDT=_TL_DTYPE[first.dtype], HAS_MASK=mask is not None,
+        first, offsets, grads, mask if mask is not None else dloss, dloss,
+        grad_loss.float().reshape(1), T, E, rows_per_program,
+        DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None,
         BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
     )
     return grads
