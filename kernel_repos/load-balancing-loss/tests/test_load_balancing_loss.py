@@ -21,18 +21,18 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-7), torch.float16: dict(rtol=2e-3,
 # ------------------------------------------------------------------ float64 references
 
 def lbl_float64(gate_logits, num_experts, top_k, mask=None):
-    """Spec in float64: returns (loss, [dloss/dz per layer]) for an upstream grad of 1."""
-    T = gate_logits[0].shape[0]
-    wt = torch.ones(T, dtype=torch.float64) if mask is None else mask.reshape(-1).double().cpu()
-    counts = torch.zeros(num_experts, dtype=torch.float64)
-    prob_sum = torch.zeros(num_experts, dtype=torch.float64)
+    """Spec in float64 on the logits' device: returns (loss, [dloss/dz per layer]) for an upstream grad of 1."""
+    T, dev = gate_logits[0].shape[0], gate_logits[0].device
+    wt = torch.ones(T, dtype=torch.float64, device=dev) if mask is None else mask.reshape(-1).double()
+    counts = torch.zeros(num_experts, dtype=torch.float64, device=dev)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float64, device=dev)
     probs = []
     for z in gate_logits:
-        p_r = torch.softmax(z.detach().float(), -1).to(z.dtype).cpu()  # HF routing weights (logits dtype)
+        p_r = torch.softmax(z.detach().float(), -1).to(z.dtype)  # HF routing weights (logits dtype)
         sel = reference.topk_lowest_index(p_r, top_k)
         p = p_r.double()
         probs.append(p)
-        counts += torch.zeros(num_experts, dtype=torch.float64).scatter_add_(
+        counts += torch.zeros(num_experts, dtype=torch.float64, device=dev).scatter_add_(
             0, sel.reshape(-1), wt.repeat_interleave(top_k))
         prob_sum += (p * wt[:, None]).sum(0)
     n = wt.sum() * len(gate_logits)
@@ -103,10 +103,10 @@ def test_lbl_matches_float64(dtype, L, T, E, K, masked):
     loss, grads = run_fused(zs, E, K, mask, upstream)
     ref_loss, ref_grads = lbl_float64(zs, E, K, mask)
     assert loss.dtype == torch.float32 and loss.dim() == 0
-    torch.testing.assert_close(loss.double().cpu(), ref_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)
     for g, r in zip(grads, ref_grads):
         assert g.dtype == dtype and g.shape == (T, E)
-        torch.testing.assert_close(g.double().cpu(), r * upstream, **TOL[dtype])
+        torch.testing.assert_close(g.double(), r * upstream, **TOL[dtype])
     if masked:  # padded tokens get no gradient
         for g in grads:
             assert (g[mask.bool().logical_not()] == 0).all()
@@ -173,8 +173,8 @@ def test_lbl_unaligned_layer_views():
     loss = lbl.load_balancing_loss(stacked, 5, 2, mask)
     loss.backward()
     ref_loss, ref_grads = lbl_float64(list(stacked.detach().unbind(0)), 5, 2, mask)
-    torch.testing.assert_close(loss.double().cpu(), ref_loss, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(stacked.grad.double().cpu(), torch.stack(ref_grads), **TOL[torch.float16])
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(stacked.grad.double(), torch.stack(ref_grads), **TOL[torch.float16])
 
 
 def test_lbl_bad_inputs():
@@ -335,17 +335,17 @@ def test_gpu_lbl_real_size(dtype, masked):
     grads = torch.autograd.grad(loss * 3.0, zs)
     hf_loss = hf(tuple(zs), E, K, mask)
     hf_grads = torch.autograd.grad(hf_loss * 3.0, zs)
-    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
-    rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    for g, h in zip(grads[:4], hf_grads[:4]):
-        torch.testing.assert_close(g.float(), h.float(), rtol=rtol, atol=rtol * h.abs().max().item())
-    # float64 spec on a few layers (full 48 layers of float64 on the host would be slow)
-    sub = zs[:3]
-    ref_loss, ref_grads = lbl_float64(sub, E, K, mask)
-    sub_loss = lbl.load_balancing_loss(sub, E, K, mask)
-    torch.testing.assert_close(sub_loss.double().cpu(), ref_loss, rtol=1e-5, atol=1e-7)
-    for g, r in zip(torch.autograd.grad(sub_loss, sub), ref_grads):
-        torch.testing.assert_close(g.double().cpu(), r, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["rtol"] * r.abs().max().item())
+    ref_loss, ref_grads = lbl_float64(zs, E, K, mask)  # float64 on the GPU, all layers
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)  # top-k ties at the k-th place barely move it
+    for g, h, r in list(zip(grads, hf_grads, ref_grads))[:: L // 6]:
+        r = r * 3.0
+        scale = r.abs().max().item()
+        # ours: float64 spec up to the storage rounding of the gradient dtype
+        assert (g.double() - r).abs().max().item() <= TOL[dtype]["rtol"] * scale
+        # HF rounds its intermediate gradient to the logits dtype (noisy in bf16): loose agreement only
+        rel = ((g.double() - h.double()).norm() / h.double().norm()).item()
+        assert rel < (0.25 if dtype == torch.bfloat16 else 1e-4), rel
 
 
 @pytest.mark.gpu
@@ -357,13 +357,33 @@ def test_gpu_router_real_size(dtype):
     w = (torch.randn(E, H, device="cuda") * 0.02).to(dtype).requires_grad_()
     ref = reference.topk_router_hf(h, w, K, True)
     fused = lbl.topk_router(h, w, K, True)
-    assert torch.equal(fused[0], ref[0])
-    same = (fused[2] == ref[2]).all(-1).float().mean().item()
-    assert same > 0.999, same  # bf16 logits can tie exactly; ties may order differently
-    rows = (fused[2] == ref[2]).all(-1)
-    torch.testing.assert_close(fused[1][rows].float(), ref[1][rows].float(), rtol=TOL[dtype]["rtol"], atol=1e-3)
-    up = torch.randn_like(ref[1])
-    g_ref = torch.autograd.grad((ref[1] * up).sum(), [h, w])
-    g_fused = torch.autograd.grad((fused[1] * up).sum(), [h, w])
+    assert torch.equal(fused[0], ref[0])  # the same cuBLAS linear
+    # bf16 logits tie exactly now and then: tied experts have equal probabilities, and their order (or, at
+    # the k-th place, which one is taken) may differ from torch.topk's. So: every slot must hold an expert
+    # of the same probability as HF's, and the gradients are compared with an upstream that depends on the
+    # expert (not the slot), on the rows whose expert sets agree.
+    p = torch.softmax(ref[0].detach(), dtype=torch.float, dim=-1)
+    torch.testing.assert_close(p.gather(1, fused[2]), p.gather(1, ref[2]), rtol=2e-6, atol=0)
+    same_set = (fused[2].sort(-1).values == ref[2].sort(-1).values).all(-1)
+    assert same_set.float().mean().item() > 0.9
+    torch.testing.assert_close(fused[1].float(), ref[1].float(), rtol=TOL[dtype]["rtol"], atol=1e-6)
+    U = torch.randn(T, E, device="cuda") * same_set[:, None]
+
+    def loss_of(out):
+        return (out[1].float() * U.gather(1, out[2])).sum()
+
+    z = ref[0].detach().requires_grad_()
+    z_out = (None, *lbl.softmax_topk(z, K, True))
+    pr = torch.softmax(z, dtype=torch.float, dim=-1)
+    v, i = torch.topk(pr, K, dim=-1)
+    z_ref = (None, (v / v.sum(-1, keepdim=True)).to(dtype), i)
+    (dz_f,) = torch.autograd.grad(loss_of(z_out), z)
+    (dz_r,) = torch.autograd.grad(loss_of(z_ref), z)
+    torch.testing.assert_close(dz_f.float(), dz_r.float(), rtol=TOL[dtype]["rtol"],
+                               atol=TOL[dtype]["rtol"] * dz_r.abs().max().item())
+    # the whole router's grads (hidden, weight)
+    g_ref = torch.autograd.grad(loss_of(ref), [h, w])
+    g_fused = torch.autograd.grad(loss_of(fused), [h, w])
     for a, b in zip(g_fused, g_ref):
-        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2 * b.abs().max().item())
+        rel = (a.float() - b.float()).norm() / b.float().norm()
+        assert rel.item() < 1e-2, rel
