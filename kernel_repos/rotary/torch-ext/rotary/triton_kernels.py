@@ -70,7 +70,7 @@ def _fwd_rows(
             ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
             if HAS_PASS:
                 ss += tl.sum(xp * xp, axis=1)
-            rstd = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+            rstd = tl.math.rsqrt(ss / D + eps)[:, None]  # as torch.rsqrt
             if NORM == 1:  # standard: cast(n) to the input dtype, then * w (HF: `weight * h.to(dtype)`)
                 x1 = (x1 * rstd).to(x1_raw.dtype).to(tl.float32) * w1
                 x2 = (x2 * rstd).to(x1_raw.dtype).to(tl.float32) * w2
@@ -190,7 +190,7 @@ def _bwd_rows(
             if HAS_PASS:
                 xp = tl.load(X + x_off[:, None] + cp[None, :], mask=mp, other=0.0).to(tl.float32)
                 ss += tl.sum(xp * xp, axis=1)
-            rstd = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+            rstd = tl.math.rsqrt(ss / D + eps)[:, None]  # as torch.rsqrt
             n1 = x1 * rstd
             n2 = x2 * rstd
             if NORM == 1:  # y = w * cast(n)
@@ -263,7 +263,8 @@ def _blocks(D: int, R: int, elems_per_block: int):
     pass_block = triton.next_power_of_2(D - R) if D > R else 1
     row_elems = 2 * half_block + (pass_block if D > R else 0)
     block_m = 1 << max(0, min(128, elems_per_block // row_elems).bit_length() - 1)  # power of 2, <= 128
-    num_warps = max(1, min(8, block_m * row_elems // 512))
+    warps = max(1, min(8, block_m * row_elems // 512))
+    num_warps = 1 << (warps.bit_length() - 1)  # Triton needs a power of 2
     return block_m, half_block, pass_block, num_warps
 
 
