@@ -127,9 +127,6 @@ def test_attention_layout_parity_eval_and_train(family, model_dirs):
 @pytest.mark.parametrize("family", list(LAYOUT_MAPPINGS))
 def test_layout_reference_forward_matches_eager(family, model_dirs):
     """The Layouts' own forward (the HF reference path, used where the kernel is not bound) equals eager."""
-    from transformers import AutoModelForCausalLM
-    from hubfuse import KernelConfig
-
     path = model_dirs[family]
     eager = load(path)
     ours = load(path, LAYOUT_MAPPINGS[family])
@@ -149,8 +146,12 @@ def test_greedy_generation_with_kv_cache_matches_eager(family, style, model_dirs
     path = model_dirs[family]
     mapping = {"rotary_pos_emb": hub("rotary", "RotaryPosEmb")} if style == "hub_name" else LAYOUT_MAPPINGS[family]
     eager = load(path)
-    prompt = make_batch(tiny_config(family).vocab_size, batch=2, seq=5, seed=3)["input_ids"]
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, use_cache=True, pad_token_id=0)
+    prompt = make_batch(tiny_config(family).vocab_size, batch=2, seq=6, seed=3)["input_ids"]
+    # row 1 left-padded by 2: its positions are shifted (not 0..S-1), as batched generation makes them
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False, use_cache=True,
+              pad_token_id=0)
     with torch.no_grad():
         want = eager.generate(prompt, **kw)
         ours = load(path, mapping)
@@ -159,8 +160,26 @@ def test_greedy_generation_with_kv_cache_matches_eager(family, style, model_dirs
         else:
             assert len(modules_running(ours, LAYOUT_LAYER[family])) == EXPECTED_ATTENTION[family]
         got = ours.generate(prompt, **kw)
-    assert got.shape == (2, 5 + 16)
+    assert got.shape == (2, 6 + 16)
     assert torch.equal(got, want), (got, want)
+
+
+def test_layout_with_eager_attention_and_attention_weights(model_dirs):
+    """Attention goes through transformers' interface: `attn_implementation="eager"` and
+    `output_attentions=True` work and match."""
+    path = model_dirs["qwen3_5_moe_text"]
+    eager = load(path, attn_implementation="eager")
+    ours = load(path, LAYOUT_MAPPINGS["qwen3_5_moe_text"], attn_implementation="eager")
+    assert len(modules_running(ours, "GatedQKNormRopeAttention")) == 1
+    batch = make_batch(tiny_config("qwen3_5_moe_text").vocab_size)
+    a = eager(input_ids=batch["input_ids"], output_attentions=True)
+    b = ours(input_ids=batch["input_ids"], output_attentions=True)
+    torch.testing.assert_close(b.logits, a.logits, atol=2e-5, rtol=2e-5)
+    got = [t for t in b.attentions if t is not None]
+    want = [t for t in a.attentions if t is not None]
+    assert len(got) == len(want) >= 1
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", list(LAYOUT_MAPPINGS))
@@ -204,6 +223,21 @@ def test_torch_compile_fullgraph_over_kernelized_model(family, style, model_dirs
     if train:
         got.loss.backward()  # the compiled graph's backward runs the kernels' backward ops
         assert all(p.grad is not None for n, p in ours.named_parameters() if "self_attn" in n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_gpu_bf16_hub_name_parity(family, model_dirs):
+    path = model_dirs[family]
+    eager = load(path, dtype=torch.bfloat16, device="cuda").train()
+    batch = make_batch(tiny_config(family).vocab_size, device="cuda")
+    loss_e, logits_e, grads_e = _step(eager, batch)
+    ours = load(path, {"rotary_pos_emb": hub("rotary", "RotaryPosEmb")}, dtype=torch.bfloat16, device="cuda").train()
+    assert _rope_bound(family)
+    loss_o, logits_o, grads_o = _step(ours, batch)
+    torch.testing.assert_close(logits_o, logits_e, atol=3e-2, rtol=3e-2)
+    for name in grads_e:
+        torch.testing.assert_close(grads_o[name], grads_e[name], atol=3e-2, rtol=3e-2, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu
