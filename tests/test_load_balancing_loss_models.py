@@ -137,6 +137,33 @@ def test_enable_refuses_foreign_forward_and_non_moe(tmp_path):
         lbl.enable_fused_aux_loss("model")
 
 
+def test_fused_aux_loss_under_accelerate_style_hook(tmp_path):
+    """accelerate's add_hook_to_module pattern: instance forward = partial(new_forward) calling _old_forward."""
+    import functools
+
+    lbl = _kernel()
+    path = save_tiny_model("qwen3_moe", tmp_path)
+    eager, ours = load(path), load(path)
+    calls = []
+
+    def new_forward(module, *args, **kwargs):
+        calls.append(1)
+        return module._old_forward(*args, **kwargs)
+
+    ours._hf_hook = object()
+    ours._old_forward = ours.forward
+    ours.forward = functools.update_wrapper(functools.partial(new_forward, ours), ours._old_forward)
+    hooked_forward = ours.forward
+    lbl.enable_fused_aux_loss(ours)
+    assert ours.forward is hooked_forward  # the hook stays in place
+    batch = _batch(eager)
+    out, ref = ours(**batch), eager(**batch)
+    assert calls and type(out.aux_loss.grad_fn).__name__ != "MulBackward0"
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-6, atol=1e-7)
+    lbl.disable_fused_aux_loss(ours)
+    assert type(ours(**batch).aux_loss.grad_fn).__name__ == "MulBackward0"
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe"])  # plain HF Qwen3.5-MoE fails its compiled backward on CPU
 def test_router_and_aux_loss_together_compile(family, tmp_path):
     lbl = _kernel()

@@ -81,7 +81,8 @@ def enable_fused_aux_loss(model: nn.Module) -> nn.Module:
     With the hubfuse cross-entropy hook (`enable_fused_loss(model)`, state in `model._hubfuse_fused_loss`)
     already on the instance, this plugs the fused aux loss into that hook's `aux_loss_fn` slot (and into its
     no-labels path) instead of installing a forward; call it after `enable_fused_loss`, or pass
-    `aux_loss_fn=load_balancing_loss_func` to `enable_fused_loss` directly. Any other per-instance forward
+    `aux_loss_fn=load_balancing_loss_func` to `enable_fused_loss` directly. Under accelerate hooks
+    (`device_map` dispatch), the hook's `_old_forward` is swapped instead. Any other per-instance forward
     already installed is refused (ValueError) rather than silently overridden."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_fused_aux_loss: expected an nn.Module, got {type(model).__name__}")
@@ -95,6 +96,11 @@ def enable_fused_aux_loss(model: nn.Module) -> nn.Module:
         ce_state["aux_loss_fn"] = load_balancing_loss_func
         if ce_state.get("previous_forward") is None:
             ce_state["previous_forward"] = state["fused_forward"]
+    elif "_hf_hook" in model.__dict__ and "_old_forward" in model.__dict__:
+        # accelerate hooks (device_map offload/dispatch) wrap the instance forward and call `_old_forward`
+        if "accelerate_previous" not in state:
+            state["accelerate_previous"] = model.__dict__["_old_forward"]
+        model.__dict__["_old_forward"] = state["fused_forward"]
     else:
         current = model.__dict__.get("forward")
         if current is not None and current is not state["fused_forward"]:
@@ -119,6 +125,8 @@ def disable_fused_aux_loss(model: nn.Module) -> nn.Module:
             ce_state["previous_forward"] = None
     if model.__dict__.get("forward") is state["fused_forward"]:
         del model.__dict__["forward"]
+    if "accelerate_previous" in state and model.__dict__.get("_old_forward") is state["fused_forward"]:
+        model.__dict__["_old_forward"] = state["accelerate_previous"]
     return model
 
 
