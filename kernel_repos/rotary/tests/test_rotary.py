@@ -154,11 +154,11 @@ NORM_CASES = [
 def _norm_inputs(case, dtype, wdtype=None):
     B, Hq, Hk, S, D, R, strided, bb = case
     wdtype = wdtype or dtype
+    q = torch.randn(B, S, Hq, 2 * D if strided else D, dtype=dtype) * 3 + 0.5  # not unit-scale: the norm matters
     if strided:
-        q = torch.randn(B, S, Hq, 2 * D, dtype=dtype).chunk(2, dim=-1)[0]
-    else:
-        q = torch.randn(B, S, Hq, D, dtype=dtype)
-    q = (q * 3 + 0.5).requires_grad_()  # not unit-scale: the norm must matter
+        q = q.chunk(2, dim=-1)[0]
+        assert not q.is_contiguous()
+    q = q.requires_grad_()
     k = (torch.randn(B, S, Hk, D, dtype=dtype) * 0.5).requires_grad_()
     wq = (torch.randn(D, dtype=wdtype) * 0.5 + 1).requires_grad_()
     wk = (torch.randn(D, dtype=wdtype) * 0.5).requires_grad_()
