@@ -205,6 +205,14 @@ def test_later_plain_load_is_untouched(model_dirs):
     assert "Qwen3_5MoeAttention" in types and not any(t.endswith("Layout") for t in types)
 
 
+def test_umbrella_kernel_serves_the_same_layers(model_dirs):
+    path = model_dirs["qwen3_5_moe_text"]
+    ours = load(path, {"^Qwen3_5MoeAttention$": ("hubfuse/hubfuse:GatedQKNormRopeAttention", {"revision": "v1"})})
+    ours.train()
+    assert len(modules_running(ours, "GatedQKNormRopeAttention")) == 1
+    assert_parity(load(path).train(), ours, make_batch(tiny_config("qwen3_5_moe_text").vocab_size))
+
+
 @pytest.mark.parametrize("family, style", [("qwen3", "layout"), ("qwen3_5_moe_text", "layout"), ("qwen3", "hub_name")])
 def test_torch_compile_fullgraph_over_kernelized_model(family, style, model_dirs):
     torch._dynamo.reset()
