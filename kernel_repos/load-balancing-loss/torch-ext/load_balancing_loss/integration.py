@@ -63,7 +63,7 @@ def _fused_forward_for(model: nn.Module):
     innermost = class_forward
     while getattr(innermost, "__wrapped__", None) is not None:
         innermost = innermost.__wrapped__
-    if _HF_NAME not in getattr(innermost, "__globals__", {}):
+    if _HF_NAME not in getattr(innermost, "__globals__", {}) or _HF_NAME not in innermost.__code__.co_names:
         raise ValueError(f"enable_fused_aux_loss: {type(model).__name__}.forward does not use "
                          f"`{_HF_NAME}` (not a transformers MoE causal-LM?)")
     new_globals = dict(innermost.__globals__)
