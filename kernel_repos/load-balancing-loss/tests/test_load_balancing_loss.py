@@ -387,3 +387,35 @@ def test_gpu_router_real_size(dtype):
     for a, b in zip(g_fused, g_ref):
         rel = (a.float() - b.float()).norm() / b.float().norm()
         assert rel.item() < 1e-2, rel
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    """Forward + backward captured in a CUDA graph (the offset table is then built with a pinned copy)."""
+    torch.manual_seed(0)
+    L, T, E, K = 4, 1024, 64, 4
+    warm = [torch.randn(T, E, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(L)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (kernel compilation) off the capture
+        for _ in range(2):
+            torch.autograd.grad(lbl.load_balancing_loss(warm, E, K), warm)
+    torch.cuda.current_stream().wait_stream(side)
+    static, pads = [], []
+    for i in range(L):  # a layout not seen before: the table is created inside the capture
+        static.append(torch.randn(T, E, device="cuda", dtype=torch.bfloat16, requires_grad=True))
+        pads.append(torch.empty(4096 * (i + 3), device="cuda"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = lbl.load_balancing_loss(static, E, K)
+        grads = torch.autograd.grad(loss, static)
+    fresh = [torch.randn(T, E, device="cuda", dtype=torch.bfloat16) for _ in range(L)]
+    with torch.no_grad():
+        for s, f in zip(static, fresh):
+            s.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_loss, ref_grads = lbl_float64(fresh, E, K)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, **TOL[torch.bfloat16])

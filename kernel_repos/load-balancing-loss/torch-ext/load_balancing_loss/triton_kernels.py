@@ -157,14 +157,18 @@ def _lbl_bwd_kernel(
         tl.store(ptrs, dz.to(GRAD.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-_OFFSET_TABLES = {}  # (device, unit, offsets) -> device tensor: the allocator often repeats a layout
+# (device, unit, offsets) -> device tensor. Entries are never evicted: a captured CUDA graph may keep using
+# one. Past the cap, new layouts get a fresh table per call instead (the allocator usually repeats layouts).
+_OFFSET_TABLES = {}
+_OFFSET_TABLES_CAP = 4096
+_PINNED_SOURCES = []  # (pinned host, device) tables created during CUDA-graph capture: replays copy them
 
 
 def _offset_table(tensors):
     """Each tensor's start relative to tensors[0], in units of UNIT elements: 16 bytes when every start is
     16-byte aligned relative to the first (fresh allocations always are), else one element.
-    Returns (int64 table on the device, UNIT). Tables are cached by content (no host->device copy when the
-    layout repeats, as it does step after step)."""
+    Returns (int64 table on the device, UNIT). Tables are cached by content: no host->device copy when the
+    layout repeats, as it does step after step."""
     elem = tensors[0].element_size()
     base = tensors[0].data_ptr()
     deltas = [t.data_ptr() - base for t in tensors]
@@ -173,9 +177,15 @@ def _offset_table(tensors):
     key = (str(device), unit_bytes, tuple(d // unit_bytes for d in deltas))
     table = _OFFSET_TABLES.get(key)
     if table is None:
-        if len(_OFFSET_TABLES) >= 64:
-            _OFFSET_TABLES.clear()
-        table = _OFFSET_TABLES[key] = torch.tensor(key[2], dtype=torch.int64).to(device)
+        host = torch.tensor(key[2], dtype=torch.int64)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            host = host.pin_memory()  # a pageable copy cannot be captured; a pinned async one can
+            table = host.to(device, non_blocking=True)  # filled when the graph replays: not cached
+            _PINNED_SOURCES.append((host, table))  # both must outlive the graph
+        else:
+            table = host.to(device)
+            if len(_OFFSET_TABLES) < _OFFSET_TABLES_CAP:
+                _OFFSET_TABLES[key] = table
     return table, unit_bytes // elem
 
 
