@@ -177,6 +177,23 @@ def test_lbl_unaligned_layer_views():
     torch.testing.assert_close(stacked.grad.double(), torch.stack(ref_grads), **TOL[torch.float16])
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="CPU stand-in for the CUDA-graph capture branch")
+def test_lbl_capture_branch_stacks_layers(monkeypatch):
+    """The branch taken for a new layout under CUDA-graph capture (stack + on-device table), forced on CPU."""
+    from load_balancing_loss import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_capturing", lambda device: True)
+    torch.manual_seed(6)
+    for dtype, (T, E) in ((torch.float32, (9, 12)), (torch.float16, (7, 5))):  # aligned and unaligned layers
+        zs = make_logits(3, T, E, dtype)
+        mask = make_mask(T)
+        loss, grads = run_fused(zs, E, 2, mask)
+        ref_loss, ref_grads = lbl_float64(zs, E, 2, mask)
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g.double(), r, **TOL[dtype])
+
+
 def test_lbl_bad_inputs():
     z = torch.randn(10, 8)
     with pytest.raises(ValueError, match="num_experts"):
@@ -391,7 +408,7 @@ def test_gpu_router_real_size(dtype):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture():
-    """Forward + backward captured in a CUDA graph (the offset table is then built with a pinned copy)."""
+    """Forward + backward captured in a CUDA graph (a new layout under capture: stacked, table built on device)."""
     torch.manual_seed(0)
     L, T, E, K = 4, 1024, 64, 4
     warm = [torch.randn(T, E, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(L)]

@@ -161,14 +161,20 @@ def _lbl_bwd_kernel(
 # one. Past the cap, new layouts get a fresh table per call instead (the allocator usually repeats layouts).
 _OFFSET_TABLES = {}
 _OFFSET_TABLES_CAP = 4096
-_PINNED_SOURCES = []  # (pinned host, device) tables created during CUDA-graph capture: replays copy them
 
 
-def _offset_table(tensors):
-    """Each tensor's start relative to tensors[0], in units of UNIT elements: 16 bytes when every start is
-    16-byte aligned relative to the first (fresh allocations always are), else one element.
-    Returns (int64 table on the device, UNIT). Tables are cached by content: no host->device copy when the
-    layout repeats, as it does step after step."""
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _layer_table(tensors):
+    """(base tensor, int64 offset table on the device, UNIT): layer l starts at base + table[l] * UNIT elements.
+
+    Offsets are relative to tensors[0], in units of 16 bytes when every start is 16-byte aligned relative to
+    the first (fresh allocations always are; it keeps the loads vectorised), else one element. Tables are
+    cached by content: no host->device copy when the layout repeats, as it does step after step. Under
+    CUDA-graph capture a new layout cannot be copied from the host: the layers are then stacked (one
+    capturable copy) and the table is built on the device."""
     elem = tensors[0].element_size()
     base = tensors[0].data_ptr()
     deltas = [t.data_ptr() - base for t in tensors]
@@ -176,17 +182,18 @@ def _offset_table(tensors):
     device = tensors[0].device
     key = (str(device), unit_bytes, tuple(d // unit_bytes for d in deltas))
     table = _OFFSET_TABLES.get(key)
-    if table is None:
-        host = torch.tensor(key[2], dtype=torch.int64)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            host = host.pin_memory()  # a pageable copy cannot be captured; a pinned async one can
-            table = host.to(device, non_blocking=True)  # filled when the graph replays: not cached
-            _PINNED_SOURCES.append((host, table))  # both must outlive the graph
-        else:
-            table = host.to(device)
-            if len(_OFFSET_TABLES) < _OFFSET_TABLES_CAP:
-                _OFFSET_TABLES[key] = table
-    return table, unit_bytes // elem
+    if table is not None:
+        return tensors[0], table, unit_bytes // elem
+    if _capturing(device):
+        stacked = torch.stack(tensors)
+        layer_bytes = tensors[0].numel() * elem
+        unit_bytes = 16 if layer_bytes % 16 == 0 else elem
+        table = torch.arange(len(tensors), device=device, dtype=torch.int64) * (layer_bytes // unit_bytes)
+        return stacked, table, unit_bytes // elem
+    table = torch.tensor(key[2], dtype=torch.int64).to(device)
+    if len(_OFFSET_TABLES) < _OFFSET_TABLES_CAP:
+        _OFFSET_TABLES[key] = table
+    return tensors[0], table, unit_bytes // elem
 
 
 def load_balancing_loss_fwd(gate_logits, mask, num_experts: int, top_k: int):
@@ -198,10 +205,10 @@ def load_balancing_loss_fwd(gate_logits, mask, num_experts: int, top_k: int):
     num_parts = grid[0] * L
     part_count = torch.empty(num_parts, E, dtype=torch.float32, device=first.device)
     part_prob = torch.empty_like(part_count)
-    offsets, unit = _offset_table(gate_logits)
+    base, offsets, unit = _layer_table(gate_logits)
     mask_arg = mask if mask is not None else part_count
     _lbl_fwd_kernel[grid](
-        first, offsets, mask_arg, part_count, part_prob, T, E, rows_per_program,
+        base, offsets, mask_arg, part_count, part_prob, T, E, rows_per_program,
         DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, TOP_K=top_k, UNROLL_K=top_k <= 16,
         BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
     )
@@ -222,9 +229,9 @@ def load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss):
     rows_per_program = _rows_per_program(T, L, block_t)
     grid = (triton.cdiv(T, rows_per_program), L)
     grads = torch.empty(L, T, E, dtype=first.dtype, device=first.device)
-    offsets, unit = _offset_table(gate_logits)
+    base, offsets, unit = _layer_table(gate_logits)
     _lbl_bwd_kernel[grid](
-        first, offsets, grads, mask if mask is not None else dloss, dloss,
+        base, offsets, grads, mask if mask is not None else dloss, dloss,
         grad_loss.float().reshape(1), T, E, rows_per_program,
         DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None,
         BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
