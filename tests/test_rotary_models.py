@@ -261,4 +261,24 @@ def test_gpu_bf16_parity_and_generation(family, model_dirs):
     prompt = batch["input_ids"][:, :5]
     kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, use_cache=True, pad_token_id=0)
     with torch.no_grad():
-        assert torch.equal(ours.generate(prompt, **kw), eager.generate(prompt, **kw))
+        got = ours.generate(prompt, **kw)
+        want = eager.generate(prompt, output_scores=True, return_dict_in_generate=True, **kw)
+    _assert_same_greedy_tokens(got, want, prompt.shape[1])
+
+
+def _assert_same_greedy_tokens(got, want, prompt_len, tie_tol=3e-2):
+    """Greedy generations equal; in bf16 the fused norm may flip a last bit (fp32 reduction order), which can
+    only change a greedy step where eager's two best logits (nearly) tie: allowed there, nowhere else."""
+    if torch.equal(got, want.sequences):
+        return
+    assert got.shape == want.sequences.shape
+    for row in range(got.shape[0]):
+        differ = (got[row, prompt_len:] != want.sequences[row, prompt_len:]).nonzero()
+        if len(differ) == 0:
+            continue
+        step = differ[0].item()  # first divergence: before it both saw the same tokens
+        scores = want.scores[step][row].float()
+        ours_token = got[row, prompt_len + step]
+        gap = (scores.max() - scores[ours_token]).item()
+        assert gap <= tie_tol * max(1.0, scores.max().abs().item()), (
+            f"row {row}: generation diverges at step {step} where eager's logit gap is {gap:.3g} (not a tie)")

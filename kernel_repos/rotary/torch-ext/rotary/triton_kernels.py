@@ -8,6 +8,9 @@ and the pass-through part [R, D). cos/sin are (Bc, S, R) with Bc in {1, B} (batc
 Arithmetic is fp32. The forward reproduces HF's roundings when the output dtype is narrower than fp32
 (each product rounded, then the sum; the norm output rounded before the rotation), so outputs match eager
 bit for bit in the usual cases. The RoPE backward (inverse rotation) rounds the same way autograd does.
+Both launches pass `enable_fp_fusion=False`: with contraction on, the GPU compiler narrows the rounded
+products to bf16/fp16 multiplies and fuses each with the following add into one `fma` (one rounding instead
+of HF's two), which the interpreter never shows; fp32 outputs likewise lose eager's separate mul and add.
 The fused backward is plain fp32 and deterministic: dweight is written as per-program fp32 partials that
 are summed afterwards. This module imports triton: import it lazily.
 """
@@ -305,6 +308,7 @@ def qk_rope_fwd(q, k, cos, sin, q_out, k_out, q_weight=None, k_weight=None, eps=
         NORM=norm, ROUND_NORM=round_norm, ROUND_ROPE=_round(q_out.dtype),
         HEAD_INNER_Q=_head_inner(q), HEAD_INNER_K=_head_inner(k), HAS_PASS=D > R,
         BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block, num_warps=num_warps,
+        enable_fp_fusion=False,  # keep HF's separate roundings (see the module docstring)
     )
 
 
@@ -347,6 +351,7 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
         NORM=norm, ROUND_ROPE=(norm == NONE and _round(dq.dtype)),
         HEAD_INNER_Q=_head_inner(dq_out), HEAD_INNER_K=_head_inner(dk_out), HAS_PASS=D > R,
         BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block, num_warps=num_warps,
+        enable_fp_fusion=False,  # keep HF's separate roundings (see the module docstring)
     )
     if norm != NONE:
         return dwq.sum(0), dwk.sum(0)
