@@ -64,8 +64,9 @@ def _lbl_fwd_kernel(
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     rev_cols = (65535 - cols)[None, :]
-    count_acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    prob_acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    # 2-D accumulators, reduced over rows once at the end (a per-tile column reduction would cross warps)
+    count_acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    prob_acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     row_begin = pid * rows_per_program
     row_end = tl.minimum(row_begin + rows_per_program, T)
     for start in range(row_begin, row_end, BLOCK_T):
@@ -76,30 +77,25 @@ def _lbl_fwd_kernel(
             wt = tl.load(MASK + rows, mask=row_ok, other=0.0)
         else:
             wt = tl.where(row_ok, 1.0, 0.0)
-        prob_acc += tl.sum(p * wt[:, None], axis=0)
+        prob_acc += p * wt[:, None]
         # key = (bits of p) << 16 | (65535 - col): distinct per row, ordered by p then by lower column
         if DT == tl.float32:
             key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | rev_cols
         else:
             key = (p.to(DT).to(tl.int16, bitcast=True).to(tl.int32) << 16) | rev_cols
         key = tl.where(col_ok[None, :], key, -1)
-        selected = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        # take the row maximum TOP_K times; taken keys become -1 (valid keys are >= 0)
         if UNROLL_K:
             for _ in tl.static_range(TOP_K):
-                best = tl.max(key, axis=1)
-                hit = key == best[:, None]
-                selected = tl.where(hit, 1.0, selected)
-                key = tl.where(hit, -1, key)
+                key = tl.where(key == tl.max(key, axis=1)[:, None], -1, key)
         else:
             for _ in range(TOP_K):
-                best = tl.max(key, axis=1)
-                hit = key == best[:, None]
-                selected = tl.where(hit, 1.0, selected)
-                key = tl.where(hit, -1, key)
-        count_acc += tl.sum(selected * wt[:, None], axis=0)
+                key = tl.where(key == tl.max(key, axis=1)[:, None], -1, key)
+        selected = (key < 0) & col_ok[None, :]
+        count_acc += tl.where(selected, wt[:, None], 0.0)
     part = layer * tl.num_programs(0) + pid
-    tl.store(PART_COUNT + part * E + cols, count_acc, mask=col_ok)
-    tl.store(PART_PROB + part * E + cols, prob_acc, mask=col_ok)
+    tl.store(PART_COUNT + part * E + cols, tl.sum(count_acc, axis=0), mask=col_ok)
+    tl.store(PART_PROB + part * E + cols, tl.sum(prob_acc, axis=0), mask=col_ok)
 
 
 @triton.jit
