@@ -3,11 +3,13 @@
 As a hub kernel (the umbrella repo), `layers` exposes every op family's Layers and Layouts; each family is
 also a sub-package (`hubfuse.rmsnorm`, ...). As a Python package (`pip install -e .`), it also provides
 `KernelConfig`, the transformers `KernelConfig` that works for training and on CPU (imported lazily: the
-hub kernel itself needs nothing beyond torch).
+hub kernel itself needs nothing beyond torch), and `presets` (`kernel_mapping(family)`, `enable_losses(model,
+family)`: every kernel that applies to a model family).
 """
 from . import layers
 
-__all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state"]
+__all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state", "presets", "kernel_mapping",
+           "enable_losses"]
 
 
 def __getattr__(name):
@@ -15,4 +17,12 @@ def __getattr__(name):
         from . import kernel_config
 
         return getattr(kernel_config, name)
+    if name == "presets":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.presets")
+    if name in ("kernel_mapping", "enable_losses"):
+        from . import presets
+
+        return getattr(presets, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,201 @@
+"""Presets (`hubfuse.presets`): every family's tiny model loaded with `kernel_mapping(family)` + `enable_losses`.
+
+Against a plain eager load of the same checkpoint: logits, loss (MoE: with `output_router_logits=True`, the aux
+loss too) and every gradient, fused parameters mapped back (`gate_up_proj` = cat(gate_proj, up_proj), the
+RMSNorm+MLP fusion's MLP under `post_attention_layernorm`). Then a plain load in the same process is untouched.
+On CPU the Triton kernels run under the interpreter (root conftest sets TRITON_INTERPRET=1).
+"""
+import importlib
+
+import pytest
+import torch
+
+from hubfuse import presets
+from tests.utils import REVISION, load, make_batch, register_local_kernels, save_tiny_model, tiny_config
+
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "llama", "qwen2")
+OVERRIDES = {
+    "qwen3_moe": dict(output_router_logits=True, mlp_only_layers=[1]),  # layer 0 sparse, layer 1 dense MLP
+    "qwen3_5_moe_text": dict(output_router_logits=True),
+}
+# modules bound to each kernel layer in the tiny models (2 layers; Qwen3.5: 1 linear-attention + 1 full-attention)
+EXPECTED_BOUND = {
+    "qwen3": {"RMSNorm": 3, "QKNormRopeAttention": 2, "RMSNormSwiGLUMLP": 2},
+    "qwen3_moe": {"RMSNorm": 5, "QKNormRopeAttention": 2, "GroupedGemmExperts": 1, "TopKRouter": 1,
+                  "SwiGLUMLP": 1},
+    "qwen3_5_moe_text": {"RMSNormZeroCentered": 5, "RMSNormGated": 1, "SoftmaxTopKRouter": 2,
+                         "GatedQKNormRopeAttention": 1, "GroupedGemmExperts": 2, "SwiGLUMLP": 2},
+    "llama": {"RMSNorm": 3, "RMSNormSwiGLUMLP": 2},
+    "qwen2": {"RMSNorm": 3, "RMSNormSwiGLUMLP": 2},
+}
+ROPE_HUB_FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")  # `apply_rotary_pos_emb` carries the hub name
+
+
+def _rope_function(family):
+    m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return m.apply_rotary_pos_emb
+
+
+def _rope_bound(family) -> bool:
+    fwd = _rope_function(family).__dict__.get("forward")
+    return getattr(getattr(fwd, "__func__", None), "__qualname__", "").startswith("RotaryPosEmb.")
+
+
+def _restore_rope(saved):
+    for family, fwd in saved.items():
+        fn = _rope_function(family)
+        if fwd is None:
+            fn.__dict__.pop("forward", None)
+        else:
+            fn.forward = fwd
+
+
+@pytest.fixture(autouse=True)
+def _rope_restored():
+    """The `rotary_pos_emb` hub kernel (Llama / Qwen2 presets) binds onto the family's module-global
+    `apply_rotary_pos_emb` for the whole process (kernel_repos/rotary/CARD.md): undo it after each test so later
+    eager references are eager."""
+    saved = {f: _rope_function(f).__dict__.get("forward") for f in ROPE_HUB_FAMILIES}
+    yield
+    _restore_rope(saved)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    register_local_kernels("rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    dirs = {fam: save_tiny_model(fam, d, **OVERRIDES.get(fam, {})) for fam in FAMILIES}
+    for fam in ("llama", "qwen2"):
+        # no q/k norm: at init scale attention is ~uniform and RoPE would not show in the logits; sharpen it
+        model = load(dirs[fam])
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "q_proj" in name or "k_proj" in name:
+                    p.mul_(10.0)
+        model.save_pretrained(dirs[fam])
+    return dirs
+
+
+def bound_layers(model) -> dict:
+    """Kernel layer name -> number of submodules whose forward kernelize bound to it (the root's own per-instance
+    forward is the loss hook, not a kernel layer)."""
+    counts = {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        func = getattr(module.__dict__.get("forward"), "__func__", None)
+        if func is not None and func is not type(module).forward:
+            name = func.__qualname__.split(".")[0]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _kernelized(path, family):
+    model = load(path, presets.kernel_mapping(family, revision=REVISION)).train()
+    return presets.enable_losses(model, family, revision=REVISION)
+
+
+def _step(model, batch):
+    """(logits without labels, loss, aux loss or None, grads by name) of one training step."""
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    out = model(**batch)
+    out.loss.backward()
+    aux = getattr(out, "aux_loss", None)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits, out.loss.detach(), None if aux is None else aux.detach(), grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preset_parity_with_eager(family, model_dirs):
+    path = model_dirs[family]
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    eager = load(path).train()
+    # eager first: the Llama/Qwen2 preset's rotary_pos_emb binding is process-wide and would reach it
+    logits_e, loss_e, aux_e, grads_e = _step(eager, batch)
+    ours = _kernelized(path, family)
+    assert bound_layers(ours) == EXPECTED_BOUND[family]
+    if family in ROPE_HUB_FAMILIES:
+        # Layouts only for Qwen3 / Qwen3-MoE (nothing process-wide); the RoPE hub function for Llama / Qwen2
+        assert _rope_bound(family) == (family in ("llama", "qwen2"))
+    logits_o, loss_o, aux_o, grads_o = _step(ours, batch)
+    tol = dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(logits_o, logits_e, **tol)
+    torch.testing.assert_close(loss_o, loss_e, **tol)
+    if family in ("qwen3_moe", "qwen3_5_moe_text"):
+        assert aux_e is not None and aux_o is not None
+        torch.testing.assert_close(aux_o, aux_e, **tol)
+    else:
+        assert aux_e is None and aux_o is None
+    # every parameter has a grad in both, and each kernelized grad equals the mapped eager one
+    assert len(grads_e) == sum(1 for _ in eager.parameters())
+    assert len(grads_o) == sum(1 for _ in ours.parameters())
+    want = presets.eager_to_kernelized(grads_e, list(grads_o))
+    for name in grads_o:
+        torch.testing.assert_close(grads_o[name], want[name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_fused_losses_are_on(model_dirs):
+    ours = _kernelized(model_dirs["qwen3_moe"], "qwen3_moe")
+    out = ours(**make_batch(tiny_config("qwen3_moe").vocab_size))
+    assert out.logits is None  # the loss came from the hidden states (fused linear cross-entropy)
+    assert "load_balancing_loss" in type(out.aux_loss.grad_fn).__name__
+    presets.disable_losses(ours, "qwen3_moe", revision=REVISION)
+    assert "forward" not in ours.__dict__
+    assert ours(**make_batch(tiny_config("qwen3_moe").vocab_size)).logits is not None
+
+
+def test_later_plain_load_is_untouched(model_dirs):
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.monkey_patching import get_patch_mapping
+
+    before_patches = get_patch_mapping()
+    before_conv = {f: repr(get_checkpoint_conversion_mapping(f)) for f in FAMILIES}
+    saved_rope = {f: _rope_function(f).__dict__.get("forward") for f in ROPE_HUB_FAMILIES}
+    plain_types = {f: {type(m).__name__ for m in load(model_dirs[f]).modules()} for f in FAMILIES}
+    kernelized = {}
+    for family in FAMILIES:
+        kernelized[family] = _kernelized(model_dirs[family], family)
+        kernelized[family](**make_batch(tiny_config(family).vocab_size))
+    assert get_patch_mapping() == before_patches
+    assert {f: repr(get_checkpoint_conversion_mapping(f)) for f in FAMILIES} == before_conv
+    # Layout keys are per instance: Qwen3 / Qwen3-MoE never touch the RoPE function; the Llama / Qwen2 hub
+    # function binding is process-wide by transformers' design, undone here by hand
+    assert not _rope_bound("qwen3") and not _rope_bound("qwen3_moe")
+    assert _rope_bound("llama") and _rope_bound("qwen2")
+    _restore_rope(saved_rope)
+    for family in FAMILIES:
+        plain = load(model_dirs[family]).train()
+        types = {type(m).__name__ for m in plain.modules()}
+        assert types == plain_types[family], types ^ plain_types[family]
+        assert not any(t.endswith("Layout") or t.startswith("Fused") for t in types)
+        assert not any("forward" in m.__dict__ for m in plain.modules()), family  # nothing kernel-bound
+        out = plain(**make_batch(tiny_config(family).vocab_size))
+        assert out.logits is not None  # HF's loss path, not the fused one
+        if family in ("qwen3_moe", "qwen3_5_moe_text"):
+            assert out.aux_loss is not None and out.aux_loss.grad_fn is not None
+            assert "load_balancing_loss" not in type(out.aux_loss.grad_fn).__name__
+    # the kernelized instances still run their kernels
+    for family, model in kernelized.items():
+        assert bound_layers(model) == EXPECTED_BOUND[family]
+
+
+def test_preset_names_and_options():
+    m = presets.kernel_mapping("qwen3")
+    assert m["^Qwen3Attention$"] == ("hubfuse/rotary:QKNormRopeAttention", {"version": 1})
+    assert presets.kernel_mapping("qwen3_5_moe") == presets.kernel_mapping("qwen3_5_moe_text")
+    assert "rotary_pos_emb" in presets.kernel_mapping("llama")
+    assert "rotary_pos_emb" not in presets.kernel_mapping("llama", rope=False)
+    assert presets.kernel_mapping("qwen2", org="me", revision="main")["^Qwen2RMSNorm$"] == \
+        ("me/rmsnorm:RMSNorm", {"revision": "main"})
+    for family in FAMILIES:  # anchored class regexes, or hub names of kernels without a Layout
+        for key in presets.kernel_mapping(family):
+            assert isinstance(key, tuple) or key.startswith("^") and key.endswith("$") or \
+                key in ("SoftmaxTopKRouter", "rotary_pos_emb"), key
+    with pytest.raises(ValueError, match="unknown model family"):
+        presets.kernel_mapping("mistral")

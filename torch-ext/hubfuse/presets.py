@@ -1,0 +1,172 @@
+"""Presets: one KernelConfig mapping per model family that turns on every hubfuse kernel that applies to it,
+plus the per-instance loss switches that KernelConfig cannot reach.
+
+    from hubfuse import KernelConfig, presets
+    model = AutoModelForCausalLM.from_pretrained(ckpt, use_kernels=True,
+                                                 kernel_config=KernelConfig(presets.kernel_mapping("qwen3")))
+    presets.enable_losses(model, "qwen3")     # fused linear cross-entropy (+ fused aux loss for MoE)
+    model.train()
+
+Families: `qwen3` (dense), `qwen3_moe`, `qwen3_5_moe` (the text model classes; `qwen3_5_moe_text` is an alias),
+`llama`, `qwen2`.
+
+Choices where two of our kernels cover the same modules (measured on H200, bf16, fwd+bwd, 16384 tokens,
+hidden 4096, intermediate 12288: docs/gpu_runs/run2_bench_rmsnorm_swiglu.md):
+
+- Dense decoder layers (qwen3, llama, qwen2): the n-to-1 fusion `RMSNormSwiGLUMLP` over
+  `(post_attention_layernorm, mlp)` instead of the 1-to-1 `SwiGLUMLP` Layout (+ the `RMSNorm` hub kernel on the
+  post-attention norm). Fusion 22.32 ms vs SwiGLUMLP 22.39 ms + RMSNorm 0.56 ms = 22.95 ms per layer, and no
+  more activation memory (1088 MiB vs 960 + 132 MiB). The two cannot be combined anyway (same modules, same
+  checkpoint keys). The other norms (input_layernorm, final norm) keep the `RMSNorm` hub kernel.
+- MoE families: the fusion needs a dense MLP under every decoder layer, so sparse models use the 1-to-1
+  `SwiGLUMLP` Layout on their dense MLP class (Qwen3-MoE `mlp_only_layers`, Qwen3.5-MoE's shared expert).
+- Qwen3 / Qwen3-MoE / Qwen3.5-MoE attention: the attention Layouts (`QKNormRopeAttention`,
+  `GatedQKNormRopeAttention`) read each q/k head once for q_norm + k_norm + RoPE, instead of three passes
+  (two `RMSNorm` launches and a `rotary_pos_emb` launch). With them the `rotary_pos_emb` hub kernel would
+  never be called, so it is left out: it is also a process-wide binding (it patches the model family's
+  module-global `apply_rotary_pos_emb`, see kernel_repos/rotary/CARD.md), while a Layout is per instance.
+
+Keys are anchored class-name regexes wherever the kernel ships a Layout: transformers treats a string key whose
+kernel has a Layout as a regex over class names (`re.search`), so a bare "RMSNorm" would also swap every other
+class whose name contains it. Only `SoftmaxTopKRouter` (no Layout) and `rotary_pos_emb` (a function) are hub
+names.
+- Llama / Qwen2 have no q/k norm, so no attention Layout applies: their RoPE goes through the hub name
+  `rotary_pos_emb`, which is process-wide (every later Llama/Qwen2 model in the process runs it too; the
+  kernel is HF-exact, so only speed changes). `kernel_mapping(..., rope=False)` leaves it out.
+
+This module imports nothing beyond the standard library at import time (the umbrella hub kernel ships it).
+"""
+from __future__ import annotations
+
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe", "llama", "qwen2")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
+_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
+
+# the n-to-1 fusion key of dense decoder layers (transformers matches the module paths; the first item of each
+# pair is only a label)
+FUSION_KEY = (("RMSNorm", "model.layers.*.post_attention_layernorm"), ("MLP", "model.layers.*.mlp"))
+
+
+def _family(family: str) -> str:
+    fam = _ALIASES.get(family, family)
+    if fam not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; presets exist for {', '.join(FAMILIES)}"
+                         f" (and the alias 'qwen3_5_moe_text')")
+    return fam
+
+
+def _layers(family: str, rope: bool) -> dict:
+    """KernelConfig key -> (kernel repo, layer) for one family."""
+    fam = _family(family)
+    if fam == "qwen3":
+        return {"^Qwen3RMSNorm$": ("rmsnorm", "RMSNorm"),
+                "^Qwen3Attention$": ("rotary", "QKNormRopeAttention"),
+                FUSION_KEY: ("swiglu", "RMSNormSwiGLUMLP")}
+    if fam == "qwen3_moe":
+        return {"^Qwen3MoeRMSNorm$": ("rmsnorm", "RMSNorm"),
+                "^Qwen3MoeAttention$": ("rotary", "QKNormRopeAttention"),
+                "^Qwen3MoeExperts$": ("moe", "GroupedGemmExperts"),
+                "^Qwen3MoeTopKRouter$": ("load-balancing-loss", "TopKRouter"),
+                "^Qwen3MoeMLP$": ("swiglu", "SwiGLUMLP")}  # dense layers (mlp_only_layers), if any
+    if fam == "qwen3_5_moe":
+        return {"^Qwen3_5MoeRMSNorm$": ("rmsnorm", "RMSNormZeroCentered"),
+                "^Qwen3_5MoeRMSNormGated$": ("rmsnorm", "RMSNormGated"),
+                "SoftmaxTopKRouter": ("load-balancing-loss", "SoftmaxTopKRouter"),
+                "^Qwen3_5MoeAttention$": ("rotary", "GatedQKNormRopeAttention"),
+                "^Qwen3_5MoeExperts$": ("moe", "GroupedGemmExperts"),
+                "^Qwen3_5MoeMLP$": ("swiglu", "SwiGLUMLP")}  # the shared expert
+    prefix = {"llama": "Llama", "qwen2": "Qwen2"}[fam]
+    layers = {f"^{prefix}RMSNorm$": ("rmsnorm", "RMSNorm"), FUSION_KEY: ("swiglu", "RMSNormSwiGLUMLP")}
+    if rope:
+        layers["rotary_pos_emb"] = ("rotary", "RotaryPosEmb")  # process-wide (see the module docstring)
+    return layers
+
+
+def _meta(revision, version) -> dict:
+    return {"revision": revision} if revision is not None else {"version": version}
+
+
+def kernel_mapping(family: str, org: str = "hubfuse", revision: str | None = None, version: int = 1, *,
+                   rope: bool = True) -> dict:
+    """The `KernelConfig` mapping that turns on every hubfuse kernel applying to `family`.
+
+    `revision` (e.g. "v1", or a local build through LOCAL_KERNELS) wins over `version`. `rope=False` leaves out
+    the process-wide `rotary_pos_emb` hub kernel of Llama / Qwen2 (the other families never use it).
+    Pass the result to `hubfuse.KernelConfig` (training, CPU) or transformers' own (CUDA inference).
+    """
+    meta = _meta(revision, version)
+    return {key: (f"{org}/{repo}:{layer}", dict(meta)) for key, (repo, layer) in _layers(family, rope).items()}
+
+
+def kernel_repos(family: str, rope: bool = True) -> tuple[str, ...]:
+    """The kernel repos (names under the org) a family's preset and loss hooks use."""
+    repos = {repo for repo, _ in _layers(family, rope).values()} | {"cross-entropy"}
+    if _family(family) in MOE_FAMILIES:
+        repos.add("load-balancing-loss")
+    return tuple(sorted(repos))
+
+
+def enable_losses(model, family: str, org: str = "hubfuse", revision: str | None = None, version: int = 1,
+                  **ce_options):
+    """Switch this model instance to the fused losses: the linear cross-entropy (loss from the last hidden
+    states, no logits when labels are given) and, for MoE families, the fused router aux loss plugged into it.
+
+    Per instance: the class and other instances keep HF's forward. `ce_options` go to the cross-entropy
+    kernel's `enable_fused_loss` (e.g. `z_loss_weight`, `return_logits=True`). Returns the model.
+    """
+    from kernels import get_kernel
+
+    fam = _family(family)
+    meta = _meta(revision, version)
+    ce = get_kernel(f"{org}/cross-entropy", **meta)
+    ce.enable_fused_loss(model, **ce_options)
+    if fam in MOE_FAMILIES:
+        lbl = get_kernel(f"{org}/load-balancing-loss", **meta)
+        lbl.enable_fused_aux_loss(model)  # after enable_fused_loss: it fills that hook's aux_loss_fn slot
+    return model
+
+
+def disable_losses(model, family: str, org: str = "hubfuse", revision: str | None = None, version: int = 1):
+    """Undo `enable_losses` on this instance. Returns the model."""
+    from kernels import get_kernel
+
+    meta = _meta(revision, version)
+    if _family(family) in MOE_FAMILIES:
+        get_kernel(f"{org}/load-balancing-loss", **meta).disable_fused_aux_loss(model)
+    get_kernel(f"{org}/cross-entropy", **meta).disable_fused_loss(model)
+    return model
+
+
+def eager_to_kernelized(eager: dict, kernelized_names) -> dict:
+    """Map tensors keyed by the HF parameter names (grads, weights) onto a preset-kernelized model's names.
+
+    `gate_up_proj` = cat(`gate_proj`, `up_proj`) along dim 0; under the RMSNorm+MLP fusion the MLP lives at
+    `post_attention_layernorm.{gate_up_proj,down_proj}` instead of `mlp.*`. Raises KeyError if a kernelized
+    name has no source, ValueError if some HF tensors were not used (a parameter the kernelized model lost).
+    """
+    import torch
+
+    out, used = {}, set()
+    for name in kernelized_names:
+        src = name
+        for part in ("gate_up_proj", "down_proj"):
+            src = src.replace(f"post_attention_layernorm.{part}.", f"mlp.{part}.")
+        if src in eager:
+            out[name] = eager[src]
+            used.add(src)
+        elif ".gate_up_proj." in src:
+            gate, up = src.replace(".gate_up_proj.", ".gate_proj."), src.replace(".gate_up_proj.", ".up_proj.")
+            if gate not in eager or up not in eager:
+                raise KeyError(f"{name}: neither {src} nor {gate} + {up} in the eager tensors")
+            out[name] = torch.cat([eager[gate], eager[up]], dim=0)
+            used.update((gate, up))
+        else:
+            raise KeyError(f"{name}: no eager tensor {src}")
+    unused = set(eager) - used
+    if unused:
+        raise ValueError(f"eager tensors with no kernelized counterpart: {sorted(unused)}")
+    return out
+
+
+__all__ = ["FAMILIES", "MOE_FAMILIES", "FUSION_KEY", "kernel_mapping", "kernel_repos", "enable_losses",
+           "disable_losses", "eager_to_kernelized"]
