@@ -94,8 +94,8 @@ def bound_layers(model) -> dict:
     return counts
 
 
-def _kernelized(path, family):
-    model = load(path, presets.kernel_mapping(family, revision=REVISION)).train()
+def _kernelized(path, family, **options):
+    model = load(path, presets.kernel_mapping(family, revision=REVISION, **options)).train()
     return presets.enable_losses(model, family, revision=REVISION)
 
 
@@ -111,15 +111,29 @@ def _step(model, batch):
     return logits, out.loss.detach(), None if aux is None else aux.detach(), grads
 
 
+# fuse_norm_mlp=False: the 1-to-1 SwiGLUMLP Layout (decoder layer class kept) and RMSNorm on every norm
+EXPECTED_BOUND_UNFUSED = {"qwen3": {"RMSNorm": 5, "QKNormRopeAttention": 2, "SwiGLUMLP": 2},
+                          "llama": {"RMSNorm": 5, "SwiGLUMLP": 2}}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preset_parity_with_eager(family, model_dirs):
-    path = model_dirs[family]
+    _check_parity(family, model_dirs[family], EXPECTED_BOUND[family])
+
+
+@pytest.mark.parametrize("family", list(EXPECTED_BOUND_UNFUSED))
+def test_unfused_mlp_preset_parity_with_eager(family, model_dirs):
+    ours = _check_parity(family, model_dirs[family], EXPECTED_BOUND_UNFUSED[family], fuse_norm_mlp=False)
+    assert not any(type(m).__name__.startswith("Fused") for m in ours.modules())
+
+
+def _check_parity(family, path, expected_bound, **options):
     batch = make_batch(tiny_config(family).vocab_size, seq=9)
     eager = load(path).train()
     # eager first: the Llama/Qwen2 preset's rotary_pos_emb binding is process-wide and would reach it
     logits_e, loss_e, aux_e, grads_e = _step(eager, batch)
-    ours = _kernelized(path, family)
-    assert bound_layers(ours) == EXPECTED_BOUND[family]
+    ours = _kernelized(path, family, **options)
+    assert bound_layers(ours) == expected_bound
     if family in ROPE_HUB_FAMILIES:
         # Layouts only for Qwen3 / Qwen3-MoE (nothing process-wide); the RoPE hub function for Llama / Qwen2
         assert _rope_bound(family) == (family in ("llama", "qwen2"))
@@ -138,6 +152,7 @@ def test_preset_parity_with_eager(family, model_dirs):
     want = presets.eager_to_kernelized(grads_e, list(grads_o))
     for name in grads_o:
         torch.testing.assert_close(grads_o[name], want[name], **tol, msg=lambda m: f"{name}: {m}")
+    return ours
 
 
 def test_fused_losses_are_on(model_dirs):
@@ -191,6 +206,9 @@ def test_preset_names_and_options():
     assert presets.kernel_mapping("qwen3_5_moe") == presets.kernel_mapping("qwen3_5_moe_text")
     assert "rotary_pos_emb" in presets.kernel_mapping("llama")
     assert "rotary_pos_emb" not in presets.kernel_mapping("llama", rope=False)
+    assert presets.FUSION_KEY in presets.kernel_mapping("qwen2")
+    unfused = presets.kernel_mapping("qwen2", fuse_norm_mlp=False)
+    assert presets.FUSION_KEY not in unfused and unfused["^Qwen2MLP$"][0] == "hubfuse/swiglu:SwiGLUMLP"
     assert presets.kernel_mapping("qwen2", org="me", revision="main")["^Qwen2RMSNorm$"] == \
         ("me/rmsnorm:RMSNorm", {"revision": "main"})
     for family in FAMILIES:  # anchored class regexes, or hub names of kernels without a Layout

@@ -55,13 +55,21 @@ def _family(family: str) -> str:
     return fam
 
 
-def _layers(family: str, rope: bool) -> dict:
+def _layers(family: str, rope: bool, fuse_norm_mlp: bool = True) -> dict:
     """KernelConfig key -> (kernel repo, layer) for one family."""
     fam = _family(family)
-    if fam == "qwen3":
-        return {"^Qwen3RMSNorm$": ("rmsnorm", "RMSNorm"),
-                "^Qwen3Attention$": ("rotary", "QKNormRopeAttention"),
-                FUSION_KEY: ("swiglu", "RMSNormSwiGLUMLP")}
+    if fam in ("qwen3", "llama", "qwen2"):
+        prefix = {"qwen3": "Qwen3", "llama": "Llama", "qwen2": "Qwen2"}[fam]
+        layers = {f"^{prefix}RMSNorm$": ("rmsnorm", "RMSNorm")}
+        if fam == "qwen3":
+            layers["^Qwen3Attention$"] = ("rotary", "QKNormRopeAttention")
+        elif rope:
+            layers["rotary_pos_emb"] = ("rotary", "RotaryPosEmb")  # process-wide (see the module docstring)
+        if fuse_norm_mlp:
+            layers[FUSION_KEY] = ("swiglu", "RMSNormSwiGLUMLP")
+        else:  # keeps the decoder layer class (FSDP wrap policies by class name), slightly slower
+            layers[f"^{prefix}MLP$"] = ("swiglu", "SwiGLUMLP")
+        return layers
     if fam == "qwen3_moe":
         return {"^Qwen3MoeRMSNorm$": ("rmsnorm", "RMSNorm"),
                 "^Qwen3MoeAttention$": ("rotary", "QKNormRopeAttention"),
@@ -75,11 +83,7 @@ def _layers(family: str, rope: bool) -> dict:
                 "^Qwen3_5MoeAttention$": ("rotary", "GatedQKNormRopeAttention"),
                 "^Qwen3_5MoeExperts$": ("moe", "GroupedGemmExperts"),
                 "^Qwen3_5MoeMLP$": ("swiglu", "SwiGLUMLP")}  # the shared expert
-    prefix = {"llama": "Llama", "qwen2": "Qwen2"}[fam]
-    layers = {f"^{prefix}RMSNorm$": ("rmsnorm", "RMSNorm"), FUSION_KEY: ("swiglu", "RMSNormSwiGLUMLP")}
-    if rope:
-        layers["rotary_pos_emb"] = ("rotary", "RotaryPosEmb")  # process-wide (see the module docstring)
-    return layers
+    raise AssertionError(fam)
 
 
 def _meta(revision, version) -> dict:
@@ -87,15 +91,19 @@ def _meta(revision, version) -> dict:
 
 
 def kernel_mapping(family: str, org: str = "hubfuse", revision: str | None = None, version: int = 1, *,
-                   rope: bool = True) -> dict:
+                   rope: bool = True, fuse_norm_mlp: bool = True) -> dict:
     """The `KernelConfig` mapping that turns on every hubfuse kernel applying to `family`.
 
     `revision` (e.g. "v1", or a local build through LOCAL_KERNELS) wins over `version`. `rope=False` leaves out
     the process-wide `rotary_pos_emb` hub kernel of Llama / Qwen2 (the other families never use it).
+    `fuse_norm_mlp=False` (dense families) uses the 1-to-1 `SwiGLUMLP` Layout instead of the RMSNorm+MLP
+    fusion: the fusion subclasses the decoder layer (`FusedQwen3DecoderLayer`), which wrap policies that look
+    layers up by class name (accelerate's FSDP `transformer_cls_names_to_wrap` from `_no_split_modules`) miss.
     Pass the result to `hubfuse.KernelConfig` (training, CPU) or transformers' own (CUDA inference).
     """
     meta = _meta(revision, version)
-    return {key: (f"{org}/{repo}:{layer}", dict(meta)) for key, (repo, layer) in _layers(family, rope).items()}
+    return {key: (f"{org}/{repo}:{layer}", dict(meta))
+            for key, (repo, layer) in _layers(family, rope, fuse_norm_mlp).items()}
 
 
 def kernel_repos(family: str, rope: bool = True) -> tuple[str, ...]:
