@@ -183,3 +183,19 @@ def test_failed_load_is_undone_by_the_next_load(model_dirs):
     assert_parity(load(path), ours, make_batch(tiny_config("qwen3").vocab_size))
     plain = load(path)
     assert not any(type(m).__name__.endswith("Layout") for m in plain.modules())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_moe_text"])
+def test_one_mapping_for_every_family_selects_exact_classes(family, model_dirs):
+    # The issue's mapping: all three hub names at once. Stock transformers treats "RMSNorm" as a regex
+    # (the kernel ships a Layout) and swaps Qwen3.5's zero-centred and gated norms for the standard one.
+    mapping = {"RMSNorm": hub("rmsnorm", "RMSNorm"),
+               "RMSNormZeroCentered": hub("rmsnorm", "RMSNormZeroCentered"),
+               "RMSNormGated": hub("rmsnorm", "RMSNormGated")}
+    path = model_dirs[family]
+    ours = load(path, mapping).train()
+    types = {type(m).__name__ for m in ours.modules() if "Norm" in type(m).__name__}
+    want = ({"RMSNormLayout"} if family == "qwen3" else {"RMSNormZeroCenteredLayout", "RMSNormGatedLayout"})
+    assert types == want
+    assert _bound(ours) == EXPECTED_BOUND[family]
+    assert_parity(load(path).train(), ours, make_batch(tiny_config(family).vocab_size))

@@ -12,7 +12,11 @@ Stock transformers 5.22.2 has three faults when hub kernels are used for trainin
    A load that fails half-way also leaves transformers' module classes swapped (`apply_patches` has no
    try/finally). Also, the config object is rewritten in place and cannot serve a second load.
 
-This subclass takes the same mapping forms and fixes all three: it registers every kernel for every mode
+4. With a kernel that ships a Layout, every key is a class-name regex, so a hub-name key over-matches
+   ("RMSNorm" also swaps `Qwen3_5MoeRMSNorm` and `Qwen3_5MoeRMSNormGated` for the standard norm).
+
+This subclass takes the same mapping forms and fixes all four (hub-name keys select exactly the classes
+transformers registered under that name): it registers every kernel for every mode
 (inference, training, and their torch.compile forms), accepts cpu, binds a private copy of the compiled
 mapping to the model (so the user's object can be reused), and restores the global state it found once the
 model is built (or, after a load that raised, when the next load starts). `restore_global_state()` / `kernel_state_snapshot()` are also exported for manual use.
@@ -109,6 +113,58 @@ def _snapshot_output_recorders():
     return snapshot
 
 
+def _hub_name_classes(hub_name: str) -> list[str]:
+    """Names of the transformers model classes registered under `hub_name` (`@use_kernel_forward_from_hub`)."""
+    names = set()
+    for mod_name, module in list(sys.modules.items()):
+        if not mod_name.startswith("transformers.models.") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            if (isinstance(obj, type) and obj.__module__ == mod_name
+                    and obj.__dict__.get("kernel_layer_name") == hub_name):
+                names.add(obj.__name__)
+    return sorted(names)
+
+
+def _kernel_has_layout(value, use_local_kernel: bool) -> bool:
+    """Does the kernel layer named by a mapping value ship a `<Layer>Layout` beside it?"""
+    from pathlib import Path
+
+    from kernels import LayerRepository, LocalLayerRepository
+
+    if isinstance(value, dict):  # {device: repo}
+        value = next(iter(value.values()))
+    repo_name, meta = value if isinstance(value, tuple) else (value, {})
+    repo_id, _, layer = repo_name.partition(":")
+    if use_local_kernel:
+        repo = LocalLayerRepository(repo_path=Path(repo_id), layer_name=layer)
+    else:
+        revision = meta.get("revision")
+        repo = LayerRepository(repo_id=repo_id, layer_name=layer, revision=revision,
+                               version=meta.get("version", None if revision is not None else 1),
+                               trust_remote_code=meta.get("trust_remote_code", False))
+    cls = repo.load()
+    return hasattr(sys.modules.get(cls.__module__), f"{cls.__name__}Layout")
+
+
+def anchor_hub_name_keys(mapping: dict, use_local_kernel: bool = False) -> dict:
+    """Rewrite plain hub-name keys whose kernel ships a Layout into anchored class-name regexes.
+
+    transformers treats every key as a class-name regex (`re.search`) as soon as the kernel has a Layout, so
+    the hub name "RMSNorm" also matches `Qwen3_5MoeRMSNorm` and `Qwen3_5MoeRMSNormGated` and swaps them for the
+    standard RMSNorm Layout: a silent wrong result. A hub name is meant to select exactly the classes
+    transformers registered under it, so it becomes `^(Qwen3RMSNorm|LlamaRMSNorm|...)$`.
+    """
+    rewritten = {}
+    for key, value in mapping.items():
+        if isinstance(key, str) and key.isidentifier():
+            classes = _hub_name_classes(key)
+            if classes and _kernel_has_layout(value, use_local_kernel):
+                key = "^(" + "|".join(classes) + ")$"
+        rewritten[key] = value
+    return rewritten
+
+
 def kernel_state_snapshot():
     """Capture transformers' global kernel/patch/conversion state; call `.restore()` to put it back."""
     return _GlobalState()
@@ -147,14 +203,21 @@ class KernelConfig(transformers.KernelConfig):
         super().__init__(copy.deepcopy(self._user_mapping), use_local_kernel, inherit_mapping)
 
     # transformers reads `kernel_mapping` first thing in `from_pretrained` (before it registers patches and
-    # builds the model): that read is our hook to capture the global state the load is about to change.
+    # builds the model): that read is our hook to capture the global state the load is about to change and
+    # to anchor hub-name keys.
     @property
     def kernel_mapping(self):
-        if self._clean_global_state and self._pending_state is None and self.__dict__.get("_fresh", False):
-            _recover_from_failed_loads()
-            self._pending_state = _GlobalState()
-            _UNFINISHED.append(self._pending_state)
+        # Only transformers' own first read of a fresh mapping starts a load; a user inspecting the mapping
+        # sees it unchanged.
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if self.__dict__.get("_fresh", False) and caller.startswith("transformers."):
             self._fresh = False
+            if self._clean_global_state and self._pending_state is None:
+                _recover_from_failed_loads()
+                self._pending_state = _GlobalState()
+                _UNFINISHED.append(self._pending_state)
+            self.__dict__["_kernel_mapping"] = anchor_hub_name_keys(self.__dict__["_kernel_mapping"],
+                                                                    self.use_local_kernel)
         return self.__dict__["_kernel_mapping"]
 
     @kernel_mapping.setter
@@ -162,6 +225,20 @@ class KernelConfig(transformers.KernelConfig):
         self.__dict__["_kernel_mapping"] = value
         if value == self.__dict__.get("_user_mapping"):
             self._fresh = True
+
+    def sanitize_kernel_mapping(self, model):
+        """Stock validation, except that entries no module of this model uses are dropped with a warning
+        instead of raising: one mapping can then serve several model families (e.g. the RMSNorm,
+        RMSNormZeroCentered and RMSNormGated entries together, for Qwen3 and Qwen3.5 alike)."""
+        import logging
+
+        self.store_registered_layer_names(model)
+        present = set(self.registered_layer_names.values())
+        for name in [k for k in self.kernel_mapping if isinstance(k, str) and k not in present]:
+            logging.getLogger(__name__).warning("hubfuse.KernelConfig: no module of %s uses kernel %r; entry "
+                                                "ignored for this model", type(model).__name__, name)
+            del self.kernel_mapping[name]
+        super().sanitize_kernel_mapping(model)
 
     def create_compatible_mapping(self, model, compile=False):
         """Register each kernel for every mode on the model's device (cpu included), bind it to the model."""
