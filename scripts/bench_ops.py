@@ -143,9 +143,10 @@ def report(out_dir: Path):
         if "error" in r:
             lines.append(f"| {r['op']} | {r['impl']} | error | | | | | | {r['error'][:120]} |")
         else:
-            lines.append(f"| {r['op']} | {r['impl']} | {r['ms']:.3f} | {r['gpu_ms']:.3f} | {r['floor_ms']:.3f} "
-                         f"| {r['floor_ratio']:.2f} | {r['gpu_floor_ratio']:.2f} | {r['peak_extra_MiB']:.0f} "
-                         f"| {r['note']} |")
+            gpu = f"{r['gpu_ms']:.3f}" if "gpu_ms" in r else ""  # case files may add rows of their own
+            gpu_ratio = f"{r['gpu_floor_ratio']:.2f}" if "gpu_floor_ratio" in r else ""
+            lines.append(f"| {r['op']} | {r['impl']} | {r['ms']:.3f} | {gpu} | {r['floor_ms']:.3f} "
+                         f"| {r['floor_ratio']:.2f} | {gpu_ratio} | {r['peak_extra_MiB']:.0f} | {r['note']} |")
     (out_dir / "bench_ops.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
