@@ -1,0 +1,613 @@
+#!/usr/bin/env python
+"""Training-step benchmark on realistic model slices: HF eager, HF + torch.compile, HF + Liger, and ours.
+
+One training step = forward + backward + AdamW step, bf16 weights (and bf16 AdamW states), random tokens with
+labels = input_ids, the same weights and batches for every configuration of a slice.
+
+Slices (4 decoder layers by default, the full vocabulary, batch 8 x 2048 tokens):
+  qwen3_8b       Qwen3-8B-like: hidden 4096, intermediate 12288, 32/8 heads, head_dim 128, vocab 151936
+  qwen3_30b_a3b  Qwen3-30B-A3B-like: hidden 2048, 128 experts top-8, moe_intermediate 768, 32/4 heads,
+                 head_dim 128, vocab 151936, router aux loss on (output_router_logits)
+  qwen3_5_moe    Qwen3.5-MoE-like: the defaults of transformers' Qwen3_5MoeTextConfig (hidden 2048, 256 experts
+                 top-8, moe_intermediate 512, shared expert 512, 16/2 heads, head_dim 256, partial RoPE 0.25,
+                 gated attention, vocab 248320), layer_types 3 x linear_attention + 1 x full_attention,
+                 router aux loss on
+Configurations:
+  eager    HF eager (sdpa attention; MoE experts with experts_implementation="grouped_mm")
+  compile  the same + torch.compile of the whole model (fwd+bwd; the optimizer step stays eager)
+  liger    the same + liger_kernel's apply_liger_kernel_to_qwen3 / _qwen3_moe (patched before the load, so the
+           modules are built as Liger's); Liger has no Qwen3.5-MoE entry point: that row is "unsupported"
+  ours     hubfuse.KernelConfig(presets.kernel_mapping(family, revision="v1")) + presets.enable_losses
+           (local builds through LOCAL_KERNELS, as tests/utils.py)
+
+Every (slice, config) runs in its own subprocess (Liger patches classes globally; a crash, OOM or timeout
+loses one row, not the run). The first subprocess of a slice builds the model from its config (random init,
+on the device) and saves it to a temp dir; every configuration loads it with from_pretrained (our kernels
+need the load path). Runs go config-major (eager, ours, liger, compile over the slices), so when the time
+budget (--budget-s) runs out it is the slowest-to-start configuration (compile) that is cut.
+
+Reported per row: tokens/s (batch*seq / median step time over --steps steps after --warmup steps), step ms
+(median, min, max), peak memory (CUDA: max_memory_allocated over the measured steps, weights + grads +
+optimizer states + activations; also over warm-up and the allocated memory after the load; CPU: max RSS of
+the process), the loss of step 1 and of the last step (MoE: includes router_aux_loss_coef * aux loss).
+Writes $OUT/bench_train.json, $OUT/bench_train.md and $OUT/bench_train_{speed,memory}.png (OUT defaults to
+./out), after every run (partial results survive a kill).
+
+    python scripts/bench.py                              # GPU: 3 slices x 4 configs (~8 min on an H200)
+    python scripts/bench.py --slices qwen3_8b --configs eager ours --steps 20
+    python scripts/bench.py --configs compile --append   # add rows to an existing bench_train.json
+    python scripts/bench.py --smoke                      # CPU, tiny dims, eager + ours, < 60 s
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "torch-ext"))  # hubfuse without `pip install -e .`
+
+REVISION = "v1"
+CONFIGS = ("eager", "ours", "liger", "compile")  # also the run order (compile last: slowest to start)
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text")
+LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
+COMMON = dict(vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=40960,
+              attention_bias=False)
+SLICES = {
+    "qwen3_8b": dict(family="qwen3", title="Qwen3-8B-like", config=dict(
+        COMMON, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128)),
+    "qwen3_30b_a3b": dict(family="qwen3_moe", title="Qwen3-30B-A3B-like", config=dict(
+        COMMON, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.001)),
+    # Qwen3_5MoeTextConfig defaults; only the layer count (and layer_types to match it) and the aux loss change
+    "qwen3_5_moe": dict(family="qwen3_5_moe_text", title="Qwen3.5-MoE-like", config=dict(
+        output_router_logits=True)),
+}
+# --smoke: tiny dims of the same structure (CPU, bf16)
+SMOKE_DIMS = {
+    "qwen3_8b": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16),
+    "qwen3_30b_a3b": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                          num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16),
+    "qwen3_5_moe": dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                        num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4),
+}
+# For the printed estimate only (H200 guesses, seconds): subprocess start + load (+ compile / Triton JIT) and
+# one training step; the first run of a slice also builds and saves the model.
+EST_SETUP_S = {"eager": 15, "ours": 22, "liger": 20, "compile": 75}
+EST_BUILD_S = {"qwen3_8b": 10, "qwen3_30b_a3b": 12, "qwen3_5_moe": 18}
+EST_STEP_S = {"qwen3_8b": 0.35, "qwen3_30b_a3b": 0.3, "qwen3_5_moe": 0.8}
+TIMEOUT_S = {"eager": 150, "ours": 180, "liger": 150, "compile": 240}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def layer_types(n: int) -> list[str]:
+    """Qwen3.5's pattern (every 4th layer full attention), with at least one full-attention layer."""
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    if "full_attention" not in types:
+        types[-1] = "full_attention"
+    if n > 1 and "linear_attention" not in types:
+        types[0] = "linear_attention"
+    return types
+
+
+def slice_config(name: str, layers: int, smoke: bool):
+    from transformers import AutoConfig
+
+    spec = SLICES[name]
+    kw = dict(spec["config"], num_hidden_layers=layers)
+    if smoke:
+        kw.update(SMOKE_DIMS[name])
+    if spec["family"] == "qwen3_5_moe_text":
+        kw["layer_types"] = layer_types(layers)
+    return AutoConfig.for_model(spec["family"], **kw)
+
+
+# ----------------------------------------------------------------------------------------------- child process
+def bound_kernels(model) -> dict[str, int]:
+    """"<module class>-><kernel layer>" -> count of submodules whose forward kernelize bound (as scripts/demo.py)."""
+    counts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        func = getattr(module.__dict__.get("forward"), "__func__", None)
+        if name and func is not None and func is not type(module).forward:
+            key = f"{type(module).__name__}->{func.__qualname__.split('.')[0]}"
+            counts[key] = counts.get(key, 0) + 1
+    for attr, key in (("_hubfuse_fused_loss", "loss->linear_cross_entropy"),
+                      ("_hubfuse_fused_aux_loss", "aux_loss->load_balancing_loss")):
+        if attr in model.__dict__:
+            counts[key] = 1
+    return counts
+
+
+def liger_modules(model) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _, module in model.named_modules():
+        if type(module).__name__.startswith("Liger"):
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    fwd = getattr(type(model).forward, "__module__", "") or ""
+    if "liger" in fwd:
+        counts["forward->" + fwd] = 1
+    return counts
+
+
+def ensure_model(name: str, path: Path, args, device: str) -> None:
+    """Build the slice's model from its config (random init, bf16, on the device) and save it, once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = slice_config(name, args.layers, args.smoke)
+    fingerprint = cfg.to_json_string(use_diff=False)
+    done = path / "DONE"
+    if done.exists() and json.loads(done.read_text()).get("config") == fingerprint:
+        return  # built by an earlier run (same config), e.g. a kept --model-dir
+    t0 = time.time()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, max_shard_size="100GB")
+    done.write_text(json.dumps(dict(params=n, config=fingerprint)))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    log(f"  built {name}: {n / 1e9:.3f} B parameters, saved in {time.time() - t0:.1f} s")
+
+
+def load_model(name: str, config: str, path: Path, device: str):
+    import torch
+
+    from tests.utils import load
+
+    family = SLICES[name]["family"]
+    kw = dict(attn_implementation="sdpa")
+    if family in MOE_FAMILIES:
+        kw["experts_implementation"] = "grouped_mm"
+    note = ""
+    if config == "liger":
+        import liger_kernel.transformers as lt
+
+        getattr(lt, LIGER_APPLY[family])()  # class-level patches, before the modules are built
+    if config == "ours":
+        from hubfuse import presets
+
+        model = load(path, presets.kernel_mapping(family, revision=REVISION), dtype=torch.bfloat16, device=device,
+                     **kw)
+        presets.enable_losses(model, family, revision=REVISION)
+        extra = bound_kernels(model)
+    else:
+        model = load(path, dtype=torch.bfloat16, device=device, **kw)
+        extra = liger_modules(model) if config == "liger" else {}
+    model.train()
+    return model, extra, note
+
+
+def child(args) -> int:
+    """Runs args.child_configs of one slice (one per process on the GPU; --smoke groups a slice's configs)."""
+    import resource
+
+    import torch
+
+    name = args.slices[0]
+    device = "cpu" if args.smoke else "cuda"
+    out = Path(args.child_out)
+    path = Path(args.model_dir) / name
+    results = []
+
+    def save():
+        out.write_text(json.dumps(results, indent=1))
+
+    try:
+        ensure_model(name, path, args, device)
+    except Exception as e:
+        for config in args.child_configs:
+            results.append(dict(slice=name, config=config, status="error", note=f"build: {type(e).__name__}: {e}"[:500]))
+        save()
+        raise
+    cfg = slice_config(name, args.layers, args.smoke)
+    g = torch.Generator().manual_seed(1234)
+    batches = []
+    for _ in range(args.warmup + args.steps):
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
+        batches.append({"input_ids": ids, "labels": ids})
+    tokens = args.batch * args.seq
+    for config in args.child_configs:
+        tag = f"[{name}/{config}]"
+        row = dict(slice=name, config=config, device=device, tokens_per_step=tokens)
+        results.append(row)
+        t_start = time.time()
+        model = opt = run = None
+        try:
+            log(f"{tag} loading (from_pretrained, bf16, {device})")
+            model, extra, note = load_model(name, config, path, device)
+            row["modules"] = extra
+            if config == "ours":
+                log(f"{tag} kernels bound: {extra}")
+                if not extra:
+                    raise RuntimeError("no hubfuse kernel bound to the model")
+            elif extra:
+                log(f"{tag} liger modules: {extra}")
+            run = model
+            if config == "compile":
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                run = torch.compile(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=(device == "cuda"))
+            row["load_s"] = round(time.time() - t_start, 1)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                row["after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+                torch.cuda.reset_peak_memory_stats()
+            times, losses = [], []
+            for i, batch in enumerate(batches):
+                if i == args.warmup and device == "cuda":
+                    row["peak_warmup_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                    torch.cuda.reset_peak_memory_stats()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = run(**batch).loss
+                loss.backward()
+                opt.step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                losses.append(loss.item())
+                if i >= args.warmup:
+                    times.append(dt)
+                if i < args.warmup or (i - args.warmup) % 5 == 4 or i == len(batches) - 1:
+                    phase = "warm-up" if i < args.warmup else "step"
+                    log(f"{tag} {phase} {i + 1}/{len(batches)}: {dt * 1e3:.1f} ms, loss {losses[-1]:.4f}")
+            times.sort()
+            med = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+            row.update(status="ok", tokens_per_s=round(tokens / med, 1), step_ms_median=round(med * 1e3, 2),
+                       step_ms_min=round(times[0] * 1e3, 2), step_ms_max=round(times[-1] * 1e3, 2),
+                       loss_step1=losses[0], loss_last=losses[-1], steps=len(times), warmup=args.warmup)
+            if device == "cuda":
+                row["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                row["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+            else:
+                row["peak_mem_GiB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+                row["note"] = (note + " " if note else "") + "CPU: peak = max RSS of the process"
+            if not all(math.isfinite(v) for v in losses):
+                row["status"] = "error"
+                row["note"] = f"non-finite loss: {losses}"
+            log(f"{tag} {row['status']}: {row['tokens_per_s']:.0f} tokens/s, median step {row['step_ms_median']:.1f} ms, "
+                f"peak {row['peak_mem_GiB']} GiB, loss step 1 {row['loss_step1']:.4f}")
+        except Exception as e:  # record and go on (an OOM too)
+            oom = "out of memory" in str(e).lower() or type(e).__name__ == "OutOfMemoryError"
+            row.update(status="oom" if oom else "error", note=f"{type(e).__name__}: {str(e)[:400]}")
+            if device == "cuda":
+                row["peak_mem_GiB_at_failure"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            log(f"{tag} {row['status']}: {row['note']}")
+            import traceback
+
+            traceback.print_exc()
+        row["wall_s"] = round(time.time() - t_start, 1)
+        save()
+        del model, opt, run
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    save()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- parent process
+def run_child(cmd, timeout: float, tag: str, env) -> tuple[int | None, list[str]]:
+    """Run a child in its own process group, echo its output, kill the whole group on timeout."""
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                            start_new_session=True, bufsize=1)
+
+    def pump():
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            if line.startswith("[") or line.startswith("  built") or "Error" in line or "error" in line[:40]:
+                log("  " + line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and its compile workers
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        rc = None
+        log(f"  {tag} TIMEOUT after {timeout:.0f} s (killed)")
+    reader.join(timeout=5)
+    return rc, list(tail)
+
+
+def estimate_s(plan, args) -> float:
+    total, built = 0.0, set()
+    for name, configs in plan:
+        for c in configs:
+            total += EST_SETUP_S[c] + (args.warmup + args.steps) * EST_STEP_S[name] * (1.4 if c == "eager" else 1.0)
+            if name not in built:
+                total += EST_BUILD_S[name]
+                built.add(name)
+    return total
+
+
+def env_meta(smoke: bool) -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    meta = dict(torch=torch.__version__, python=sys.version.split()[0])
+    for dist in ("transformers", "kernels", "liger-kernel", "triton", "flash-linear-attention", "causal-conv1d",
+                 "accelerate"):
+        try:
+            meta[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            meta[dist] = None
+    meta["device"] = "cpu (smoke)" if smoke else (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    return meta
+
+
+def fmt(v, spec):
+    return "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def report(rows, meta, out_dir: Path, plots: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_train.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
+    lines = [f"Training step (fwd + bwd + AdamW, bf16 weights), {meta.get('device')}; torch {meta.get('torch')}, "
+             f"transformers {meta.get('transformers')}, kernels {meta.get('kernels')}, liger-kernel "
+             f"{meta.get('liger-kernel')}, triton {meta.get('triton')}, flash-linear-attention "
+             f"{meta.get('flash-linear-attention')}.",
+             f"Command: `{meta.get('command')}`; {meta.get('layers')} layers, batch {meta.get('batch')} x "
+             f"{meta.get('seq')} tokens, median of {meta.get('steps')} steps after {meta.get('warmup')} warm-up.", "",
+             "| slice | config | status | tokens/s | x eager | median step ms | peak GiB | loss step 1 | note |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    by = {(r["slice"], r["config"]): r for r in rows}
+    for r in rows:
+        e = by.get((r["slice"], "eager"), {})
+        ratio = (r["tokens_per_s"] / e["tokens_per_s"]) if r.get("tokens_per_s") and e.get("tokens_per_s") else None
+        lines.append(f"| {r['slice']} | {r['config']} | {r.get('status')} | {fmt(r.get('tokens_per_s'), '.0f')} | "
+                     f"{fmt(ratio, '.2f')} | {fmt(r.get('step_ms_median'), '.1f')} | {fmt(r.get('peak_mem_GiB'), '.2f')} | "
+                     f"{fmt(r.get('loss_step1'), '.4f')} | {(r.get('note') or '')[:160].replace('|', '/')} |")
+    lines.append("")
+    for s in dict.fromkeys(r["slice"] for r in rows):
+        ours = by.get((s, "ours"), {})
+        peers = [by[(s, c)] for c in ("eager", "compile", "liger") if by.get((s, c), {}).get("tokens_per_s")]
+        if ours.get("tokens_per_s") and peers:
+            best = max(peers, key=lambda r: r["tokens_per_s"])
+            liger = by.get((s, "liger"), {})
+            mem = (f"; peak {ours['peak_mem_GiB']:.2f} GiB vs Liger {liger['peak_mem_GiB']:.2f} GiB"
+                   if liger.get("peak_mem_GiB") is not None and ours.get("peak_mem_GiB") is not None else "")
+            lines.append(f"- {s}: ours {ours['tokens_per_s'] / best['tokens_per_s']:.2f}x the best peer "
+                         f"({best['config']}){mem}.")
+    (out_dir / "bench_train.md").write_text("\n".join(lines) + "\n")
+    if plots:
+        plot(rows, out_dir)
+    return lines
+
+
+def plot(rows, out_dir: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("(matplotlib not installed: no plots)")
+        return
+    slices = list(dict.fromkeys(r["slice"] for r in rows))
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
+    by = {(r["slice"], r["config"]): r for r in rows}
+    for key, label, fname in (("tokens_per_s", "tokens / s (median step)", "bench_train_speed.png"),
+                              ("peak_mem_GiB", "peak memory (GiB)", "bench_train_memory.png")):
+        fig, ax = plt.subplots(figsize=(2.2 + 2.4 * len(slices), 4.2))
+        width = 0.8 / max(len(configs), 1)
+        for j, c in enumerate(configs):
+            xs, ys, texts = [], [], []
+            for i, s in enumerate(slices):
+                r = by.get((s, c), {})
+                v = r.get(key) if r.get("status") == "ok" else None
+                xs.append(i + (j - (len(configs) - 1) / 2) * width)
+                ys.append(v if v is not None else 0.0)
+                texts.append(fmt(v, ".0f" if key == "tokens_per_s" else ".1f") if v is not None else
+                             (r.get("status") or "n/a"))
+            bars = ax.bar(xs, ys, width, label=c)
+            for b, t in zip(bars, texts):
+                ax.annotate(t, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                            fontsize=7, rotation=90 if len(t) > 6 else 0)
+        ax.set_xticks(range(len(slices)))
+        ax.set_xticklabels([SLICES[s]["title"] for s in slices])
+        ax.set_ylabel(label)
+        ax.set_title(f"training step (fwd+bwd+AdamW, bf16): {label}")
+        ax.legend(fontsize=8)
+        ax.margins(y=0.15)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=120)
+        plt.close(fig)
+        log(f"wrote {out_dir / fname}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--slices", nargs="+", default=list(SLICES), choices=list(SLICES))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default 8; smoke 2)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; smoke 1)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; smoke 32)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; smoke 2)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; smoke 2)")
+    p.add_argument("--smoke", action="store_true", help="tiny dims on CPU (eager + ours; compile/Liger skipped)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop launching runs after this many seconds; children are cut to what is left "
+                        "(default 510; smoke 300)")
+    p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply the per-run timeouts")
+    p.add_argument("--out", default=None, help="output dir (default $OUT or ./out)")
+    p.add_argument("--append", action="store_true", help="merge into an existing bench_train.json")
+    p.add_argument("--model-dir", default=None, help="where the built models go (default: a mktemp dir, removed)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the runtime estimate, run nothing")
+    # internal: child mode
+    p.add_argument("--child-configs", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    d = dict(steps=2, warmup=1, seq=32, batch=2, layers=2, budget_s=300) if args.smoke else \
+        dict(steps=8, warmup=2, seq=2048, batch=8, layers=4, budget_s=510)
+    for k, v in d.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.child_configs:
+        return child(args)
+
+    t_begin = time.time()
+    import torch
+
+    from tests.utils import register_local_kernels
+
+    from hubfuse import presets
+
+    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "out")
+    rows: list[dict] = []
+    meta = env_meta(args.smoke)
+    if args.append and (out_dir / "bench_train.json").exists():
+        old = json.loads((out_dir / "bench_train.json").read_text())
+        rows = old["results"]
+        meta["earlier_commands"] = old["meta"].get("earlier_commands", []) + [old["meta"].get("command")]
+    meta.update(command="python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                steps=args.steps, warmup=args.warmup, seq=args.seq, batch=args.batch, layers=args.layers,
+                smoke=args.smoke, slices={s: SLICES[s]["title"] for s in args.slices})
+
+    def put(row):
+        rows[:] = [r for r in rows if (r["slice"], r["config"]) != (row["slice"], row["config"])] + [row]
+
+    # what runs: skipped rows get a note
+    plan: list[tuple[str, list[str]]] = []
+    for config in [c for c in CONFIGS if c in args.configs]:
+        for name in args.slices:
+            family = SLICES[name]["family"]
+            if args.smoke and config in ("compile", "liger"):
+                put(dict(slice=name, config=config, status="skipped",
+                         note="CPU smoke: compile/Liger run on the GPU only"))
+            elif config == "liger" and family not in LIGER_APPLY:
+                put(dict(slice=name, config=config, status="unsupported",
+                         note=f"liger-kernel has no apply_liger_kernel_to_* for {family}"))
+            elif config == "liger" and meta.get("liger-kernel") is None:
+                put(dict(slice=name, config=config, status="skipped", note="liger-kernel not installed"))
+            else:
+                plan.append((name, [config]))
+    if args.smoke:  # one process per slice (CPU start-up time); the same child code path
+        grouped: dict[str, list[str]] = {}
+        for name, cs in plan:
+            grouped.setdefault(name, []).extend(cs)
+        plan = list(grouped.items())
+    n_runs = sum(len(cs) for _, cs in plan)
+    est = estimate_s(plan, args)
+    log(f"bench: {len(args.slices)} slice(s) x {len(args.configs)} config(s) -> {n_runs} run(s) in "
+        f"{len(plan)} subprocess(es); {args.layers} layers, batch {args.batch} x {args.seq}, {args.warmup} warm-up + "
+        f"{args.steps} measured steps; device {meta['device']}")
+    if not args.smoke:
+        log(f"estimated runtime ~{est / 60:.1f} min on an H200 (rough guesses: start + load {EST_SETUP_S} s, "
+            f"compile included; step {EST_STEP_S} s; model build {EST_BUILD_S} s); budget --budget-s "
+            f"{args.budget_s:.0f} s: runs that do not fit are cut/skipped (rows say so) — rerun them with "
+            f"--configs ... --append")
+    for k, (name, cs) in enumerate(plan, 1):
+        log(f"  plan {k}: {name} / {'+'.join(cs)}")
+    if args.dry_run:
+        return 0
+    if not args.smoke and not torch.cuda.is_available():
+        log("no CUDA device: use --smoke for the CPU check")
+        return 2
+    if not args.smoke and meta.get("accelerate") is None:
+        log("from_pretrained(device_map='cuda') needs accelerate (pip install accelerate): kernelize must see the "
+            "final device at load time")
+        return 2
+    families = {SLICES[s]["family"] for s in args.slices}
+    repos = sorted({r for f in families for r in presets.kernel_repos(f)})
+    log(f"building kernel repos {repos} (scripts/build.py) ...")
+    register_local_kernels(*repos)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # never the Triton interpreter: on the GPU it must not be set; on CPU (--smoke) our layers then run their
+    # torch reference path, as any CPU user gets (the interpreter paths are the kernel tests' business)
+    if env.pop("TRITON_INTERPRET", None) is not None:
+        log("(TRITON_INTERPRET unset for the benchmark subprocesses)")
+
+    tmp_owner = None
+    model_dir = args.model_dir
+    if model_dir is None:
+        tmp_owner = tempfile.TemporaryDirectory(prefix="hubfuse_bench_")
+        model_dir = tmp_owner.name
+    plots = not args.no_plots
+    try:
+        for k, (name, configs) in enumerate(plan, 1):
+            elapsed = time.time() - t_begin
+            left = args.budget_s - elapsed
+            timeout = sum(TIMEOUT_S[c] for c in configs) * args.timeout_scale
+            if not (Path(model_dir) / name / "DONE").exists():
+                timeout += EST_BUILD_S[name] * 4 * args.timeout_scale
+            tag = f"({k}/{len(plan)}) {name} / {'+'.join(configs)}"
+            if left < (60 if "compile" in configs else 20):
+                log(f"{tag}: skipped, time budget spent ({elapsed:.0f} s of {args.budget_s:.0f})")
+                for c in configs:
+                    put(dict(slice=name, config=c, status="skipped", note="time budget spent (--budget-s)"))
+                continue
+            timeout = min(timeout, left)
+            log(f"{tag}: start (timeout {timeout:.0f} s; {elapsed:.0f} s elapsed)")
+            fd, child_out = tempfile.mkstemp(prefix="hubfuse_bench_row_", suffix=".json")
+            os.close(fd)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--slices", name, "--child-configs", *configs,
+                   "--child-out", child_out, "--model-dir", model_dir, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--seq", str(args.seq), "--batch", str(args.batch),
+                   "--layers", str(args.layers)] + (["--smoke"] if args.smoke else [])
+            t0 = time.time()
+            rc, tail = run_child(cmd, timeout, tag, env)
+            try:
+                got = json.loads(Path(child_out).read_text() or "[]")
+            except (OSError, json.JSONDecodeError):
+                got = []
+            finally:
+                Path(child_out).unlink(missing_ok=True)
+            done = {r["config"]: r for r in got}
+            for c in configs:
+                r = done.get(c)
+                if r is None or "status" not in r:
+                    why = "timeout" if rc is None else f"crashed (exit {rc})"
+                    r = dict(r or {}, slice=name, config=c, status="timeout" if rc is None else "error",
+                             note=f"{why}; last output: " + " / ".join(tail[-3:])[-300:])
+                put(r)
+            log(f"{tag}: done in {time.time() - t0:.0f} s -> " +
+                ", ".join(f"{c}: {done.get(c, {}).get('status', 'timeout' if rc is None else 'error')}" for c in configs))
+            report(rows, meta, out_dir, plots=False)  # partial results survive a kill
+    finally:
+        if tmp_owner is not None:
+            tmp_owner.cleanup()
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    slice_order = {s: i for i, s in enumerate(SLICES)}
+    rows.sort(key=lambda r: (slice_order.get(r["slice"], 99), order.get(r["config"], 99)))
+    meta["wall_s"] = round(time.time() - t_begin, 1)
+    lines = report(rows, meta, out_dir, plots=plots)
+    log("\n" + "\n".join(lines))
+    log(f"wrote {out_dir / 'bench_train.json'} and {out_dir / 'bench_train.md'}; total {meta['wall_s']:.0f} s")
+    return 0 if any(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
