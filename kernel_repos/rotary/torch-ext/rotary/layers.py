@@ -17,8 +17,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ._rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
 from .ops import apply_rotary_pos_emb, qk_norm_rope, qk_norm_rope_zero_centered
-from .reference import apply_rotary_pos_emb_hf, rms_norm_hf, rms_norm_zero_centered_hf
+from .reference import apply_rotary_pos_emb_hf
 
 
 class RotaryPosEmb(nn.Module):
@@ -34,34 +35,12 @@ class RotaryPosEmb(nn.Module):
 # ------------------------------------------------------------------ attention helpers (module level)
 
 
-class HeadRMSNorm(nn.Module):
+class HeadRMSNorm(RMSNormLayout):
     """Qwen3 per-head RMSNorm, same parameter and attribute names as `Qwen3RMSNorm` (`weight`, `variance_epsilon`)."""
 
-    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm_hf(hidden_states, self.weight, self.variance_epsilon)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
-
-
-class HeadRMSNormZeroCentered(nn.Module):
+class HeadRMSNormZeroCentered(RMSNormZeroCenteredLayout):
     """Qwen3.5 per-head zero-centred RMSNorm, same names as `Qwen3_5MoeRMSNorm` (`weight` init 0, `eps`)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_zero_centered_hf(x, self.weight, self.eps)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ rotates the first R features with HF's `rotate_half` convention, the remaining `
 """
 import torch
 
+from ._rmsnorm.reference import rms_norm_hf, rms_norm_zero_centered_hf  # noqa: F401 (HF-exact norms, re-exported)
+
 NONE, STANDARD, ZERO_CENTERED = 0, 1, 2  # norm applied before the rotation (fused op)
 
 
@@ -30,21 +32,6 @@ def apply_rotary_pos_emb_hf(q, k, cos, sin, unsqueeze_dim: int = 1):
     q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
     k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
     return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
-
-
-def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3 / Qwen3-MoE RMSNorm: normalise in fp32, cast to the input dtype, then `* weight`."""
-    input_dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(input_dtype)
-
-
-def rms_norm_zero_centered_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5 RMSNorm: `(1 + weight)` applied in fp32 before the cast."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).type_as(x)
 
 
 def qk_norm_rope_hf(q, k, q_weight, k_weight, cos, sin, eps: float, mode: int):
