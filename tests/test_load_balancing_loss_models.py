@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from tests.utils import assert_parity, forward_backward, hub, load, make_batch, modules_running, \
+from tests.utils import assert_compiled_parity, assert_parity, hub, load, make_batch, modules_running, \
     register_local_kernels, save_tiny_model, ROOT
 
 REPO = "load-balancing-loss"
@@ -173,15 +173,7 @@ def test_router_and_aux_loss_together_compile(family, tmp_path):
     ours = lbl.enable_fused_aux_loss(load(path, _router_mapping(family), experts_implementation="batched_mm").train())
     batch = _batch(eager)
     assert_parity(eager, ours, batch)
-    loss_e, logits_e, grads_e = forward_backward(eager, batch)
-    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
-    loss_c, logits_c, grads_c = forward_backward(compiled, batch)
-    torch.testing.assert_close(logits_c, logits_e, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(loss_c, loss_e, atol=2e-5, rtol=2e-5)
-    grads_c = {k.removeprefix("_orig_mod."): v for k, v in grads_c.items()}
-    assert grads_c.keys() == grads_e.keys()
-    for k in grads_e:
-        torch.testing.assert_close(grads_c[k], grads_e[k], atol=2e-5, rtol=2e-5)
+    assert_compiled_parity(eager, torch.compile(ours, fullgraph=True, backend="aot_eager"), batch)
 
 
 def test_save_load_round_trip(tmp_path):

@@ -10,7 +10,7 @@ On CPU the kernels run under TRITON_INTERPRET=1 (root conftest).
 import pytest
 import torch
 
-from tests.utils import assert_parity, forward_backward, hub, load, make_batch, modules_running, \
+from tests.utils import assert_compiled_parity, assert_parity, forward_backward, hub, load, make_batch, modules_running, \
     register_local_kernels, save_tiny_model
 
 ARCHS = {"qwen3_moe": "^Qwen3MoeExperts$", "qwen3_5_moe_text": "^Qwen3_5MoeExperts$"}
@@ -84,15 +84,7 @@ def test_torch_compile_fullgraph(tmp_path):
     eager = load(path, experts_implementation="eager").train()
     ours = load(path, {ARCHS["qwen3_moe"]: hub("moe", "GroupedGemmExperts")}).train()
     batch = _batch(eager)
-    loss_e, logits_e, grads_e = forward_backward(eager, batch)
-    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
-    loss_c, logits_c, grads_c = forward_backward(compiled, batch)
-    torch.testing.assert_close(logits_c, logits_e, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(loss_c, loss_e, atol=2e-5, rtol=2e-5)
-    grads_c = {k.removeprefix("_orig_mod."): v for k, v in grads_c.items()}
-    assert grads_c.keys() == grads_e.keys()
-    for k in grads_e:
-        torch.testing.assert_close(grads_c[k], grads_e[k], atol=2e-5, rtol=2e-5)
+    assert_compiled_parity(eager, torch.compile(ours, fullgraph=True, backend="aot_eager"), batch)
 
 
 @pytest.mark.gpu

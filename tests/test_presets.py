@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hubfuse import presets
-from tests.utils import REVISION, load, make_batch, register_local_kernels, save_tiny_model, tiny_config
+from tests.utils import (REVISION, load, make_batch, register_local_kernels, save_tiny_model, sharpen_attention,
+                         tiny_config)
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "llama", "qwen2")
 OVERRIDES = {
@@ -70,13 +71,7 @@ def model_dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("models")
     dirs = {fam: save_tiny_model(fam, d, **OVERRIDES.get(fam, {})) for fam in FAMILIES}
     for fam in ("llama", "qwen2"):
-        # no q/k norm: at init scale attention is ~uniform and RoPE would not show in the logits; sharpen it
-        model = load(dirs[fam])
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "q_proj" in name or "k_proj" in name:
-                    p.mul_(10.0)
-        model.save_pretrained(dirs[fam])
+        sharpen_attention(dirs[fam])  # no q/k norm: RoPE would not show in the logits at init scale
     return dirs
 
 

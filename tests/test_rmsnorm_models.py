@@ -6,10 +6,9 @@ writes the original keys and values; a later plain load is untouched; no regex o
 """
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.utils import (assert_parity, hub, load, make_batch, modules_running, register_local_kernels,
-                         save_tiny_model, tiny_config)
+from tests.utils import (assert_parity, assert_saved_checkpoints_equal, hub, load, make_batch, modules_running,
+                         register_local_kernels, save_tiny_model, tiny_config)
 
 HUB_NAME_MAPPINGS = {
     "qwen3": {"RMSNorm": hub("rmsnorm", "RMSNorm")},
@@ -78,10 +77,7 @@ def test_save_pretrained_writes_original_keys_and_values(family, model_dirs, tmp
     path = model_dirs[family]
     ours = load(path, LAYOUT_MAPPINGS[family])
     ours.save_pretrained(tmp_path / "resaved")
-    original, resaved = load_file(path / "model.safetensors"), load_file(tmp_path / "resaved" / "model.safetensors")
-    assert original.keys() == resaved.keys()
-    for key in original:
-        assert torch.equal(original[key], resaved[key]), key
+    assert_saved_checkpoints_equal(path, tmp_path / "resaved")
 
 
 def test_later_plain_load_is_untouched(model_dirs):

@@ -11,10 +11,9 @@ import importlib
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.utils import (assert_parity, hub, load, make_batch, modules_running, register_local_kernels,
-                         save_tiny_model, tiny_config)
+from tests.utils import (assert_parity, assert_saved_checkpoints_equal, hub, load, make_batch, modules_running,
+                         register_local_kernels, save_tiny_model, sharpen_attention, tiny_config)
 
 ROPE_FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")  # `apply_rotary_pos_emb` decorated with the hub name
 LAYOUT_MAPPINGS = {
@@ -64,14 +63,7 @@ def model_dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("models")
     dirs = {fam: save_tiny_model(fam, d) for fam in (*ROPE_FAMILIES, "qwen3_5_moe_text")}
     for fam in ("llama", "qwen2"):
-        # no q/k norm: at init scale (std 0.02) q.k is ~1e-4 and attention is uniform, so RoPE would not
-        # show in the logits at all. Scale q_proj / k_proj so that positions matter.
-        model = load(dirs[fam])
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "q_proj" in name or "k_proj" in name:
-                    p.mul_(10.0)
-        model.save_pretrained(dirs[fam])
+        sharpen_attention(dirs[fam])  # no q/k norm: RoPE would not show in the logits at init scale
     return dirs
 
 
@@ -187,10 +179,7 @@ def test_save_pretrained_round_trip(family, model_dirs, tmp_path):
     path = model_dirs[family]
     ours = load(path, LAYOUT_MAPPINGS[family])
     ours.save_pretrained(tmp_path / "resaved")
-    original, resaved = load_file(path / "model.safetensors"), load_file(tmp_path / "resaved" / "model.safetensors")
-    assert original.keys() == resaved.keys()
-    for key in original:
-        assert torch.equal(original[key], resaved[key]), key
+    assert_saved_checkpoints_equal(path, tmp_path / "resaved")
     again = load(tmp_path / "resaved", LAYOUT_MAPPINGS[family])
     batch = make_batch(tiny_config(family).vocab_size)
     torch.testing.assert_close(again(**batch).logits, load(path)(**batch).logits, atol=2e-5, rtol=2e-5)

@@ -145,3 +145,38 @@ def modules_running(model, layer_name: str) -> list[str]:
         if func is not None and func.__qualname__.split(".")[0] == layer_name:
             names.append(name)
     return names
+
+
+def assert_compiled_parity(reference, compiled, batch, atol=2e-5, rtol=2e-5):
+    """Loss, logits and every grad of a `torch.compile`d model equal the reference's (compile's
+    `_orig_mod.` prefix stripped from parameter names)."""
+    loss_r, logits_r, grads_r = forward_backward(reference, batch)
+    loss_c, logits_c, grads_c = forward_backward(compiled, batch)
+    torch.testing.assert_close(logits_c, logits_r, atol=atol, rtol=rtol)
+    torch.testing.assert_close(loss_c, loss_r, atol=atol, rtol=rtol)
+    grads_c = {k.removeprefix("_orig_mod."): v for k, v in grads_c.items()}
+    assert grads_c.keys() == grads_r.keys()
+    for k in grads_r:
+        torch.testing.assert_close(grads_c[k], grads_r[k], atol=atol, rtol=rtol)
+
+
+def sharpen_attention(path, factor: float = 10.0) -> None:
+    """Scale q_proj / k_proj of a saved model in place. Models without q/k norm (Llama, Qwen2) at init scale
+    have near-uniform attention, so RoPE would not show in the logits; this makes positions matter."""
+    model = load(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(factor)
+    model.save_pretrained(path)
+
+
+def assert_saved_checkpoints_equal(original_dir, resaved_dir) -> None:
+    """Two save_pretrained directories hold the same keys with bit-identical values."""
+    from safetensors.torch import load_file
+
+    original = load_file(Path(original_dir) / "model.safetensors")
+    resaved = load_file(Path(resaved_dir) / "model.safetensors")
+    assert original.keys() == resaved.keys()
+    for key in original:
+        assert torch.equal(original[key], resaved[key]), key
