@@ -17,9 +17,19 @@ python3 scripts/build.py ${BUILD_REPOS:-} || exit 1
 mode="${1:-all}"; shift || true
 status=0
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  # kernel numerics run on CUDA at every shape (no interpreter); model tests: the gpu-marked ones
-  python3 -m pytest -q --timeout=600 ${TEST_PATHS:-kernel_repos} 2>&1 | tee "$OUT/gpu_tests_kernels.log" | tail -n 40 || status=1
-  python3 -m pytest -q -m gpu ${MODEL_TEST_PATHS:-tests} 2>&1 | tee "$OUT/gpu_tests_models.log" | tail -n 40 || status=1
+  # kernel numerics run on CUDA at every shape (no interpreter); model tests: the gpu-marked ones.
+  # One pytest process per kernel repo and one for the models, in parallel: the small-shape tests are
+  # bound by Triton compilation (CPU), not by the GPU. TEST_TIMEOUT (s) caps each process.
+  logs=$(mktemp -d); pids=()
+  for path in ${TEST_PATHS:-kernel_repos/*}; do
+    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider "$path" >"$logs/$(basename "$path").log" 2>&1 &
+    pids+=($!)
+  done
+  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -m gpu ${MODEL_TEST_PATHS:-tests} \
+    >"$logs/models.log" 2>&1 & pids+=($!)
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done >"$OUT/gpu_tests.log"
+  for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -n 15; done
   [ "$mode" = tests ] && [ "${1:-}" = bench ] && { mode=bench; shift; }
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
