@@ -105,10 +105,17 @@ def _linear_ce_chunks(
     dw = None
     db = torch.zeros(V, dtype=torch.float32, device=hidden.device) if grad_flags & GRAD_BIAS else None
     weight_t = weight.t()
+    # one logits buffer for every chunk: allocating per chunk keeps two alive at once (the next chunk's
+    # logits are made before the previous ones are released), which doubled the peak (594 MiB, not 297)
+    chunk_buffer = hidden.new_empty(min(chunk_size, N), V)
     for start in range(0, N, chunk_size):
         end = min(start + chunk_size, N)
         h_chunk = hidden[start:end]
-        logits = torch.mm(h_chunk, weight_t) if bias is None else torch.addmm(bias, h_chunk, weight_t)
+        logits = chunk_buffer[: end - start]
+        if bias is None:
+            torch.mm(h_chunk, weight_t, out=logits)
+        else:
+            torch.addmm(bias, h_chunk, weight_t, out=logits)
         chunk_scale = scale[start:end] if per_row_scale else scale
         loss_c, z_c = _ce_rows(logits, labels[start:end], chunk_scale, ignore_index, label_smoothing,
                                z_loss_weight, softcap, compute_grad)
