@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.utils import ROOT, build
+from tests.utils import ROOT, build, repo_dir
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import build as build_tool  # noqa: E402
@@ -26,6 +26,20 @@ def test_build_writes_every_backend_with_unique_ids():
         assert not list(v.rglob("__pycache__"))
         ids.add(meta["id"])
     assert len(ids) == 4
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy",
+                                  "hubfuse"])
+def test_kernels_info_passes_on_every_build(name):
+    """`kernels info <repo>` (the hub CLI) reads every build: name, version and all four backends."""
+    build(name)
+    cli = "import sys; from kernels.cli import main; sys.exit(main())"
+    proc = subprocess.run([sys.executable, "-c", cli, "info", str(repo_dir(name)), "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["name"] == name and info["version"] == 1 and info["python_depends"] == []
+    assert sorted(info["backends"]) == ["cpu", "cuda", "rocm", "xpu"]
 
 
 def test_digest_matches_kernels_hash():
