@@ -1,5 +1,8 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`) over a preset-kernelized tiny Qwen3, 2 CPU processes (gloo).
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) over a preset-kernelized Qwen3, 2 processes.
 
+- gloo: a tiny fp32 Qwen3 on 2 CPU processes (the normal suite);
+- nccl (`gpu`, needs 2 GPUs): a real slice in bf16 (hidden 2048, 16/8 heads, head_dim 128, intermediate 6144,
+  2 layers, vocab 151936, 2 x 1024 tokens per rank), one GPU per rank.
 Each rank trains its own micro-batch for 3 AdamW steps (every decoder layer and the root sharded, as
 accelerate / TRL do with FSDP2); the per-rank losses must equal those of the non-sharded eager model trained
 on both micro-batches with the gradients averaged (what FSDP's reduce-scatter computes).
@@ -17,14 +20,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
 WORLD_SIZE = 2
 STEPS = 3
-LR = 1e-2
 FAMILY = "qwen3"
+# backend -> (device, dtype name, learning rate, tokens per micro-batch row, loss tolerance)
+SETUPS = {"gloo": ("cpu", "float32", 1e-2, 12, 2e-5), "nccl": ("cuda", "bfloat16", 1e-3, 1024, 2e-2)}
+REAL_SLICE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, num_hidden_layers=2, max_position_embeddings=4096)
 
 
-def _batches(vocab_size: int):
-    """batches[step][rank]: a (2, 12) micro-batch per rank per step; the last step repeats the first step's
+def _batches(vocab_size: int, seq: int):
+    """batches[step][rank]: a (2, seq) micro-batch per rank per step; the last step repeats the first step's
     batches, so its loss shows what training did."""
     import torch
 
@@ -33,27 +41,28 @@ def _batches(vocab_size: int):
     for _ in range(STEPS):
         step = []
         for _ in range(WORLD_SIZE):
-            ids = torch.randint(0, vocab_size, (2, 12), generator=g)
+            ids = torch.randint(0, vocab_size, (2, seq), generator=g)
             step.append({"input_ids": ids, "labels": ids.clone()})
         out.append(step)
     out[-1] = out[0]
     return out
 
 
-def _reference_losses(path, batches):
+def _reference_losses(path, batches, backend):
     """Non-sharded eager model: per step, the mean of the ranks' micro-batch losses is backpropagated."""
     import torch
 
     from tests.utils import load
 
-    model = load(path).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    device, dtype, lr, _, _ = SETUPS[backend]
+    model = load(path, dtype=getattr(torch, dtype), device=device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step in batches:
         opt.zero_grad(set_to_none=True)
         per_rank = []
         for batch in step:
-            loss = model(**batch).loss
+            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
             (loss / WORLD_SIZE).backward()
             per_rank.append(loss.item())
         opt.step()
@@ -61,7 +70,7 @@ def _reference_losses(path, batches):
     return losses
 
 
-def _worker(rank: int, store_file: str, path: str, batches_file: str, out_file: str) -> None:
+def _worker(backend: str, rank: int, store_file: str, path: str, batches_file: str, out_file: str) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
@@ -71,21 +80,26 @@ def _worker(rank: int, store_file: str, path: str, batches_file: str, out_file: 
     from hubfuse import presets
     from tests.utils import REVISION, load
 
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD_SIZE)
+    device_type, dtype, lr, _, _ = SETUPS[backend]
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=WORLD_SIZE)
     try:
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        model = load(path, presets.kernel_mapping(FAMILY, revision=REVISION)).train()
+        mesh = init_device_mesh(device_type, (WORLD_SIZE,))
+        model = load(path, presets.kernel_mapping(FAMILY, revision=REVISION), dtype=getattr(torch, dtype),
+                     device=device).train()
         presets.enable_losses(model, FAMILY, revision=REVISION)
         layouts = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Layout")})
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)  # root: embeddings, final norm, lm_head (the fused loss reads lm_head.weight)
         sharded = sum(type(p).__name__ == "DTensor" for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
         batches = torch.load(batches_file)
         losses = []
         for step in batches:
-            out = model(**step[rank])
+            out = model(**{k: v.to(device) for k, v in step[rank].items()})
             assert out.logits is None  # the fused linear cross-entropy ran
             out.loss.backward()
             opt.step()
@@ -100,27 +114,32 @@ def _worker(rank: int, store_file: str, path: str, batches_file: str, out_file: 
         dist.destroy_process_group()
 
 
-def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path, backend):
     import torch
 
     from tests.utils import register_local_kernels, save_tiny_model, tiny_config
 
+    if backend == "nccl" and torch.cuda.device_count() < WORLD_SIZE:
+        pytest.skip(f"needs {WORLD_SIZE} GPUs")
+    _, _, _, seq, tol = SETUPS[backend]
     register_local_kernels("rmsnorm", "rotary", "swiglu", "cross-entropy")
-    path = save_tiny_model(FAMILY, tmp_path)
-    batches = _batches(tiny_config(FAMILY).vocab_size)
+    overrides = REAL_SLICE if backend == "nccl" else {}
+    path = save_tiny_model(FAMILY, tmp_path, **overrides)
+    batches = _batches(tiny_config(FAMILY, **overrides).vocab_size, seq)
     torch.save(batches, tmp_path / "batches.pt")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1" if not torch.cuda.is_available() else "0"))
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(rank), str(store), str(path),
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", backend, str(rank), str(store), str(path),
                                str(tmp_path / "batches.pt"), str(tmp_path / f"rank{rank}.json")],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(WORLD_SIZE)]
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=100)[0])
+            logs.append(p.communicate(timeout=300)[0])
     finally:
         for p in procs:  # only the two workers started above
             if p.poll() is None:
@@ -133,11 +152,12 @@ def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path):
         assert r["sharded_params"] == r["params"] > 0  # every parameter is a DTensor shard
         assert {"QKNormRopeAttentionLayout", "RMSNormLayout", "RMSNormSwiGLUMLPLayout"} <= set(r["layouts"])
         assert {"QKNormRopeAttention", "RMSNorm", "RMSNormSwiGLUMLP"} <= set(r["bound"])
-    want = _reference_losses(path, batches)
+    want = _reference_losses(path, batches, backend)
     got = [[results[rank]["losses"][step] for rank in range(WORLD_SIZE)] for step in range(STEPS)]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-5, rtol=2e-5)
+    print(f"{backend}: FSDP2 + kernels {got}; unsharded eager {want}")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=tol, rtol=tol)
     assert all(want[-1][r] < want[0][r] - 1e-3 for r in range(WORLD_SIZE))  # same batches, lower loss: it trained
 
 
-if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--worker":
-    _worker(int(sys.argv[2]), *sys.argv[3:])
+if __name__ == "__main__" and len(sys.argv) == 8 and sys.argv[1] == "--worker":
+    _worker(sys.argv[2], int(sys.argv[3]), *sys.argv[4:])
