@@ -21,18 +21,26 @@ PTR_TYPES = {"ROW_TOKEN": "*i64", "TILE_EXPERT": "*i64", "TILE_START": "*i64", "
 SMEM_LIMIT = 227 * 1024
 
 
-def compile_sm90(kern, constexprs, num_warps, num_stages, dtype="bf16"):
+# the weight operand of the row-tiled kernels and its TMA block shape (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N)
+TMA_OPERAND = {"gate_up_fwd": ("W", "NK"), "down_fwd": ("D", "NK"), "down_bwd_act": ("D", "KN"),
+               "gate_up_bwd_x": ("W", "KN")}
+
+
+def compile_sm90(kern, constexprs, num_warps, num_stages, dtype="bf16", descs=None):
     names = kern.arg_names
     sig = {}
     for n in names:
         if n in constexprs:
             sig[n] = "constexpr"
+        elif descs and n in descs:
+            sig[n] = descs[n]
         elif n in INTS or n.startswith("stride"):
             sig[n] = "i32"
         else:
             sig[n] = PTR_TYPES.get(n, "*" + dtype)
     # what the launcher specialises at the real shapes: pointers and dims/strides divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] != "constexpr" and not sig[n].startswith("tensordesc")}
     src = ASTSource(kern, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
                                                                              num_stages=num_stages))
@@ -45,24 +53,39 @@ def main():
         "gate_up_bwd_w": tk._gate_up_bwd_w_kernel, "down_bwd_w": tk._down_bwd_w_kernel,
     }
     for name, kern in kernels.items():
-        cfg = dict(tk.GPU_CONFIGS[name])
-        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-        even = {"EVEN_M": True, "EVEN_N": True} if name.endswith("_w") else {"EVEN_N": True, "EVEN_K": True}
-        k = compile_sm90(kern, dict(cfg, PREC="tf32", **even), warps, stages)
-        ptx = k.asm["ptx"]
-        n_wgmma, n_cp = len(re.findall(r"wgmma\.mma_async", ptx)), len(re.findall(r"cp\.async", ptx))
-        print(f"{name}: shared={k.metadata.shared} wgmma={n_wgmma} cp.async={n_cp}")
-        assert n_wgmma > 0, f"{name}: no wgmma instructions"
-        assert n_cp > 0, f"{name}: no cp.async pipelining"
-        assert k.metadata.shared <= SMEM_LIMIT, f"{name}: {k.metadata.shared} bytes of shared memory"
+        # the shipped config, and for the row-tiled kernels also with the other TMA setting
+        for tma in [tk.GPU_CONFIGS[name].get("TMA")] + ([not tk.GPU_CONFIGS[name]["TMA"]] if name in TMA_OPERAND else []):
+            cfg = dict(tk.GPU_CONFIGS[name], **({"TMA": tma} if name in TMA_OPERAND else {}))
+            warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+            even = {"EVEN_M": True, "EVEN_N": True} if name.endswith("_w") else {"EVEN_N": True, "EVEN_K": True}
+            descs = None
+            if tma:
+                arg, order = TMA_OPERAND[name]
+                block = (cfg["BLOCK_N"], cfg["BLOCK_K"]) if order == "NK" else (cfg["BLOCK_K"], cfg["BLOCK_N"])
+                descs = {arg: f"tensordesc<bf16[{block[0]},{block[1]}]>"}
+            k = compile_sm90(kern, dict(cfg, PREC="tf32", **even), warps, stages, descs=descs)
+            ptx = k.asm["ptx"]
+            n_wgmma, n_cp = len(re.findall(r"wgmma\.mma_async", ptx)), len(re.findall(r"cp\.async", ptx))
+            n_tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+            print(f"{name}{' (TMA)' if tma else ''}: shared={k.metadata.shared} wgmma={n_wgmma} cp.async={n_cp} "
+                  f"tma={n_tma}")
+            assert n_wgmma > 0, f"{name}: no wgmma instructions"
+            assert n_cp > 0, f"{name}: no cp.async pipelining"
+            assert n_tma > 0 or not tma, f"{name}: no TMA copies"
+            assert k.metadata.shared <= SMEM_LIMIT, f"{name}: {k.metadata.shared} bytes of shared memory"
     # fp32 inputs (IEEE dots) and fp16, odd dims (masked paths), with their configs
     for name, kern in kernels.items():
-        for dtype, prec, cfg in (("fp32", "ieee", dict(tk._FP32_CONFIG)), ("fp16", "tf32", dict(tk.GPU_CONFIGS[name]))):
+        for dtype, prec, cfg in (("fp32", "ieee", dict(tk._FP32_CONFIG, TMA=False)),
+                                 ("fp16", "tf32", dict(tk.GPU_CONFIGS[name], TMA=False))):
             warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+            if name.endswith("_w"):
+                cfg.pop("TMA")
             even = {"EVEN_M": False, "EVEN_N": False} if name.endswith("_w") else {"EVEN_N": False, "EVEN_K": False}
             compile_sm90(kern, dict(cfg, PREC=prec, **even), warps, stages, dtype=dtype)
         print(f"{name}: fp32 and fp16 (masked) ok")
-    k = compile_sm90(tk._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=8, BLOCK_N=256), 4, 1)
+    cfg = dict(tk.GPU_CONFIGS["combine"])
+    k = compile_sm90(tk._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"]),
+                     cfg["num_warps"], 1)
     print(f"combine: shared={k.metadata.shared}")
     print("ok")
 

@@ -83,6 +83,26 @@ def test_fwd_bwd_fp16():
     _check(21, 64, 32, 5, 2, torch.float16)
 
 
+@pytest.mark.parametrize("shape", [(37, 64, 64, 8, 2), (13, 48, 40, 6, 3)])
+def test_tma_weight_operand(shape, monkeypatch):
+    # weights through tensor descriptors (the interpreter emulates the copy engine); at (48, 40) the forward
+    # tiles straddle experts and fall back to pointer loads, the backward ones read past H / I (zero-filled)
+    from moe import triton_kernels as tk
+
+    used = []
+    weight_operand = tk._weight_operand
+
+    def spy(*args):
+        operand, tma = weight_operand(*args)
+        used.append(tma)
+        return operand, tma
+
+    monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA", True)
+    monkeypatch.setattr(tk, "_weight_operand", spy)
+    _check(*shape, torch.float32)
+    assert used == ([True] * 4 if shape[2] == 64 else [False, False, True, True]), used
+
+
 def test_skewed_routing_all_tokens_one_expert():
     # K=1, every token to expert 2: one expert gets all rows (several row tiles), the others none
     _check(35, 32, 32, 4, 1, torch.float32, skew=[2])

@@ -51,9 +51,10 @@ def _gate_up_fwd_kernel(
     X, W, ROW_TOKEN, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT,
     H, I, E, TILES_N, stride_x, stride_we, stride_wn, stride_gu, stride_act,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
 ):
     # gate = x @ Wg[e]^T, up = x @ Wu[e]^T for BLOCK_N intermediate columns; act = silu(gate) * up
+    # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_N)
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
@@ -64,20 +65,27 @@ def _gate_up_fwd_kernel(
     col_mask = _in_bounds(cols, I, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = X + tok[:, None] * stride_x + ks[None, :]
-    wg_ptrs = W + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    wu_ptrs = wg_ptrs + I * stride_wn
+    if TMA:
+        wg_row = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        wg_ptrs = W + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        wu_ptrs = wg_ptrs + I * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, H, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        bg = tl.load(wg_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        bu = tl.load(wu_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if TMA:  # rows past H are zero-filled by the copy engine
+            bg = W.load([wg_row, k0]).T
+            bu = W.load([wg_row + I, k0]).T
+        else:
+            bg = tl.load(wg_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            bu = tl.load(wu_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            wg_ptrs += BLOCK_K
+            wu_ptrs += BLOCK_K
         acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
         acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
         a_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
     # HF rounds the linear output to the input dtype before the activation: do the same
     g = acc_g.to(GU.dtype.element_ty)
     u = acc_u.to(GU.dtype.element_ty)
@@ -95,9 +103,10 @@ def _down_fwd_kernel(
     ACT, D, TILE_EXPERT, TILE_START, OFFSETS, Y,
     H, I, E, TILES_N, stride_act, stride_de, stride_dn, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
 ):
     # y = act @ Wd[e]^T for BLOCK_N hidden columns (rows in sorted order)
+    # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_N)
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
@@ -107,15 +116,21 @@ def _down_fwd_kernel(
     col_mask = _in_bounds(cols, H, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = ACT + rows[:, None] * stride_act + ks[None, :]
-    b_ptrs = D + e * stride_de + cols[None, :].to(tl.int64) * stride_dn + ks[:, None]
+    if TMA:
+        d_row = (e * H + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        b_ptrs = D + e * stride_de + cols[None, :].to(tl.int64) * stride_dn + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, I, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if TMA:
+            b = D.load([d_row, k0]).T
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            b_ptrs += BLOCK_K
         acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
@@ -151,10 +166,11 @@ def _down_bwd_act_kernel(
     DOUT, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT, DGU, DW_PART,
     H, I, E, TILES_N, stride_dout, stride_de, stride_dn, stride_gu, stride_act, stride_dgu, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
 ):
     # g_act = dout[token] @ Wd[e]   (unweighted grad of act, BLOCK_N intermediate columns)
     # epilogue: dweight partial = sum_i g_act * act; dact = w * g_act; SwiGLU backward -> dgate, dup
+    # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_K)
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
@@ -165,15 +181,22 @@ def _down_bwd_act_kernel(
     col_mask = _in_bounds(cols, I, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = DOUT + tok[:, None] * stride_dout + ks[None, :]
-    b_ptrs = D + e * stride_de + ks[:, None].to(tl.int64) * stride_dn + cols[None, :]
+    if TMA:
+        d_row = (e * H).to(tl.int32)
+        d_col = pid_n * BLOCK_N
+    else:
+        b_ptrs = D + e * stride_de + ks[:, None].to(tl.int64) * stride_dn + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, H, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if TMA:  # columns past I are zero-filled by the copy engine
+            b = D.load([d_row + k0, d_col])
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            b_ptrs += BLOCK_K * stride_dn
         acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_dn
     mask = row_mask[:, None] & col_mask[None, :]
     act = tl.load(ACT + rows[:, None] * stride_act + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(DW_PART + rows * stride_part + pid_n, tl.sum(acc * act, axis=1), mask=row_mask)
@@ -195,9 +218,10 @@ def _gate_up_bwd_x_kernel(
     DGU, W, TILE_EXPERT, TILE_START, OFFSETS, DX,
     H, TWO_I, E, TILES_N, stride_dgu, stride_we, stride_wn, stride_dx,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
 ):
     # dx_row = dgate_up_row @ Wgu[e]   (rows in sorted order; the combine sums each token's K copies)
+    # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_K)
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
@@ -207,15 +231,22 @@ def _gate_up_bwd_x_kernel(
     col_mask = _in_bounds(cols, H, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = DGU + rows[:, None] * stride_dgu + ks[None, :]
-    b_ptrs = W + e * stride_we + ks[:, None].to(tl.int64) * stride_wn + cols[None, :]
+    if TMA:
+        w_row = (e * TWO_I).to(tl.int32)
+        w_col = pid_n * BLOCK_N
+    else:
+        b_ptrs = W + e * stride_we + ks[:, None].to(tl.int64) * stride_wn + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, TWO_I, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, TWO_I, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if TMA:  # columns past H are zero-filled by the copy engine
+            b = W.load([w_row + k0, w_col])
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            b_ptrs += BLOCK_K * stride_wn
         acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wn
     tl.store(DX + rows[:, None] * stride_dx + cols[None, :], acc.to(DX.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
@@ -289,19 +320,23 @@ def _down_bwd_w_kernel(
 # ----------------------------------------------------------------------------------------------- launch
 
 # Tile configs for 16-bit inputs on CUDA (H100/H200 class), one entry per kernel. Row tiles (BLOCK_M) of the
-# grouped kernels drop to 64 when experts get few rows (decode, many experts). Module-level so that a tuning
-# run (benchmarks/tune_moe.py) can sweep them without editing code.
-GPU_CONFIGS = {  # H200 sweep (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 I=768): 5.70 -> 5.34 ms fwd+bwd
-    "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    "down_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-    "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-    "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+# grouped kernels drop to 64 when experts get few rows (decode, many experts). TMA: read the (dense, per expert)
+# weight operand through a Hopper tensor descriptor instead of pointer loads (sm_90+, when the tile fits the
+# expert's slice; ignored otherwise). Module-level and read at call time, so that a tuning run
+# (benchmarks/tune_moe.py) can sweep them without editing code.
+GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 I=768; logs in docs/gpu_runs/)
+    # TMA weight loads: down_fwd 0.505 -> 0.404 ms, gate_up_bwd_x 0.798 -> 0.731 ms (run 6)
+    "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
+    "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True),
+    "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=False),
+    "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True),
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
 }
 _FP32_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)  # IEEE fp32: no tensor cores
 # interpreter: small tiles, so that the tests cover several row tiles per expert and several column tiles
-_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
+_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1, TMA=False)
 _INTERPRETER_W_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
 
 
@@ -317,7 +352,7 @@ def _config(name: str, t: torch.Tensor, S: int, E: int) -> dict:
     if not _on_gpu(t):
         return dict(_INTERPRETER_W_CONFIG if name.endswith("_w") else _INTERPRETER_CONFIG)
     if t.dtype == torch.float32:
-        return dict(_FP32_CONFIG)
+        return dict(_FP32_CONFIG, TMA=False)
     cfg = dict(GPU_CONFIGS[name])
     if not name.endswith("_w") and S < 96 * E:  # few rows per expert: less padding waste per row tile
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
@@ -350,6 +385,26 @@ def _launch_opts(cfg: dict) -> dict:
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+def _tma_ok(w: torch.Tensor, tile_in_expert: bool) -> bool:
+    # Hopper+ copy engine (or the interpreter); a tile must not straddle two experts' slices of the 2-D view
+    if not tile_in_expert or not w.is_contiguous() or w.shape[-1] * w.element_size() % 16 or w.data_ptr() % 16:
+        return False
+    if w.device.type == "cpu":
+        return True
+    return w.device.type == "cuda" and torch.version.cuda is not None and torch.cuda.get_device_capability(w.device)[0] >= 9
+
+
+def _weight_operand(w: torch.Tensor, cfg: dict, block_shape: list, tile_in_expert: bool):
+    """(operand, TMA flag): a tensor descriptor over w (E, R, C) viewed as (E * R, C) when cfg asks for TMA and
+    it applies, else w itself (pointer loads)."""
+    if not (cfg["TMA"] and _tma_ok(w, tile_in_expert)):
+        return w, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, R, C = w.shape
+    return TensorDescriptor(w, [E * R, C], [C, 1], block_shape), True
+
+
 def _positions(sorted_slot: torch.Tensor) -> torch.Tensor:
     pos = torch.empty_like(sorted_slot)
     pos.scatter_(0, sorted_slot, torch.arange(sorted_slot.numel(), device=sorted_slot.device))
@@ -359,12 +414,13 @@ def _positions(sorted_slot: torch.Tensor) -> torch.Tensor:
 def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype):
     K = top_k_index.shape[1]
     out = torch.empty((T, H), dtype=out_dtype, device=y_rows.device)
-    block_t, block_n = (16, 32) if not _on_gpu(y_rows) else (8, min(256, triton.next_power_of_2(H)))
+    cfg = GPU_CONFIGS["combine"] if _on_gpu(y_rows) else dict(BLOCK_T=16, BLOCK_N=32, num_warps=4)
+    block_t, block_n = cfg["BLOCK_T"], min(cfg["BLOCK_N"], triton.next_power_of_2(H))
     grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_n))
     _combine_kernel[grid](
         y_rows, pos, top_k_index, weights if weights is not None else y_rows, out, T, H, K, E,
         y_rows.stride(0), out.stride(0), HAS_WEIGHT=weights is not None, BLOCK_T=block_t, BLOCK_N=block_n,
-        num_warps=4,
+        num_warps=cfg["num_warps"],
     )
     return out
 
@@ -385,20 +441,23 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     cfg = _config("gate_up_fwd", hidden, S, E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
     tiles_n = triton.cdiv(inter, cfg["BLOCK_N"])
+    even_n = inter % cfg["BLOCK_N"] == 0
+    w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], even_n)
     _gate_up_fwd_kernel[(tiles_n * max_tiles,)](
-        hidden, gate_up_proj, row_token, tile_expert, tile_start, expert_offsets, gate_up_out, act,
+        hidden, w_gu, row_token, tile_expert, tile_start, expert_offsets, gate_up_out, act,
         H, inter, E, tiles_n, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_out.stride(0),
-        act.stride(0), PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=H % cfg["BLOCK_K"] == 0,
-        **_launch_opts(cfg),
+        act.stride(0), PREC=prec, EVEN_N=even_n, EVEN_K=H % cfg["BLOCK_K"] == 0, TMA=tma, **_launch_opts(cfg),
     )
     y_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
     cfg = _config("down_fwd", hidden, S, E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
     tiles_n = triton.cdiv(H, cfg["BLOCK_N"])
+    even_n = H % cfg["BLOCK_N"] == 0
+    w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], even_n)
     _down_fwd_kernel[(tiles_n * max_tiles,)](
-        act, down_proj, tile_expert, tile_start, expert_offsets, y_rows,
+        act, w_down, tile_expert, tile_start, expert_offsets, y_rows,
         H, inter, E, tiles_n, act.stride(0), down_proj.stride(0), down_proj.stride(1), y_rows.stride(0),
-        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=inter % cfg["BLOCK_K"] == 0, **_launch_opts(cfg),
+        PREC=prec, EVEN_N=even_n, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, **_launch_opts(cfg),
     )
     out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
     return out, gate_up_out, act
@@ -424,11 +483,13 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     tiles_i = triton.cdiv(inter, cfg["BLOCK_N"])
     dgate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
     dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=hidden.device)
+    even_k = H % cfg["BLOCK_K"] == 0
+    w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     _down_bwd_act_kernel[(tiles_i * max_tiles,)](
-        dout, down_proj, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, act,
+        dout, w_down, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, act,
         dgate_up_out, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
         gate_up_out.stride(0), act.stride(0), dgate_up_out.stride(0), dw_part.stride(0),
-        PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=H % cfg["BLOCK_K"] == 0, **_launch_opts(cfg),
+        PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, **_launch_opts(cfg),
     )
     # routing-weight grad: fixed-order sum of the per-column-tile partials, back to slot order
     valid = (top_k_index >= 0) & (top_k_index < E)
@@ -439,10 +500,12 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
     tiles_n = triton.cdiv(H, cfg["BLOCK_N"])
     dx_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
+    even_k = two_i % cfg["BLOCK_K"] == 0
+    w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     _gate_up_bwd_x_kernel[(tiles_n * max_tiles,)](
-        dgate_up_out, gate_up_proj, tile_expert, tile_start, expert_offsets, dx_rows,
+        dgate_up_out, w_gu, tile_expert, tile_start, expert_offsets, dx_rows,
         H, two_i, E, tiles_n, dgate_up_out.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), dx_rows.stride(0),
-        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=two_i % cfg["BLOCK_K"] == 0, **_launch_opts(cfg),
+        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, **_launch_opts(cfg),
     )
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
