@@ -182,6 +182,63 @@ def test_lbl_input_forms_and_determinism():
                                lbl.load_balancing_loss([z.contiguous() for z in nc], 12, 3))
 
 
+def _kernel_counts(zs, E, K, mask=None):
+    """Per-expert selection counts of the fused forward, recovered from dloss/dprob_sum = E * counts / n^2."""
+    from load_balancing_loss.ops import _lbl_fwd
+
+    _, n = lbl_float64_parts(zs, E, K, mask)[3:]
+    if mask is not None:  # as the public function passes it
+        mask = mask.reshape(-1).view(torch.uint8) if mask.dtype == torch.bool else mask.reshape(-1)
+    _, dloss = _lbl_fwd([z.detach() for z in zs], mask, E, K)
+    return dloss.double() * n * n / E
+
+
+def test_lbl_fp32_ties_at_kth_place():
+    """fp32 selection keys drop low bits of p (2^-17 relative at E=256): near-ties at the k-th place (p 1.5e-6
+    apart, ~12 ulp) must still pick the larger p (the exact 64-bit redo), exact ties the lower column."""
+    torch.manual_seed(8)
+    T, E, K = 48, 256, 8
+    z = torch.randn(T, E, dtype=torch.float64) * 2
+    order = z.argsort(-1, descending=True)
+    kth, nxt = order[:, K - 1], order[:, K]
+    rows = torch.arange(T)
+    sign = torch.where(torch.rand(T) < 0.5, -1.0, 1.0)  # the lower column above or below the other
+    z[rows, nxt] = z[rows, kth] - 1.5e-6 * sign * torch.where(kth < nxt, 1.0, -1.0)
+    z[:8, nxt[:8]] = z[:8, kth[:8]]  # exact ties
+    z[8:12] = 0.25  # all experts tie
+    zs = [z.float().to(DEV).requires_grad_(), torch.randn(T, E, device=DEV).requires_grad_()]
+    mask = make_mask(T)
+    for m in (None, mask):
+        counts = _kernel_counts(zs, E, K, m)
+        assert torch.equal(counts.round(), lbl_float64_parts(zs, E, K, m)[3])
+        loss, grads = run_fused(zs, E, K, m)
+        ref_loss, ref_grads = lbl_float64(zs, E, K, m)
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lbl_launch_configs_agree(monkeypatch, dtype):
+    """Every launch setting the tuner may pick (tile, lanes, warps, grid size) gives the same selection and
+    the same loss and grads to rounding."""
+    from load_balancing_loss import triton_kernels
+
+    torch.manual_seed(9)
+    L, T, E, K = 2, 45, 24, 3
+    zs = make_logits(L, T, E, dtype, scale=2.0)
+    mask = make_mask(T).bool()
+    ref_loss, ref_grads = lbl_float64(zs, E, K, mask)
+    counts = lbl_float64_parts(zs, E, K, mask)[3]
+    for tile, lanes, warps, programs in ((512, 1, 2, 1), (1024, 4, 4, 7), (256, 32, 1, 1024), (4096, 2, 8, 3)):
+        cfg = dict(tile=tile, lanes=lanes, num_warps=warps, programs=programs, num_stages=1)
+        monkeypatch.setitem(triton_kernels.LBL_CONFIG, "fwd", cfg)
+        monkeypatch.setitem(triton_kernels.LBL_CONFIG, "bwd", cfg)
+        assert torch.equal(_kernel_counts(zs, E, K, mask).round(), counts), cfg
+        loss, grads = run_fused(zs, E, K, mask)
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g.double(), r, **TOL[dtype])
+
+
 def test_lbl_unaligned_layer_views():
     """Layers that are views into one buffer at offsets that are not 16-byte multiples (70 bytes apart)."""
     torch.manual_seed(4)
@@ -520,22 +577,28 @@ from load_balancing_loss import triton_kernels as tk
 
 def compile_ptx(fn, signature, constexprs):
     names = list(signature)
-    aligned = [n for n in names if signature[n].startswith("*") or n in ("E", "stride_z")]
+    aligned = [n for n in names if signature[n].startswith("*") or signature[n] == "i32" and n in ("E", "stride_z")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 
-ints = {"T": "i32", "E": "i32", "rows_per_program": "i32"}
-tile = {"BLOCK_T": 32, "BLOCK_E": 128}
-fwd = compile_ptx(tk._lbl_fwd_kernel,
-                  {"Z0": "*bf16", "OFFS": "*i64", "MASK": "*fp32", "PART_COUNT": "*fp32", "PART_PROB": "*fp32",
-                   **ints, **{k: "constexpr" for k in ("DT", "UNIT", "HAS_MASK", "TOP_K", "UNROLL_K", *tile)}},
-                  {"DT": tl.bfloat16, "UNIT": 8, "HAS_MASK": True, "TOP_K": 8, "UNROLL_K": True, **tile})
+ints = {"T": "i32", "rows_per_program": "i32"}
+tile = {"E": 128, "BLOCK_T": 32, "BLOCK_E": 128, "NUM_STAGES": 1}
+fwd = {}
+for dt in ("bf16", "fp32"):  # exact 32-bit keys; fp32's truncated keys with the 64-bit redo
+    fwd[dt] = compile_ptx(
+        tk._lbl_fwd_kernel,
+        {"Z0": "*" + dt, "OFFS": "*i64", "MASK": "*i64", "PARTS": "*fp32", **ints, "num_parts": "i32",
+         **{k: "constexpr" for k in ("DT", "UNIT", "HAS_MASK", "TOP_K", "COL_BITS", "EXACT_KEYS", "CHUNK", *tile)}},
+        {"DT": getattr(tl, {"bf16": "bfloat16", "fp32": "float32"}[dt]), "UNIT": 8 if dt == "bf16" else 4,
+         "HAS_MASK": True, "TOP_K": 8, "COL_BITS": 7, "EXACT_KEYS": dt == "bf16",
+         "CHUNK": 32 if dt == "bf16" else 16, **tile})
 bwd = compile_ptx(tk._lbl_bwd_kernel,
-                  {"Z0": "*bf16", "OFFS": "*i64", "GRAD": "*bf16", "MASK": "*fp32", "DLOSS": "*fp32",
-                   "GRAD_OUT": "*fp32", **ints, **{k: "constexpr" for k in ("DT", "UNIT", "HAS_MASK", *tile)}},
-                  {"DT": tl.bfloat16, "UNIT": 8, "HAS_MASK": True, **tile})
+                  {"Z0": "*bf16", "OFFS": "*i64", "GRAD": "*bf16", "MASK": "*i64", "DLOSS": "*fp32",
+                   "GRAD_OUT": "*fp32", **ints, **{k: "constexpr" for k in ("DT", "UNIT", "HAS_MASK", "CHUNK", *tile)}},
+                  {"DT": tl.bfloat16, "UNIT": 8, "HAS_MASK": True, "CHUNK": 32, **tile})
+fwd = fwd["bf16"] + fwd["fp32"]
 assert "ld.global.v4.b32" in fwd and "ld.global.v4.b32" in bwd and "st.global.v4.b32" in bwd, "not vectorised"
 rsig = {"T": "i32", "E": "i32", "stride_z": "i32", "rows_per_program": "i32",
         **{k: "constexpr" for k in ("TOP_K", "NORMALIZE", "BLOCK_T", "BLOCK_E", "BLOCK_K")}}
@@ -545,10 +608,9 @@ compile_ptx(tk._router_fwd_kernel, {"Z": "*bf16", "SCORES": "*bf16", "INDICES": 
 compile_ptx(tk._router_bwd_kernel, {"DS": "*bf16", "Z": "*bf16", "STATS": "*fp32", "INDICES": "*i64",
                                     "DZ": "*bf16", **rsig}, rconst)
 compile_ptx(tk._lbl_finalize_kernel,
-            {"PART_COUNT": "*fp32", "PART_PROB": "*fp32", "MASK": "*fp32", "LOSS": "*fp32", "DLOSS": "*fp32",
-             "num_parts": "i32", "T": "i32", "E": "i32", "num_layers_f": "fp32", "num_rows_f": "fp32",
-             "num_experts_f": "fp32", **{k: "constexpr" for k in ("HAS_MASK", "BLOCK_P", "BLOCK_E", "BLOCK_M")}},
-            {"HAS_MASK": True, "BLOCK_P": 64, "BLOCK_E": 128, "BLOCK_M": 1024})
+            {"PARTS": "*fp32", "LOSS": "*fp32", "DLOSS": "*fp32", "num_parts": "i32", "E": "i32", "top_k_f": "fp32",
+             "num_experts_f": "fp32", "BLOCK_P": "constexpr", "BLOCK_E": "constexpr"},
+            {"BLOCK_P": 64, "BLOCK_E": 128})
 print("compiled")
 """
 

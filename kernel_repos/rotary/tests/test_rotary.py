@@ -144,6 +144,91 @@ def test_rope_mixed_dtype_promotes_like_hf():
     assert dq.dtype == torch.float16
 
 
+@pytest.mark.parametrize("R", [16, 8])
+def test_rope_grads_take_the_input_layout(R, path):
+    """q/k as HF hands them over (transposed (B, S, H, D) tensors): the grads come back in that layout, so
+    autograd does not copy them again (AccumulateGrad into the leaf, or `view`'s backward in a model)."""
+    torch.manual_seed(12)
+    q = torch.randn(2, 5, 4, 16, device=DEV).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 5, 2, 16, device=DEV).transpose(1, 2).requires_grad_()
+    cos, sin = make_cos_sin(2, 5, R, torch.float32)
+    for fn in (lambda: sum(t.sum() for t in rotary.apply_rotary_pos_emb(q, k, cos, sin)),
+               lambda: rotary.apply_rotary_pos_emb_flat(q, k, cos, sin).sum()):
+        dq, dk = torch.autograd.grad(fn(), (q, k))
+        assert dq.stride() == q.stride() and dk.stride() == k.stride()
+
+
+# ------------------------------------------------------------------ in-place RoPE
+
+
+@pytest.mark.parametrize("case", ROPE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_inplace_vs_float64(case, dtype, path):
+    """q/k as non-leaf tensors (views, as in HF): rotated in place, forward and backward as the float64
+    reference, and bitwise equal to the out-of-place op."""
+    torch.manual_seed(hash((case, str(dtype), "inplace")) % 2**31)
+    B, Hq, Hk, S, D, R, ud, bb = case
+    shape = (lambda H: (B, S, H, D))  # projections; unsqueeze_dim=1 takes their transposed views
+    q0 = torch.randn(shape(Hq), dtype=dtype, requires_grad=True, device=DEV)
+    k0 = torch.randn(shape(Hk), dtype=dtype, requires_grad=True, device=DEV)
+    view = (lambda t: t.transpose(1, 2)) if ud == 1 else (lambda t: t)
+    cos, sin = make_cos_sin(B, S, R, dtype, batch_broadcast=bb)
+    q, k = view(q0 * 1), view(k0 * 1)
+    ptrs = (q.data_ptr(), k.data_ptr())
+    qo, ko = rotary.apply_rotary_pos_emb_(q, k, cos, sin, unsqueeze_dim=ud)
+    assert qo is q and ko is k and (q.data_ptr(), k.data_ptr()) == ptrs
+    qe, ke = rotary.apply_rotary_pos_emb(view(q0), view(k0), cos, sin, unsqueeze_dim=ud)
+    assert torch.equal(qo, qe) and torch.equal(ko, ke)
+    q64, k64 = q0.detach().double().requires_grad_(), k0.detach().double().requires_grad_()
+    qr, kr = apply_rotary_pos_emb_hf(view(q64), view(k64), cos.double(), sin.double(), ud)
+    _close(qo, qr, dtype, "q_embed")
+    _close(ko, kr, dtype, "k_embed")
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    gq_copy = gq.clone()
+    dq, dk = torch.autograd.grad((qo, ko), (q0, k0), (gq, gk))
+    assert torch.equal(gq, gq_copy)  # the backward is out of place: the caller's grad is left alone
+    dq64, dk64 = torch.autograd.grad((qr, kr), (q64, k64), (gq.double(), gk.double()))
+    _close(dq, dq64, dtype, "dq")
+    _close(dk, dk64, dtype, "dk")
+    eq, ek = torch.autograd.grad((qe, ke), (q0, k0), (gq, gk))
+    assert torch.equal(dq, eq) and torch.equal(dk, ek)
+
+
+def test_rope_inplace_misuse_raises():
+    cos, sin = make_cos_sin(1, 3, 8, torch.float32)
+    q = torch.randn(1, 2, 3, 8, requires_grad=True, device=DEV)
+    k = torch.randn(1, 1, 3, 8, requires_grad=True, device=DEV)
+    with pytest.raises(RuntimeError, match="leaf"):
+        rotary.apply_rotary_pos_emb_(q, k, cos, sin)
+    with pytest.raises(RuntimeError, match="leaf"):
+        rotary.apply_rotary_pos_emb_(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
+    qe, ke = q.exp(), k.exp()  # exp saves its output for the backward: rotating it in place invalidates that
+    qo, ko = rotary.apply_rotary_pos_emb_(qe, ke, cos, sin)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (qo.sum() + ko.sum()).backward()
+    with pytest.raises(TypeError, match="would promote"):
+        rotary.apply_rotary_pos_emb_(q.half() * 1, k.half() * 1, cos, sin)
+
+
+@pytest.mark.skipif(torch.__version__ < (2, 13), reason="Dynamo's ctx.mark_dirty fix (pytorch#184113)")
+def test_rope_inplace_torch_compile_fullgraph(path):
+    torch._dynamo.reset()
+    torch.manual_seed(13)
+    q0 = torch.randn(2, 5, 4, 16, requires_grad=True, device=DEV)
+    k0 = torch.randn(2, 5, 2, 16, requires_grad=True, device=DEV)
+    cos, sin = make_cos_sin(2, 5, 8, torch.float32)
+
+    def f(q0, k0, cos, sin):
+        qo, ko = rotary.apply_rotary_pos_emb_((q0 * 2).transpose(1, 2), (k0 * 2).transpose(1, 2), cos, sin)
+        return (qo * qo).sum() + (ko * 3).sum()
+
+    out = torch.compile(f, fullgraph=True, backend="inductor")(q0, k0, cos, sin)
+    ref = f(q0, k0, cos, sin)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out, (q0, k0)), torch.autograd.grad(ref, (q0, k0))):
+        torch.testing.assert_close(a, b)
+
+
 # ------------------------------------------------------------------ fused q/k RMSNorm + RoPE
 
 # (B, Hq, Hk, S, D, R, strided q rows (Qwen3.5 chunk view), cos batch broadcast)

@@ -2,8 +2,10 @@
 
 Each fused forward/backward is a `torch.library.custom_op` under this build's namespace
 (`_ops.add_op_namespace_prefix`) with a fake implementation and autograd, so `torch.compile(fullgraph=True)`
-sees one opaque node. Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on
-CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
+sees one opaque node. In eager mode the same implementations run through a plain `autograd.Function`, which
+costs far less Python per call than the custom-op dispatcher (with 48 layer tensors in and out, several
+times the kernels' own time). Both dispatch on the tensor's device at run time: Triton on CUDA/ROCm/XPU
+(and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
 """
 import os
 from typing import List, Optional, Sequence, Union
@@ -30,15 +32,27 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 # ---------------------------------------------------------------- load-balancing loss
 
+def _lbl_fwd_impl(gate_logits, mask, num_experts, top_k, layers=None):
+    if _use_triton(gate_logits[0]):
+        from .triton_kernels import load_balancing_loss_fwd
+
+        return load_balancing_loss_fwd(gate_logits, mask, top_k, layers)
+    return load_balancing_loss_fwd_reference(gate_logits, mask, num_experts, top_k)
+
+
+def _lbl_bwd_impl(grad_loss, gate_logits, mask, dloss_dprobsum, layers=None):
+    if _use_triton(gate_logits[0]):
+        from .triton_kernels import load_balancing_loss_bwd
+
+        return load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss_dprobsum, layers)
+    return load_balancing_loss_bwd_reference(grad_loss, gate_logits, mask, dloss_dprobsum)
+
+
 @torch.library.custom_op(add_op_namespace_prefix("load_balancing_loss_fwd"), mutates_args=())
 def _lbl_fwd(
     gate_logits: List[torch.Tensor], mask: Optional[torch.Tensor], num_experts: int, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_triton(gate_logits[0]):
-        from .triton_kernels import load_balancing_loss_fwd
-
-        return load_balancing_loss_fwd(gate_logits, mask, num_experts, top_k)
-    return load_balancing_loss_fwd_reference(gate_logits, mask, num_experts, top_k)
+    return _lbl_fwd_impl(gate_logits, mask, num_experts, top_k)
 
 
 @_lbl_fwd.register_fake
@@ -52,11 +66,7 @@ def _lbl_bwd(
     grad_loss: torch.Tensor, gate_logits: List[torch.Tensor], mask: Optional[torch.Tensor],
     dloss_dprobsum: torch.Tensor,
 ) -> torch.Tensor:
-    if _use_triton(gate_logits[0]):
-        from .triton_kernels import load_balancing_loss_bwd
-
-        return load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss_dprobsum)
-    return load_balancing_loss_bwd_reference(grad_loss, gate_logits, mask, dloss_dprobsum)
+    return _lbl_bwd_impl(grad_loss, gate_logits, mask, dloss_dprobsum)
 
 
 @_lbl_bwd.register_fake
@@ -81,6 +91,28 @@ def _lbl_backward(ctx, grad_loss, _grad_dloss):
 
 
 _lbl_fwd.register_autograd(_lbl_backward, setup_context=_lbl_setup_context)
+
+
+class _load_balancing_loss_fwd(torch.autograd.Function):
+    """Eager twin of the custom op of the same name (same kernels; the layer table is built once)."""
+
+    @staticmethod
+    def forward(ctx, mask, num_experts, top_k, *gate_logits):
+        layers = None
+        if _use_triton(gate_logits[0]):
+            from .triton_kernels import layer_table
+
+            layers = layer_table(gate_logits)
+        loss, dloss_dprobsum = _lbl_fwd_impl(gate_logits, mask, num_experts, top_k, layers)
+        ctx.save_for_backward(mask, dloss_dprobsum, *gate_logits)
+        ctx.layers = layers
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        mask, dloss_dprobsum, *gate_logits = ctx.saved_tensors
+        grads = _lbl_bwd_impl(grad_loss.contiguous(), gate_logits, mask, dloss_dprobsum, ctx.layers)
+        return None, None, None, *grads.unbind(0)  # views of one (layers, T, E) buffer
 
 
 def _check_int(name: str, what: str, value) -> None:
@@ -128,7 +160,7 @@ def load_balancing_loss(
         raise ValueError(f"{name}: gate_logits[0] must be 2-D (tokens, experts), got {tuple(first.shape)}")
     shape, dtype, device = first.shape, first.dtype, first.device
     # one cheap pass over the layers (this runs every step with ~50 layers); details only on failure
-    if not all(isinstance(z, torch.Tensor) and z.shape == shape and z.dtype == dtype for z in gate_logits):
+    if not all(isinstance(z, torch.Tensor) and z.dtype is dtype and z.shape == shape for z in gate_logits):
         for i, z in enumerate(gate_logits):
             if not isinstance(z, torch.Tensor):
                 raise TypeError(f"{name}: gate_logits[{i}] is a {type(z).__name__}, not a tensor")
@@ -156,9 +188,12 @@ def load_balancing_loss(
         if attention_mask.numel() != tokens:
             raise ValueError(f"{name}: attention_mask has {attention_mask.numel()} elements "
                              f"{tuple(attention_mask.shape)} but the router logits have {tokens} tokens")
-        mask = attention_mask.detach().reshape(-1).to(device=first.device, dtype=torch.float32).contiguous()
-    loss, _ = _lbl_fwd(gate_logits, mask, num_experts, top_k)
-    return loss
+        # read in its own dtype by the kernels (no cast launch); bool as bytes
+        mask = attention_mask.detach().reshape(-1)
+        mask = (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(device).contiguous()
+    if torch.compiler.is_compiling():
+        return _lbl_fwd(gate_logits, mask, num_experts, top_k)[0]
+    return _load_balancing_loss_fwd.apply(mask, num_experts, top_k, *gate_logits)
 
 
 def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
@@ -171,15 +206,27 @@ def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_m
 
 # ---------------------------------------------------------------- softmax + top-k router
 
-@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_fwd"), mutates_args=())
-def _router_fwd(
-    router_logits: torch.Tensor, top_k: int, normalize: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _router_fwd_impl(router_logits, top_k, normalize):
     if _use_triton(router_logits):
         from .triton_kernels import softmax_topk_fwd
 
         return softmax_topk_fwd(router_logits, top_k, normalize)
     return softmax_topk_fwd_reference(router_logits, top_k, normalize)
+
+
+def _router_bwd_impl(d_scores, router_logits, stats, indices, normalize):
+    if _use_triton(router_logits):
+        from .triton_kernels import softmax_topk_bwd
+
+        return softmax_topk_bwd(d_scores, router_logits, stats, indices, normalize)
+    return softmax_topk_bwd_reference(d_scores, router_logits, stats, indices, normalize)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_fwd"), mutates_args=())
+def _router_fwd(
+    router_logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _router_fwd_impl(router_logits, top_k, normalize)
 
 
 @_router_fwd.register_fake
@@ -194,11 +241,7 @@ def _router_bwd(
     d_scores: torch.Tensor, router_logits: torch.Tensor, stats: torch.Tensor, indices: torch.Tensor,
     normalize: bool,
 ) -> torch.Tensor:
-    if _use_triton(router_logits):
-        from .triton_kernels import softmax_topk_bwd
-
-        return softmax_topk_bwd(d_scores, router_logits, stats, indices, normalize)
-    return softmax_topk_bwd_reference(d_scores, router_logits, stats, indices, normalize)
+    return _router_bwd_impl(d_scores, router_logits, stats, indices, normalize)
 
 
 @_router_bwd.register_fake
@@ -220,6 +263,23 @@ def _router_backward(ctx, d_scores, _d_indices, _d_stats):
 
 
 _router_fwd.register_autograd(_router_backward, setup_context=_router_setup_context)
+
+
+class _softmax_topk_fwd(torch.autograd.Function):
+    """Eager twin of the custom op of the same name."""
+
+    @staticmethod
+    def forward(ctx, router_logits, top_k, normalize):
+        scores, indices, stats = _router_fwd_impl(router_logits, top_k, normalize)
+        ctx.mark_non_differentiable(indices)
+        ctx.save_for_backward(router_logits, stats, indices)
+        ctx.normalize = normalize
+        return scores, indices
+
+    @staticmethod
+    def backward(ctx, d_scores, _d_indices):
+        router_logits, stats, indices = ctx.saved_tensors
+        return _router_bwd_impl(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True):
@@ -245,8 +305,10 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True
         raise ValueError(f"{name}: top_k={top_k} must be in [1, experts={experts}]")
     if top_k > 64:
         raise ValueError(f"{name}: top_k={top_k} exceeds the supported maximum 64")
-    scores, indices, _ = _router_fwd(router_logits.contiguous(), top_k, bool(normalize))
-    return scores, indices
+    if torch.compiler.is_compiling():
+        scores, indices, _ = _router_fwd(router_logits.contiguous(), top_k, bool(normalize))
+        return scores, indices
+    return _softmax_topk_fwd.apply(router_logits.contiguous(), top_k, bool(normalize))
 
 
 def topk_router(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool = True):

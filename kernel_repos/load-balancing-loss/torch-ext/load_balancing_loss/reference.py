@@ -75,13 +75,13 @@ def _routing_probs(z: torch.Tensor) -> torch.Tensor:
 
 
 def load_balancing_loss_fwd_reference(gate_logits, mask, num_experts: int, top_k: int):
-    """Forward of the fused op. gate_logits: list of (T, E); mask: fp32 (T,) or None.
+    """Forward of the fused op. gate_logits: list of (T, E); mask: (T,) of any dtype (0 = padding) or None.
     Returns (loss: fp32 0-d, dloss_dprobsum: fp32 (E,) = E * tokens_per_expert / total_rows)."""
     dev = gate_logits[0].device
     counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
     prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=dev)
     T = gate_logits[0].shape[0]
-    weight = mask if mask is not None else torch.ones(T, dtype=torch.float32, device=dev)
+    weight = mask.float() if mask is not None else torch.ones(T, dtype=torch.float32, device=dev)
     for z in gate_logits:
         p = _routing_probs(z)
         sel = topk_lowest_index(p, top_k)
@@ -103,7 +103,7 @@ def load_balancing_loss_bwd_reference(grad_loss, gate_logits, mask, dloss_dprobs
         p = _routing_probs(z)
         dz = p * (w - (p * w).sum(-1, keepdim=True))
         if mask is not None:
-            dz = dz * mask[:, None]
+            dz = dz * mask.float()[:, None]
         grads.append(dz.to(z.dtype))
     return torch.stack(grads)
 

@@ -2,18 +2,22 @@
 
 Load-balancing loss. The layers' router logits stay where the model left them (no stacking copy): a small
 int64 table of each layer's offset from the first layer's pointer (in 16-byte units when aligned, so the
-loads keep their vectorisation) is passed and each program finds its layer's base. Program (i, l)
-owns a contiguous slab of rows of layer l; per tile it computes the softmax in fp32, rounds it to the logits
-dtype (HF's routing weights), selects the top-k with packed (value, column) keys — one `tl.max` per k, ties
-to the lower index, no (tokens, K, E) one-hot — and accumulates per-expert selection counts and probability
-sums (mask-weighted) in fp32. Each program writes one partial row; a one-program finalize kernel sums the
-partials in a fixed order (deterministic, no atomics) and writes the loss and dloss/dprob_sum. The backward
-re-reads the logits, recomputes p and writes mask_t * p * (w - <p, w>) into one (layers, T, E) gradient
-buffer whose per-layer views are handed to autograd (one allocation, not one per layer).
+loads keep their vectorisation) is passed and each program finds its layer's base. Program (i, l) owns a
+contiguous slab of rows of layer l; per tile it computes the softmax in fp32, rounds it to the logits dtype
+(HF's routing weights) and accumulates per-expert probability sums and top-k selection counts (both
+mask-weighted, fp32). The top-k set needs no sorting: with keys ordered like (p, -column), distinct within a
+row, it is {key >= k-th largest key}, and the k-th largest takes k passes of one unsigned min reduction each
+(`_kth_largest`). The keys are 32-bit: exact for 16-bit logits; fp32 p is truncated to fit, and a program
+that met a (near-)tie at the k-th place counts its rows again with exact 64-bit keys. Each program writes one partial row (counts and prob sums, 2 x E fp32; ~1 MB in all at 48 x 8192 x 128);
+`_lbl_reduce_parts_kernel` sums them in parallel over expert slices in a fixed order (deterministic, no
+atomics) and the one-program `_lbl_loss_kernel` writes the loss and dloss/dprob_sum. Launches per fwd+bwd:
+forward, reduce, loss, backward (no fills, casts or stacks; autograd's ones() for grad_loss is the caller's). The backward needs only the
+softmax (the counts are constants of the loss): it re-reads the logits and writes mask_t * p * (w - <p, w>)
+into one (layers, T, E) gradient buffer whose per-layer views are handed to autograd.
 Traffic: one read forward, one read + one write backward, plus O(programs x E) partials.
 
-Router. One kernel per direction: softmax (fp32), top-k by the same packed keys, renormalisation, cast;
-the row max and row sum of exp are kept (8 bytes per token) so the backward recomputes p exactly.
+Router. One kernel per direction: softmax (fp32), top-k by packed (value, column) keys, renormalisation,
+cast; the row max and row sum of exp are kept (8 bytes per token) so the backward recomputes p exactly.
 
 This module imports triton: import it lazily.
 """
@@ -22,7 +26,29 @@ import triton
 import triton.language as tl
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-_TARGET_PROGRAMS = 1024  # ~8 per SM on H100/H200: enough to hide latency, few partial rows to reduce
+_TARGET_PROGRAMS = 1024  # router: ~8 per SM on H100/H200, enough to hide latency
+
+# Launch settings of the load-balancing-loss kernels, read at every call (benchmarks/tune_lbl.py sweeps
+# them). "fwd"/"bwd" serve 16-bit logits, "fwd_fp32"/"bwd_fp32" fp32 logits (twice the bytes per row, and the
+# fp32 forward's truncated keys cost an extra selection pass: different winners). tile: elements per tile
+# (rows x experts); lanes: threads sharing a row (fewer = more experts per thread, fewer shuffle rounds per
+# row reduction); programs: grid size aimed at (each program owns whole tiles of one layer and writes one
+# partial row); num_stages > 1 asks Triton to pipeline the row loop (never in the backward: 15x slower on
+# H200). Defaults: the H200 sweep winners at 48 layers x 8192 tokens x 128 experts, top-8.
+LBL_CONFIG = {
+    "fwd": dict(tile=4096, lanes=4, num_warps=4, programs=528, num_stages=1),
+    "bwd": dict(tile=4096, lanes=4, num_warps=4, programs=2112, num_stages=1),
+    "fwd_fp32": dict(tile=4096, lanes=4, num_warps=4, programs=1024, num_stages=1),
+    "bwd_fp32": dict(tile=8192, lanes=4, num_warps=8, programs=1024, num_stages=1),
+}
+
+
+FINALIZE_EXPERTS = 8  # experts per program of the partials' reduction (8 fp32 = one 32-byte sector per row)
+
+
+def lbl_config(kind: str, elem_bytes: int) -> dict:
+    """The `LBL_CONFIG` entry of kernel `kind` ("fwd"/"bwd") for logits of elem_bytes bytes."""
+    return LBL_CONFIG.get(f"{kind}_fp32", LBL_CONFIG[kind]) if elem_bytes == 4 else LBL_CONFIG[kind]
 
 
 def _tile(num_experts: int):
@@ -32,95 +58,149 @@ def _tile(num_experts: int):
     return block_t, block_e, num_warps
 
 
-def _rows_per_program(rows: int, layers: int, block_t: int) -> int:
-    per = triton.cdiv(rows * layers, _TARGET_PROGRAMS)
+def _rows_per_program(rows: int, layers: int, block_t: int, programs: int = _TARGET_PROGRAMS) -> int:
+    per = triton.cdiv(rows * layers, programs)
     return triton.cdiv(max(per, block_t), block_t) * block_t
 
 
+# Load-balancing-loss tiles are (BLOCK_T, CHUNKS, CHUNK): expert chunk * CHUNK + c of each row. Triton lays
+# the last axis over `lanes` threads (16 bytes each), then the rows over the other lanes and the warps, and
+# leaves the chunks in each thread: a row reduction is mostly in-thread, then log2(lanes) shuffle rounds (a
+# plain (rows, experts) tile spreads 128 experts over 16 lanes in bf16, over 32 in fp32).
+
 @triton.jit
-def _routing_probs(z_ptr, rows, row_ok, cols, col_ok, E, DT: tl.constexpr):
-    """fp32 softmax of a (BLOCK_T, BLOCK_E) tile, rounded to the logits dtype (HF routing weights)."""
-    ptrs = z_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :]
-    z = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)
-    z = tl.where(row_ok[:, None], z, 0.0)  # rows past the end: harmless finite values, weighted by 0
-    z = tl.where(col_ok[None, :], z, float("-inf"))
-    z_max = tl.max(z, axis=1)
-    e = tl.exp(z - z_max[:, None])
-    p = e / tl.sum(e, axis=1)[:, None]
+def _row_max(x):  # (BLOCK_T, 1, 1): in-thread over the chunks, then across the lanes
+    return tl.max(tl.max(x, axis=1, keep_dims=True), axis=2, keep_dims=True)
+
+
+@triton.jit
+def _row_min(x):
+    return tl.min(tl.min(x, axis=1, keep_dims=True), axis=2, keep_dims=True)
+
+
+@triton.jit
+def _row_sum(x):
+    return tl.sum(tl.sum(x, axis=1, keep_dims=True), axis=2, keep_dims=True)
+
+
+@triton.jit
+def _routing_probs(z_ptr, rows, cols, col_ok, E: tl.constexpr, BLOCK_E: tl.constexpr, DT: tl.constexpr):
+    """fp32 softmax of a tile, rounded to the logits dtype (HF routing weights). rows: in range (callers
+    clamp rows past the end to a valid row and give it no weight), so only padded experts are masked."""
+    ptrs = z_ptr + rows.to(tl.int64) * E + cols
+    if E == BLOCK_E:
+        z = tl.load(ptrs).to(tl.float32)
+    else:
+        z = tl.load(ptrs, mask=col_ok, other=float("-inf")).to(tl.float32)
+    e = tl.exp(z - _row_max(z))
+    p = e / _row_sum(e)
     return p.to(DT).to(tl.float32)
 
 
 @triton.jit
+def _kth_largest(key, K: tl.constexpr):
+    """Per row, the K-th largest of the row's distinct unsigned keys. Each pass finds the largest key below
+    the last one with one min reduction: kth - 1 - key wraps around to huge values for every key >= kth."""
+    kth = _row_max(key)
+    for _ in tl.static_range(1, K):
+        kth = kth - 1 - _row_min(kth - 1 - key)
+    return kth
+
+
+@triton.jit
+def _tile_probs(z_ptr, MASK, start, row_end, cols, col_ok, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                DT: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(routing probs, token weights) of the rows start.. of a tile; rows past row_end get weight 0."""
+    rows = start + tl.arange(0, BLOCK_T)[:, None, None]
+    row_ok = rows < row_end
+    p = _routing_probs(z_ptr, tl.minimum(rows, row_end - 1), cols, col_ok, E, BLOCK_E, DT)
+    if HAS_MASK:
+        wt = tl.load(MASK + rows, mask=row_ok, other=0).to(tl.float32)
+    else:
+        wt = tl.where(row_ok, 1.0, 0.0)
+    return p, wt
+
+
+@triton.jit
 def _lbl_fwd_kernel(
-    Z0, OFFS, MASK, PART_COUNT, PART_PROB, T, E, rows_per_program,
-    DT: tl.constexpr, UNIT: tl.constexpr, HAS_MASK: tl.constexpr, TOP_K: tl.constexpr, UNROLL_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    Z0, OFFS, MASK, PARTS, T, rows_per_program, num_parts,
+    E: tl.constexpr, DT: tl.constexpr, UNIT: tl.constexpr, HAS_MASK: tl.constexpr, TOP_K: tl.constexpr,
+    COL_BITS: tl.constexpr, EXACT_KEYS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     layer = tl.program_id(1)
     # layer base = first layer's pointer + a multiple of UNIT elements: keeps the 16-byte alignment that
     # Triton knows for Z0 (so loads vectorise), unlike a raw int->pointer cast
     z_ptr = Z0 + tl.load(OFFS + layer) * UNIT
-    cols = tl.arange(0, BLOCK_E)
+    cols = tl.arange(0, BLOCK_E // CHUNK)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
     col_ok = cols < E
-    rev_cols = (65535 - cols)[None, :]
-    # 2-D accumulators, reduced over rows once at the end (a per-tile column reduction would cross warps)
-    count_acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    prob_acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    rev_cols = ((1 << COL_BITS) - 1 - cols).to(tl.uint32)
+    # selection keys: p >= 0, so its bits order like p; the reversed column in the low COL_BITS bits makes
+    # the keys distinct and breaks ties towards the lower column. A 16-bit dtype's p has >= 13 zero low
+    # bits in fp32 (EXACT_KEYS); fp32 p (bits < 2^30 as p <= 1) drops its low COL_BITS - 2 bits (see below).
+    SHIFT: tl.constexpr = COL_BITS if EXACT_KEYS else COL_BITS - 2
+    # accumulators, reduced over rows once at the end (a per-tile reduction over rows would cross warps)
+    count_acc = tl.zeros([BLOCK_T, BLOCK_E // CHUNK, CHUNK], dtype=tl.float32)
+    prob_acc = tl.zeros([BLOCK_T, BLOCK_E // CHUNK, CHUNK], dtype=tl.float32)
+    # rows (per tile slot) that met a (near-)tie at the k-th place: reduced once after the loop (a per-tile
+    # reduction over all rows would cross warps: a shared-memory round trip and a barrier every tile)
+    unsure_rows = tl.zeros([BLOCK_T, 1, 1], dtype=tl.int32)
     row_begin = pid * rows_per_program
     row_end = tl.minimum(row_begin + rows_per_program, T)
-    for start in range(row_begin, row_end, BLOCK_T):
-        rows = start + tl.arange(0, BLOCK_T)
-        row_ok = rows < row_end
-        p = _routing_probs(z_ptr, rows, row_ok, cols, col_ok, E, DT)
-        if HAS_MASK:
-            wt = tl.load(MASK + rows, mask=row_ok, other=0.0)
-        else:
-            wt = tl.where(row_ok, 1.0, 0.0)
-        prob_acc += p * wt[:, None]
-        # key = (bits of p) << 16 | (65535 - col): distinct per row, ordered by p then by lower column
-        if DT == tl.float32:
-            key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | rev_cols
-        else:
-            key = (p.to(DT).to(tl.int16, bitcast=True).to(tl.int32) << 16) | rev_cols
-        key = tl.where(col_ok[None, :], key, -1)
-        # take the row maximum TOP_K times; taken keys become -1 (valid keys are >= 0)
-        if UNROLL_K:
-            for _ in tl.static_range(TOP_K):
-                key = tl.where(key == tl.max(key, axis=1)[:, None], -1, key)
-        else:
-            for _ in range(TOP_K):
-                key = tl.where(key == tl.max(key, axis=1)[:, None], -1, key)
-        selected = (key < 0) & col_ok[None, :]
-        count_acc += tl.where(selected, wt[:, None], 0.0)
+    for start in tl.range(row_begin, row_end, BLOCK_T, num_stages=NUM_STAGES):
+        p, wt = _tile_probs(z_ptr, MASK, start, row_end, cols, col_ok, E, BLOCK_E, DT, HAS_MASK, BLOCK_T)
+        prob_acc += p * wt
+        key = ((p.to(tl.uint32, bitcast=True) >> SHIFT) << COL_BITS) | rev_cols
+        if E != BLOCK_E:
+            key = tl.where(col_ok, key, 0)
+        kth = _kth_largest(key, TOP_K)
+        count_acc += tl.where(key >= kth, wt, 0.0)
+        if not EXACT_KEYS:
+            # the truncated keys chose exactly unless the best unselected one has the k-th's truncated p (a
+            # tie or near-tie at the k-th place, and not in a padding row)
+            below = kth - 1 - _row_min(kth - 1 - key)
+            unsure_rows |= (((below >> COL_BITS) == (kth >> COL_BITS)) & (wt != 0)).to(tl.int32)
     part = layer * tl.num_programs(0) + pid
-    tl.store(PART_COUNT + part * E + cols, tl.sum(count_acc, axis=0), mask=col_ok)
-    tl.store(PART_PROB + part * E + cols, tl.sum(prob_acc, axis=0), mask=col_ok)
+    out = part * E + cols
+    tl.store(PARTS + num_parts * E + out, tl.sum(prob_acc, axis=0, keep_dims=True), mask=col_ok)
+    if not EXACT_KEYS:
+        if tl.max(unsure_rows) != 0:  # rare: count this program's rows again with exact 64-bit keys
+            count_acc = tl.zeros([BLOCK_T, BLOCK_E // CHUNK, CHUNK], dtype=tl.float32)
+            for start in range(row_begin, row_end, BLOCK_T):
+                p, wt = _tile_probs(z_ptr, MASK, start, row_end, cols, col_ok, E, BLOCK_E, DT, HAS_MASK,
+                                    BLOCK_T)
+                key = (p.to(tl.uint32, bitcast=True).to(tl.uint64) << COL_BITS) | rev_cols
+                if E != BLOCK_E:
+                    key = tl.where(col_ok, key, 0)
+                count_acc += tl.where(key >= _kth_largest(key, TOP_K), wt, 0.0)
+    tl.store(PARTS + out, tl.sum(count_acc, axis=0, keep_dims=True), mask=col_ok)
 
 
 @triton.jit
-def _lbl_finalize_kernel(
-    PART_COUNT, PART_PROB, MASK, LOSS, DLOSS, num_parts, T, E, num_layers_f, num_rows_f, num_experts_f,
-    HAS_MASK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-):
+def _lbl_reduce_parts_kernel(PARTS, TOTALS, num_parts, E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """TOTALS[s, e] = sum over the parts of PARTS[s, part, e]; program (j, s) owns experts j*BLOCK_E.. of
+    statistic s (counts, prob sums). Fixed order (a (BLOCK_P, BLOCK_E) accumulator, reduced over the parts
+    once at the end): deterministic, no atomics."""
+    cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
+    col_ok = cols < E
+    src = PARTS + tl.program_id(1).to(tl.int64) * num_parts * E
+    acc = tl.zeros([BLOCK_P, BLOCK_E], dtype=tl.float32)
+    for start in range(0, num_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)[:, None]
+        acc += tl.load(src + parts.to(tl.int64) * E + cols, mask=(parts < num_parts) & col_ok, other=0.0)
+    tl.store(TOTALS + tl.program_id(1) * E + cols, tl.sum(acc, axis=0, keep_dims=True), mask=col_ok)
+
+
+@triton.jit
+def _lbl_loss_kernel(TOTALS, LOSS, DLOSS, E, top_k_f, num_experts_f, BLOCK_E: tl.constexpr):
+    """loss and dloss/dprob_sum from the (counts, prob sums) totals: one program, E elements."""
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
-    counts = tl.zeros([BLOCK_E], dtype=tl.float32)
-    probs = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for start in range(0, num_parts, BLOCK_P):
-        parts = start + tl.arange(0, BLOCK_P)
-        m = (parts < num_parts)[:, None] & col_ok[None, :]
-        offs = parts.to(tl.int64)[:, None] * E + cols[None, :]
-        counts += tl.sum(tl.load(PART_COUNT + offs, mask=m, other=0.0), axis=0)
-        probs += tl.sum(tl.load(PART_PROB + offs, mask=m, other=0.0), axis=0)
-    if HAS_MASK:
-        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start in range(0, T, BLOCK_M):
-            r = start + tl.arange(0, BLOCK_M)
-            acc += tl.load(MASK + r, mask=r < T, other=0.0)
-        rows_total = tl.sum(acc, axis=0) * num_layers_f
-    else:
-        rows_total = num_rows_f * num_layers_f
+    counts = tl.load(TOTALS + cols, mask=col_ok, other=0.0)
+    probs = tl.load(TOTALS + E + cols, mask=col_ok, other=0.0)
+    # every (layer, token) picks top_k experts: the weighted row total is sum(counts) / top_k
+    rows_total = tl.sum(counts, axis=0) / top_k_f
     tokens_per_expert = counts / rows_total
     loss = tl.sum(tokens_per_expert * (probs / rows_total), axis=0) * num_experts_f
     tl.store(LOSS, loss)
@@ -129,28 +209,27 @@ def _lbl_finalize_kernel(
 
 @triton.jit
 def _lbl_bwd_kernel(
-    Z0, OFFS, GRAD, MASK, DLOSS, GRAD_OUT, T, E, rows_per_program,
-    DT: tl.constexpr, UNIT: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    Z0, OFFS, GRAD, MASK, DLOSS, GRAD_OUT, T, rows_per_program,
+    E: tl.constexpr, DT: tl.constexpr, UNIT: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     layer = tl.program_id(1)
     z_ptr = Z0 + tl.load(OFFS + layer) * UNIT
     g_ptr = GRAD + layer.to(tl.int64) * T * E  # one (layers, T, E) gradient buffer
-    cols = tl.arange(0, BLOCK_E)
+    cols = tl.arange(0, BLOCK_E // CHUNK)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
     col_ok = cols < E
-    w = (tl.load(DLOSS + cols, mask=col_ok, other=0.0) * tl.load(GRAD_OUT))[None, :]
+    w = tl.load(DLOSS + cols, mask=col_ok, other=0.0) * tl.load(GRAD_OUT).to(tl.float32)
     row_begin = pid * rows_per_program
     row_end = tl.minimum(row_begin + rows_per_program, T)
-    for start in range(row_begin, row_end, BLOCK_T):
-        rows = start + tl.arange(0, BLOCK_T)
+    for start in tl.range(row_begin, row_end, BLOCK_T, num_stages=NUM_STAGES):
+        rows = start + tl.arange(0, BLOCK_T)[:, None, None]
         row_ok = rows < row_end
-        p = _routing_probs(z_ptr, rows, row_ok, cols, col_ok, E, DT)
-        dz = p * (w - tl.sum(p * w, axis=1)[:, None])
+        p = _routing_probs(z_ptr, tl.minimum(rows, row_end - 1), cols, col_ok, E, BLOCK_E, DT)
+        dz = p * (w - _row_sum(p * w))
         if HAS_MASK:
-            dz = dz * tl.load(MASK + rows, mask=row_ok, other=0.0)[:, None]
-        ptrs = g_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :]
-        tl.store(ptrs, dz.to(GRAD.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            dz = dz * tl.load(MASK + rows, mask=row_ok, other=0).to(tl.float32)
+        tl.store(g_ptr + rows.to(tl.int64) * E + cols, dz.to(GRAD.dtype.element_ty), mask=row_ok & col_ok)
 
 
 # (device, unit, offsets) -> device tensor. Entries are never evicted: a captured CUDA graph may keep using
@@ -163,7 +242,7 @@ def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _layer_table(tensors):
+def layer_table(tensors):
     """(base tensor, int64 offset table on the device, UNIT): layer l starts at base + table[l] * UNIT elements.
 
     Offsets are relative to tensors[0], in units of 16 bytes when every start is 16-byte aligned relative to
@@ -176,7 +255,7 @@ def _layer_table(tensors):
     deltas = [t.data_ptr() - base for t in tensors]
     unit_bytes = 16 if all(d % 16 == 0 for d in deltas) else elem
     device = tensors[0].device
-    key = (str(device), unit_bytes, tuple(d // unit_bytes for d in deltas))
+    key = (device, unit_bytes, tuple(d // unit_bytes for d in deltas))
     table = _OFFSET_TABLES.get(key)
     if table is not None:
         return tensors[0], table, unit_bytes // elem
@@ -192,45 +271,59 @@ def _layer_table(tensors):
     return tensors[0], table, unit_bytes // elem
 
 
-def load_balancing_loss_fwd(gate_logits, mask, num_experts: int, top_k: int):
+def _lbl_launch(T: int, E: int, L: int, elem_bytes: int, cfg: dict):
+    block_e = triton.next_power_of_2(E)
+    block_t = max(1, min(256, cfg["tile"] // block_e))
+    vec = 16 // elem_bytes
+    # enough lanes per row that the warps' rows fill BLOCK_T (else Triton spreads rows over warps), at
+    # most one 16-byte piece each
+    lanes = min(32, max(cfg["lanes"], 32 * cfg["num_warps"] // block_t), max(1, block_e // vec))
+    rows_per_program = _rows_per_program(T, L, block_t, cfg["programs"])
+    grid = (triton.cdiv(T, rows_per_program), L)
+    meta = dict(E=E, BLOCK_T=block_t, BLOCK_E=block_e, CHUNK=min(block_e, lanes * vec),
+                NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+    return grid, rows_per_program, meta
+
+
+def load_balancing_loss_fwd(gate_logits, mask, top_k: int, layers=None):
+    """(loss, dloss/dprob_sum). mask: None or (T,) of any dtype (0 = padding); layers: `layer_table` result."""
     first = gate_logits[0]
     L, (T, E) = len(gate_logits), first.shape
-    block_t, block_e, num_warps = _tile(E)
-    rows_per_program = _rows_per_program(T, L, block_t)
-    grid = (triton.cdiv(T, rows_per_program), L)
+    base, offsets, unit = layers or layer_table(gate_logits)
+    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), lbl_config("fwd", first.element_size()))
     num_parts = grid[0] * L
-    part_count = torch.empty(num_parts, E, dtype=torch.float32, device=first.device)
-    part_prob = torch.empty_like(part_count)
-    base, offsets, unit = _layer_table(gate_logits)
-    mask_arg = mask if mask is not None else part_count
-    _lbl_fwd_kernel[grid](
-        base, offsets, mask_arg, part_count, part_prob, T, E, rows_per_program,
-        DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, TOP_K=top_k, UNROLL_K=top_k <= 16,
-        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
-    )
+    # per-program partials (counts, prob sums) and their totals in one allocation (no launch: torch.empty);
+    # loss and dloss are separate (custom-op outputs may not alias each other)
+    buf = torch.empty(2 * (num_parts + 1) * E, dtype=torch.float32, device=first.device)
+    parts, totals = buf[:2 * num_parts * E], buf[2 * num_parts * E:]
     loss = torch.empty((), dtype=torch.float32, device=first.device)
     dloss = torch.empty(E, dtype=torch.float32, device=first.device)
-    _lbl_finalize_kernel[(1,)](
-        part_count, part_prob, mask_arg, loss, dloss, num_parts, T, E, float(L), float(T), float(num_experts),
-        HAS_MASK=mask is not None, BLOCK_P=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e, BLOCK_M=1024,
-        num_warps=8,
+    _lbl_fwd_kernel[grid](
+        base, offsets, mask if mask is not None else parts, parts, T, rows_per_program, num_parts,
+        DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, TOP_K=top_k,
+        COL_BITS=max(2, (meta["BLOCK_E"] - 1).bit_length()), EXACT_KEYS=first.dtype != torch.float32, **meta,
     )
+    # the partials are reduced in parallel over expert slices (it was one program serial over all parts:
+    # latency bound at ~1 MB), then one tiny program forms the scalar
+    block_e = triton.next_power_of_2(E)
+    reduce_e = min(block_e, FINALIZE_EXPERTS)
+    _lbl_reduce_parts_kernel[(triton.cdiv(E, reduce_e), 2)](
+        parts, totals, num_parts, E, BLOCK_P=max(1, min(1024, 4096 // reduce_e)), BLOCK_E=reduce_e, num_warps=4,
+    )
+    _lbl_loss_kernel[(1,)](totals, loss, dloss, E, float(top_k), float(E), BLOCK_E=block_e,
+                           num_warps=4 if block_e <= 1024 else 8)
     return loss, dloss
 
 
-def load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss):
+def load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss, layers=None):
     first = gate_logits[0]
     L, (T, E) = len(gate_logits), first.shape
-    block_t, block_e, num_warps = _tile(E)
-    rows_per_program = _rows_per_program(T, L, block_t)
-    grid = (triton.cdiv(T, rows_per_program), L)
+    base, offsets, unit = layers or layer_table(gate_logits)
+    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), lbl_config("bwd", first.element_size()))
     grads = torch.empty(L, T, E, dtype=first.dtype, device=first.device)
-    base, offsets, unit = _layer_table(gate_logits)
     _lbl_bwd_kernel[grid](
-        base, offsets, grads, mask if mask is not None else dloss, dloss,
-        grad_loss.float().reshape(1), T, E, rows_per_program,
-        DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None,
-        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
+        base, offsets, grads, mask if mask is not None else dloss, dloss, grad_loss, T, rows_per_program,
+        DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, **meta,
     )
     return grads
 

@@ -7,6 +7,8 @@ sees one opaque node per call. Each op dispatches on the tensor's device at run 
 
 Output memory layout follows HF so that downstream attention kernels see the same strides as in eager:
 full RoPE keeps the input's layout (`q * cos` does), partial RoPE is contiguous (`torch.cat` makes it so).
+Input grads take the input's layout (as `torch.empty_like` lays it out): a grad laid out otherwise is copied
+again by autograd (AccumulateGrad into a transposed leaf, `view`'s backward of a transposed projection).
 """
 import os
 
@@ -30,6 +32,23 @@ def _use_triton(t: torch.Tensor) -> bool:
 def _canon(t: torch.Tensor, head_pos: int) -> torch.Tensor:
     """(B, H, S, D) view of a tensor whose head dim is at `head_pos` (1: (B, H, S, D), 2: (B, S, H, D))."""
     return t if head_pos == 1 else t.transpose(1, 2)
+
+
+def _dim_order(t: torch.Tensor) -> list[int]:
+    """t's dims outermost first when t is dense (a permuted contiguous tensor), else (0, 1, 2, 3)."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))  # stable: size-1 dims keep their place
+    size = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != size:
+            return list(range(t.dim()))
+        size *= t.shape[d]
+    return order
+
+
+def _empty_in_order(like: torch.Tensor, order: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised tensor shaped like `like`, laid out in memory with its dims in `order` (outermost first)."""
+    out = like.new_empty([like.shape[d] for d in order], dtype=dtype)
+    return out.permute([order.index(d) for d in range(len(order))])
 
 
 def _rope_out(x: torch.Tensor, dtype: torch.dtype, full: bool) -> torch.Tensor:
@@ -91,25 +110,26 @@ def _(q, k, cos, sin, head_pos):
 
 @torch.library.custom_op(add_op_namespace_prefix("rope_bwd"), mutates_args=())
 def _rope_bwd(
-    dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int
+    dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int,
+    q_order: list[int], k_order: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dk) in the layouts `q_order` / `k_order` of the forward's inputs."""
+    dq, dk = _empty_in_order(dq_out, q_order, dq_out.dtype), _empty_in_order(dk_out, k_order, dk_out.dtype)
     if _use_triton(dq_out):
         from .triton_kernels import qk_rope_bwd
 
-        dq, dk = torch.empty_like(dq_out), torch.empty_like(dk_out)
         qk_rope_bwd(_canon(dq_out, head_pos), _canon(dk_out, head_pos), cos, sin, _canon(dq, head_pos),
                     _canon(dk, head_pos))
-        return dq, dk
-    dq, dk = rope_bwd_reference(_canon(dq_out, head_pos), _canon(dk_out, head_pos), cos, sin, dq_out.dtype)
-    out_q, out_k = torch.empty_like(dq_out), torch.empty_like(dk_out)
-    _canon(out_q, head_pos).copy_(dq)
-    _canon(out_k, head_pos).copy_(dk)
-    return out_q, out_k
+    else:
+        rq, rk = rope_bwd_reference(_canon(dq_out, head_pos), _canon(dk_out, head_pos), cos, sin, dq_out.dtype)
+        _canon(dq, head_pos).copy_(rq)
+        _canon(dk, head_pos).copy_(rk)
+    return dq, dk
 
 
 @_rope_bwd.register_fake
-def _(dq_out, dk_out, cos, sin, head_pos):
-    return torch.empty_like(dq_out), torch.empty_like(dk_out)
+def _(dq_out, dk_out, cos, sin, head_pos, q_order, k_order):
+    return _empty_in_order(dq_out, q_order, dq_out.dtype), _empty_in_order(dk_out, k_order, dk_out.dtype)
 
 
 def _rope_setup_context(ctx, inputs, output):
@@ -118,13 +138,14 @@ def _rope_setup_context(ctx, inputs, output):
     ctx.head_pos = head_pos
     ctx.dtypes = (q.dtype, k.dtype)
     ctx.shapes = (q.shape, k.shape)
+    ctx.orders = (_dim_order(q), _dim_order(k))
 
 
 def _rope_backward(ctx, dq_out, dk_out):
     cos, sin = ctx.saved_tensors
     dq_out = dq_out if dq_out is not None and dq_out.stride(-1) == 1 else _grad_or_zeros(dq_out, ctx, 0)
     dk_out = dk_out if dk_out is not None and dk_out.stride(-1) == 1 else _grad_or_zeros(dk_out, ctx, 1)
-    dq, dk = _rope_bwd(dq_out, dk_out, cos, sin, ctx.head_pos)
+    dq, dk = _rope_bwd(dq_out, dk_out, cos, sin, ctx.head_pos, *ctx.orders)
     return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), None, None, None
 
 
@@ -142,7 +163,7 @@ def _rope_flat_backward(ctx, dflat):
     cos, sin = ctx.saved_tensors
     dflat = dflat.contiguous()
     (qs, ks), nq = ctx.shapes, ctx.shapes[0].numel()
-    dq, dk = _rope_bwd(dflat[:nq].view(qs), dflat[nq:].view(ks), cos, sin, ctx.head_pos)
+    dq, dk = _rope_bwd(dflat[:nq].view(qs), dflat[nq:].view(ks), cos, sin, ctx.head_pos, *ctx.orders)
     return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), None, None, None
 
 
@@ -209,6 +230,66 @@ def apply_rotary_pos_emb_flat(q, k, cos, sin, unsqueeze_dim: int = 1):
     return _rope_fwd_flat(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
 
 
+# ------------------------------------------------------------------ in-place RoPE
+
+
+def _no_heads(x: torch.Tensor, head_pos: int) -> torch.Tensor:
+    """Zero-head slice of x: as the k of a q/k launch it makes the launch (and the op) work on x alone."""
+    return x.narrow(head_pos, 0, 0)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rope_fwd_"), mutates_args=("x",))
+def _rope_fwd_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int) -> None:
+    if _use_triton(x):
+        from .triton_kernels import qk_rope_fwd
+
+        xc = _canon(x, head_pos)
+        qk_rope_fwd(xc, _no_heads(xc, 1), cos, sin, xc, _no_heads(xc, 1), inplace=True)
+    else:
+        x_rot = x[..., : cos.shape[-1]]
+        x_rot.copy_(apply_rotary_pos_emb_hf(x_rot, _no_heads(x_rot, head_pos), cos, sin, head_pos)[0])
+
+
+class _RopeInplace(torch.autograd.Function):
+    """Rotates x[..., :R] in place (marked dirty: autograd checks the version counters). One tensor per
+    Function: autograd allows an in-place Function on a view (q and k are transposed views in HF) only
+    with a single output. The backward is out of place: the incoming grad may be shared with another
+    consumer (an add passes one grad tensor to both of its inputs) or be the caller's `grad_outputs`."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, head_pos):
+        _rope_fwd_(x, cos, sin, head_pos)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin)
+        ctx.head_pos, ctx.order = head_pos, _dim_order(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, dx_out):
+        cos, sin = ctx.saved_tensors
+        dx_out = _last_contig(dx_out)
+        dx, _ = _rope_bwd(dx_out, _no_heads(dx_out, ctx.head_pos), cos, sin, ctx.head_pos, ctx.order, ctx.order)
+        return dx, None, None, None
+
+
+def apply_rotary_pos_emb_(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """In-place `apply_rotary_pos_emb`: rotates the first R = cos.shape[-1] features of q and k in place (the
+    forward reads and writes only those; the backward writes a new grad) and returns (q, k). Needs
+    `promote(q.dtype, cos.dtype) == q.dtype`. q and k must not be leaves that require grad, nor tensors an op
+    saved for its backward (autograd raises), nor read again by the caller expecting the unrotated values."""
+    name = "apply_rotary_pos_emb_"
+    head_pos = _check_rope(name, q, k, cos, sin, unsqueeze_dim)
+    if torch.promote_types(q.dtype, cos.dtype) != q.dtype:
+        raise TypeError(f"{name}: cos/sin {cos.dtype} would promote q {q.dtype}: in place needs cos.dtype <= q.dtype")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"{name}: q and k need a contiguous last dim to be rotated in place")
+    if torch.compiler.is_compiling() and torch.__version__ < (2, 13):
+        raise RuntimeError(f"{name}: torch.compile needs torch >= 2.13 here (older Dynamo can drop ctx.mark_dirty, "
+                           "pytorch#184113); use apply_rotary_pos_emb")
+    cos, sin = _last_contig(cos), _last_contig(sin)
+    return _RopeInplace.apply(q, cos, sin, head_pos), _RopeInplace.apply(k, cos, sin, head_pos)
+
+
 # ------------------------------------------------------------------ fused q/k RMSNorm + RoPE
 
 
@@ -259,17 +340,17 @@ def _qk_norm_rope_bwd(
     if _use_triton(q):
         from .triton_kernels import qk_rope_bwd
 
-        dq = q.new_empty(q.shape)
-        dk = k.new_empty(k.shape)
+        dq, dk = torch.empty_like(q), torch.empty_like(k)  # q's layout when q is dense
         dwq, dwk = qk_rope_bwd(dq_out, dk_out, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2),
                                q.transpose(1, 2), k.transpose(1, 2), q_weight, k_weight, eps, mode)
         return dq, dk, dwq.to(q_weight.dtype), dwk.to(k_weight.dtype)
-    return qk_norm_rope_bwd_reference(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, mode)
+    rq, rk, dwq, dwk = qk_norm_rope_bwd_reference(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, mode)
+    return torch.empty_like(q).copy_(rq), torch.empty_like(k).copy_(rk), dwq, dwk
 
 
 @_qk_norm_rope_bwd.register_fake
 def _(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, mode):
-    return q.new_empty(q.shape), k.new_empty(k.shape), torch.empty_like(q_weight), torch.empty_like(k_weight)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight), torch.empty_like(k_weight)
 
 
 def _norm_rope_setup_context(ctx, inputs, output):
@@ -372,6 +453,6 @@ def qk_norm_rope_flat(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, zer
                                   ZERO_CENTERED if zero_centered else STANDARD)
 
 
-__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "qk_norm_rope", "qk_norm_rope_zero_centered",
-           "qk_norm_rope_flat",
+__all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "apply_rotary_pos_emb_", "qk_norm_rope",
+           "qk_norm_rope_zero_centered", "qk_norm_rope_flat",
            "NONE", "STANDARD", "ZERO_CENTERED"]

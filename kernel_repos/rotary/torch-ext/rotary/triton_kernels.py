@@ -11,8 +11,9 @@ bit for bit in the usual cases. The RoPE backward (inverse rotation) rounds the 
 Both launches pass `enable_fp_fusion=False`: with contraction on, the GPU compiler narrows the rounded
 products to bf16/fp16 multiplies and fuses each with the following add into one `fma` (one rounding instead
 of HF's two), which the interpreter never shows; fp32 outputs likewise lose eager's separate mul and add.
-The fused backward is plain fp32 and deterministic: dweight is written as per-program fp32 partials that
-are summed afterwards. This module imports triton: import it lazily.
+The fused backward is plain fp32 and deterministic: each program accumulates its dweight share as 2-D
+register tiles (reduced once, at the end) and writes one fp32 partial; the partials are summed afterwards.
+Launch shapes come from `CONFIG`, read at every launch. This module imports triton: import it lazily.
 """
 import torch
 import triton
@@ -110,26 +111,88 @@ def _fwd_rows(
 
 
 @triton.jit
+def _fwd_rows_tile(
+    X, O, W, COS, SIN, row_begin, row_end, H, S,
+    sx_b, sx_h, sx_s, so_b, so_h, so_s, sc_b, sc_s, eps, D, HALF,
+    NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROW_BLOCK: tl.constexpr,
+):
+    # As _fwd_rows, but each row is ONE [BLOCK_M, ROW_BLOCK] tile (partial RoPE, R < D): full-width vector
+    # loads and a single register layout (the row sums need no shuffles between column groups). The
+    # rotate_half partner of a rotated column c < R (c + R/2 in the first half, c - R/2 in the second) comes
+    # from a second, cache-hitting load; cos/sin are loaded for c < R only. Same roundings as _fwd_rows.
+    c = tl.arange(0, ROW_BLOCK)
+    cmask = c < D
+    first = c < HALF  # y = x c - x[c + R/2] s here, y = x c + x[c - R/2] s in [R/2, R)
+    rot = c < 2 * HALF
+    partner = tl.where(first, c + HALF, c - HALF)
+    if NORM != 0:
+        w = tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        wq = tl.load(W + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
+    for start in range(row_begin, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        b, h, s, x_off = _row_offsets(rows, H, S, sx_b, sx_h, sx_s, HEAD_INNER)
+        o_off = b * so_b + h * so_h + s * so_s
+        c_off = b * sc_b + s * sc_s
+        m = rmask[:, None] & cmask[None, :]
+        mr = rmask[:, None] & rot[None, :]
+        x_raw = tl.load(X + x_off[:, None] + c[None, :], mask=m, other=0.0)
+        x = x_raw.to(tl.float32)
+        xq = tl.load(X + x_off[:, None] + partner[None, :], mask=mr, other=0.0).to(tl.float32)
+        if NORM != 0:
+            rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # as torch.rsqrt
+            if NORM == 1:  # standard: cast(n) to the input dtype, then * w (HF: `weight * h.to(dtype)`)
+                x = (x * rstd).to(x_raw.dtype).to(tl.float32) * w
+                xq = (xq * rstd).to(x_raw.dtype).to(tl.float32) * wq
+            else:  # zero-centred: n * (1 + w) in fp32
+                x = x * rstd * (1.0 + w)
+                xq = xq * rstd * (1.0 + wq)
+            if ROUND_NORM:  # the norm's output tensor has the input dtype
+                x = x.to(x_raw.dtype).to(tl.float32)
+                xq = xq.to(x_raw.dtype).to(tl.float32)
+        cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
+        a = x * cs
+        p = xq * sn
+        if ROUND_ROPE:
+            a = a.to(O.dtype.element_ty).to(tl.float32)
+            p = p.to(O.dtype.element_ty).to(tl.float32)
+        y = tl.where(first[None, :], a - p, a + p)
+        y = tl.where(rot[None, :], y, x)  # the pass-through part [R, D) as is
+        tl.store(O + o_off[:, None] + c[None, :], y.to(O.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, QO, KO, WQ, WK, COS, SIN, Mq, Mk, rows_per_prog_q, rows_per_prog_k, n_prog_q, H_q, H_k, S,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sqo_b, sqo_h, sqo_s, sko_b, sko_h, sko_s, sc_b, sc_s, eps, D, HALF,
     NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_ROPE: tl.constexpr,
     HEAD_INNER_Q: tl.constexpr, HEAD_INNER_K: tl.constexpr, HAS_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_prog_q:
         row_begin = pid * rows_per_prog_q
         row_end = tl.minimum(row_begin + rows_per_prog_q, Mq)
-        _fwd_rows(Q, QO, WQ, COS, SIN, row_begin, row_end, H_q, S, sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
-                  sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS,
-                  BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+        if ROW_TILE:
+            _fwd_rows_tile(Q, QO, WQ, COS, SIN, row_begin, row_end, H_q, S, sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
+                           sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_Q, BLOCK_M, ROW_BLOCK)
+        else:
+            _fwd_rows(Q, QO, WQ, COS, SIN, row_begin, row_end, H_q, S, sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
+                      sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS,
+                      BLOCK_M, HALF_BLOCK, PASS_BLOCK)
     else:
         row_begin = (pid - n_prog_q) * rows_per_prog_k
         row_end = tl.minimum(row_begin + rows_per_prog_k, Mk)
-        _fwd_rows(K, KO, WK, COS, SIN, row_begin, row_end, H_k, S, sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
-                  sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS,
-                  BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+        if ROW_TILE:
+            _fwd_rows_tile(K, KO, WK, COS, SIN, row_begin, row_end, H_k, S, sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
+                           sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_K, BLOCK_M, ROW_BLOCK)
+        else:
+            _fwd_rows(K, KO, WK, COS, SIN, row_begin, row_end, H_k, S, sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
+                      sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS,
+                      BLOCK_M, HALF_BLOCK, PASS_BLOCK)
 
 
 @triton.jit
@@ -146,11 +209,12 @@ def _bwd_rows(
     if NORM != 0:
         w1 = tl.load(W + ch, mask=hmask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W + HALF + ch, mask=hmask, other=0.0).to(tl.float32)[None, :]
-        dw1 = tl.zeros([HALF_BLOCK], dtype=tl.float32)
-        dw2 = tl.zeros([HALF_BLOCK], dtype=tl.float32)
+        # dweight summed over rows as (BLOCK_M, cols) tiles: no cross-warp reduction inside the loop
+        dw1 = tl.zeros([BLOCK_M, HALF_BLOCK], dtype=tl.float32)
+        dw2 = tl.zeros([BLOCK_M, HALF_BLOCK], dtype=tl.float32)
         if HAS_PASS:
             wp = tl.load(W + cp, mask=pmask, other=0.0).to(tl.float32)[None, :]
-            dwp = tl.zeros([PASS_BLOCK], dtype=tl.float32)
+            dwp = tl.zeros([BLOCK_M, PASS_BLOCK], dtype=tl.float32)
     for start in range(row_begin, row_end, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
@@ -197,23 +261,23 @@ def _bwd_rows(
             n1 = x1 * rstd
             n2 = x2 * rstd
             if NORM == 1:  # y = w * cast(n)
-                dw1 += tl.sum(d1 * n1.to(x1_raw.dtype).to(tl.float32), axis=0)
-                dw2 += tl.sum(d2 * n2.to(x1_raw.dtype).to(tl.float32), axis=0)
+                dw1 += d1 * n1.to(x1_raw.dtype).to(tl.float32)
+                dw2 += d2 * n2.to(x1_raw.dtype).to(tl.float32)
                 g1 = d1 * w1
                 g2 = d2 * w2
             else:  # y = n * (1 + w)
-                dw1 += tl.sum(d1 * n1, axis=0)
-                dw2 += tl.sum(d2 * n2, axis=0)
+                dw1 += d1 * n1
+                dw2 += d2 * n2
                 g1 = d1 * (1.0 + w1)
                 g2 = d2 * (1.0 + w2)
             dot = tl.sum(g1 * n1, axis=1) + tl.sum(g2 * n2, axis=1)
             if HAS_PASS:
                 np_ = xp * rstd
                 if NORM == 1:
-                    dwp += tl.sum(dyp * np_.to(x1_raw.dtype).to(tl.float32), axis=0)
+                    dwp += dyp * np_.to(x1_raw.dtype).to(tl.float32)
                     gp = dyp * wp
                 else:
-                    dwp += tl.sum(dyp * np_, axis=0)
+                    dwp += dyp * np_
                     gp = dyp * (1.0 + wp)
                 dot += tl.sum(gp * np_, axis=1)
             mean = (dot / D)[:, None]
@@ -225,10 +289,68 @@ def _bwd_rows(
                 tl.store(DX + dx_off[:, None] + cp[None, :], (rstd * (gp - np_ * mean)).to(DX.dtype.element_ty),
                          mask=mp)
     if NORM != 0:
-        tl.store(DW + ch, dw1, mask=hmask)
-        tl.store(DW + HALF + ch, dw2, mask=hmask)
+        tl.store(DW + ch, tl.sum(dw1, axis=0), mask=hmask)
+        tl.store(DW + HALF + ch, tl.sum(dw2, axis=0), mask=hmask)
         if HAS_PASS:
-            tl.store(DW + cp, dwp, mask=pmask)
+            tl.store(DW + cp, tl.sum(dwp, axis=0), mask=pmask)
+
+
+@triton.jit
+def _bwd_rows_tile(
+    DY, X, DX, W, DW, COS, SIN, row_begin, row_end, H, S,
+    sdy_b, sdy_h, sdy_s, sx_b, sx_h, sx_s, sdx_b, sdx_h, sdx_s, sc_b, sc_s, eps, D, HALF,
+    NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROW_BLOCK: tl.constexpr,
+):
+    # As _bwd_rows with each row ONE [BLOCK_M, ROW_BLOCK] tile (see _fwd_rows_tile); the inverse rotation
+    # reads the partner of dy and the partner's sin by a second load.
+    c = tl.arange(0, ROW_BLOCK)
+    cmask = c < D
+    first = c < HALF  # d = dy c + dy[c + R/2] s[c + R/2] here, d = dy c - dy[c - R/2] s[c - R/2] in [R/2, R)
+    rot = c < 2 * HALF
+    partner = tl.where(first, c + HALF, c - HALF)
+    if NORM != 0:
+        w = tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        # dweight summed over rows as a (BLOCK_M, cols) tile: no cross-warp reduction inside the loop
+        dw = tl.zeros([BLOCK_M, ROW_BLOCK], dtype=tl.float32)
+    for start in range(row_begin, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        b, h, s, dy_off = _row_offsets(rows, H, S, sdy_b, sdy_h, sdy_s, HEAD_INNER)
+        dx_off = b * sdx_b + h * sdx_h + s * sdx_s
+        c_off = b * sc_b + s * sc_s
+        m = rmask[:, None] & cmask[None, :]
+        mr = rmask[:, None] & rot[None, :]
+        dy = tl.load(DY + dy_off[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+        dyq = tl.load(DY + dy_off[:, None] + partner[None, :], mask=mr, other=0.0).to(tl.float32)
+        cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
+        snq = tl.load(SIN + c_off[:, None] + partner[None, :], mask=mr, other=0.0).to(tl.float32)
+        a = dy * cs
+        p = dyq * snq
+        if ROUND_ROPE:
+            a = a.to(DX.dtype.element_ty).to(tl.float32)
+            p = p.to(DX.dtype.element_ty).to(tl.float32)
+        d = tl.where(first[None, :], a + p, a - p)
+        d = tl.where(rot[None, :], d, dy)
+        if NORM == 0:
+            tl.store(DX + dx_off[:, None] + c[None, :], d.to(DX.dtype.element_ty), mask=m)
+        else:
+            x_off = b * sx_b + h * sx_h + s * sx_s
+            x_raw = tl.load(X + x_off[:, None] + c[None, :], mask=m, other=0.0)
+            x = x_raw.to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # as torch.rsqrt
+            n = x * rstd
+            if NORM == 1:  # y = w * cast(n)
+                dw += d * n.to(x_raw.dtype).to(tl.float32)
+                g = d * w
+            else:  # y = n * (1 + w)
+                dw += d * n
+                g = d * (1.0 + w)
+            mean = (tl.sum(g * n, axis=1) / D)[:, None]
+            # d/dx of x * rstd(x): rstd * (g - n * mean(g * n))
+            tl.store(DX + dx_off[:, None] + c[None, :], (rstd * (g - n * mean)).to(DX.dtype.element_ty), mask=m)
+    if NORM != 0:
+        tl.store(DW + c, tl.sum(dw, axis=0), mask=cmask)
 
 
 @triton.jit
@@ -239,21 +361,32 @@ def _bwd_kernel(
     sgq_b, sgq_h, sgq_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
     NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER_Q: tl.constexpr, HEAD_INNER_K: tl.constexpr,
     HAS_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_prog_q:
         row_begin = pid * rows_per_prog_q
         row_end = tl.minimum(row_begin + rows_per_prog_q, Mq)
-        _bwd_rows(DQO, Q, DQ, WQ, DWQ + pid * D, COS, SIN, row_begin, row_end, H_q, S,
-                  sdq_b, sdq_h, sdq_s, sq_b, sq_h, sq_s, sgq_b, sgq_h, sgq_s, sc_b, sc_s, eps, D, HALF,
-                  NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+        if ROW_TILE:
+            _bwd_rows_tile(DQO, Q, DQ, WQ, DWQ + pid * D, COS, SIN, row_begin, row_end, H_q, S,
+                           sdq_b, sdq_h, sdq_s, sq_b, sq_h, sq_s, sgq_b, sgq_h, sgq_s, sc_b, sc_s, eps, D, HALF,
+                           NORM, ROUND_ROPE, HEAD_INNER_Q, BLOCK_M, ROW_BLOCK)
+        else:
+            _bwd_rows(DQO, Q, DQ, WQ, DWQ + pid * D, COS, SIN, row_begin, row_end, H_q, S,
+                      sdq_b, sdq_h, sdq_s, sq_b, sq_h, sq_s, sgq_b, sgq_h, sgq_s, sc_b, sc_s, eps, D, HALF,
+                      NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK)
     else:
         kp = pid - n_prog_q
         row_begin = kp * rows_per_prog_k
         row_end = tl.minimum(row_begin + rows_per_prog_k, Mk)
-        _bwd_rows(DKO, K, DK, WK, DWK + kp * D, COS, SIN, row_begin, row_end, H_k, S,
-                  sdk_b, sdk_h, sdk_s, sk_b, sk_h, sk_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
-                  NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+        if ROW_TILE:
+            _bwd_rows_tile(DKO, K, DK, WK, DWK + kp * D, COS, SIN, row_begin, row_end, H_k, S,
+                           sdk_b, sdk_h, sdk_s, sk_b, sk_h, sk_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
+                           NORM, ROUND_ROPE, HEAD_INNER_K, BLOCK_M, ROW_BLOCK)
+        else:
+            _bwd_rows(DKO, K, DK, WK, DWK + kp * D, COS, SIN, row_begin, row_end, H_k, S,
+                      sdk_b, sdk_h, sdk_s, sk_b, sk_h, sk_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
+                      NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -261,14 +394,33 @@ def _bwd_kernel(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _blocks(D: int, R: int, elems_per_block: int):
+# Launch shapes per kernel, read at every launch (benchmarks/tune_rotary.py sweeps them). block_elems: elements
+# of one (BLOCK_M rows x padded row) tile; elems_per_warp: sets num_warps (a power of 2 in [1, 8]);
+# programs_per_sm (fused backward): programs looping over rows, one fp32 dweight partial each (0: one per tile).
+CONFIG = {
+    "rope_fwd": dict(block_elems=4096, elems_per_warp=512),
+    "rope_bwd": dict(block_elems=4096, elems_per_warp=512),
+    "norm_fwd": dict(block_elems=2048, elems_per_warp=1024),  # H200 sweep (tune_rotary.py, run 6)
+    "norm_bwd": dict(block_elems=2048, elems_per_warp=512, programs_per_sm=16),
+}
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _blocks(kind: str, D: int, R: int, has_pass: bool):
+    """(BLOCK_M, HALF_BLOCK, PASS_BLOCK, ROW_BLOCK, num_warps) for CONFIG[kind] and a row of D features, R
+    rotated. ROW_BLOCK > 0: the row-tile kernels (one [BLOCK_M, ROW_BLOCK] tile per row; only with a
+    pass-through part and CONFIG[kind]["row_tile"]), else the column-group kernels (ROW_BLOCK 0)."""
+    cfg = CONFIG[kind]
     half_block = triton.next_power_of_2(max(R // 2, 1))
-    pass_block = triton.next_power_of_2(D - R) if D > R else 1
-    row_elems = 2 * half_block + (pass_block if D > R else 0)
-    block_m = 1 << max(0, min(128, elems_per_block // row_elems).bit_length() - 1)  # power of 2, <= 128
-    warps = max(1, min(8, block_m * row_elems // 512))
-    num_warps = 1 << (warps.bit_length() - 1)  # Triton needs a power of 2
-    return block_m, half_block, pass_block, num_warps
+    pass_block = triton.next_power_of_2(D - R) if has_pass else 1
+    row_block = triton.next_power_of_2(D) if has_pass and cfg.get("row_tile", False) else 0
+    row_elems = row_block or 2 * half_block + (pass_block if has_pass else 0)
+    block_m = _pow2_floor(cfg["block_elems"] // row_elems)
+    num_warps = min(8, _pow2_floor(block_m * row_elems // cfg["elems_per_warp"]))
+    return block_m, half_block, pass_block, row_block, num_warps
 
 
 def _bhs(t):
@@ -291,13 +443,16 @@ def _round(dtype) -> bool:
 
 
 def qk_rope_fwd(q, k, cos, sin, q_out, k_out, q_weight=None, k_weight=None, eps=0.0, norm=NONE,
-                round_norm=False):
-    """Writes rope(norm(q)) into q_out and rope(norm(k)) into k_out (both given, canonical views)."""
+                round_norm=False, inplace=False):
+    """Writes rope(norm(q)) into q_out and rope(norm(k)) into k_out (both given, canonical views).
+    inplace: q_out is q and k_out is k (no norm); only the rotated features [0, R) are read and written."""
     B, Hq, S, D = q.shape
     Hk = k.shape[1]
     R = cos.shape[-1]
     Mq, Mk = B * Hq * S, B * Hk * S
-    block_m, half_block, pass_block, num_warps = _blocks(D, R, 4096 if norm == NONE else 2048)
+    has_pass = D > R and not inplace
+    block_m, half_block, pass_block, row_block, num_warps = _blocks(
+        "rope_fwd" if norm == NONE else "norm_fwd", D, R, has_pass)
     n_prog_q, n_prog_k = triton.cdiv(Mq, block_m), triton.cdiv(Mk, block_m)
     wq = q_weight if q_weight is not None else cos
     wk = k_weight if k_weight is not None else cos
@@ -306,16 +461,18 @@ def qk_rope_fwd(q, k, cos, sin, q_out, k_out, q_weight=None, k_weight=None, eps=
         q, k, q_out, k_out, wq, wk, cos, sin, Mq, Mk, block_m, block_m, n_prog_q, Hq, Hk, S,
         *_bhs(q), *_bhs(k), *_bhs(q_out), *_bhs(k_out), sc_b, sc_s, float(eps), D, R // 2,
         NORM=norm, ROUND_NORM=round_norm, ROUND_ROPE=_round(q_out.dtype),
-        HEAD_INNER_Q=_head_inner(q), HEAD_INNER_K=_head_inner(k), HAS_PASS=D > R,
-        BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block, num_warps=num_warps,
+        HEAD_INNER_Q=_head_inner(q), HEAD_INNER_K=_head_inner(k), HAS_PASS=has_pass,
+        BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block,
+        ROW_TILE=row_block > 0, ROW_BLOCK=max(row_block, 1), num_warps=num_warps,
         enable_fp_fusion=False,  # keep HF's separate roundings (see the module docstring)
     )
 
 
 def _num_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count * 8
-    return 4
+    per_sm = CONFIG["norm_bwd"]["programs_per_sm"]
+    if device.type == "cuda" and per_sm > 0:
+        return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+    return per_sm and 4  # the interpreter: a few programs, so that each loops over several tiles
 
 
 def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None, k_weight=None, eps=0.0,
@@ -325,15 +482,17 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
     Hk = dk_out.shape[1]
     R = cos.shape[-1]
     Mq, Mk = B * Hq * S, B * Hk * S
-    block_m, half_block, pass_block, num_warps = _blocks(D, R, 4096 if norm == NONE else 2048)
-    if norm == NONE:  # one block of rows per program, like the forward
+    block_m, half_block, pass_block, row_block, num_warps = _blocks(
+        "rope_bwd" if norm == NONE else "norm_bwd", D, R, D > R)
+    blocks_q, blocks_k = triton.cdiv(Mq, block_m), triton.cdiv(Mk, block_m)
+    programs = _num_programs(dq_out.device)
+    if norm == NONE or programs <= 0:  # one tile of rows per program
         rpp_q = rpp_k = block_m
-    else:  # fewer, longer programs: one fp32 dweight partial each, summed afterwards (deterministic)
-        total = max(1, _num_programs(dq_out.device))
-        n_q = max(1, min(triton.cdiv(Mq, block_m), total * Mq // (Mq + Mk)))
-        n_k = max(1, min(triton.cdiv(Mk, block_m), total * Mk // (Mq + Mk)))
-        rpp_q = triton.cdiv(triton.cdiv(Mq, n_q), block_m) * block_m
-        rpp_k = triton.cdiv(triton.cdiv(Mk, n_k), block_m) * block_m
+    else:  # programs looping over rows, split between q and k by row count
+        n_q = max(1, min(blocks_q, programs * Mq // (Mq + Mk)))
+        n_k = max(1, min(blocks_k, programs * Mk // (Mq + Mk)))
+        rpp_q = triton.cdiv(blocks_q, n_q) * block_m
+        rpp_k = triton.cdiv(blocks_k, n_k) * block_m
     n_prog_q, n_prog_k = triton.cdiv(Mq, rpp_q), triton.cdiv(Mk, rpp_k)
     if norm != NONE:
         dwq = torch.empty((n_prog_q, D), dtype=torch.float32, device=dq.device)
@@ -350,7 +509,8 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
         float(eps), D, R // 2,
         NORM=norm, ROUND_ROPE=(norm == NONE and _round(dq.dtype)),
         HEAD_INNER_Q=_head_inner(dq_out), HEAD_INNER_K=_head_inner(dk_out), HAS_PASS=D > R,
-        BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block, num_warps=num_warps,
+        BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block,
+        ROW_TILE=row_block > 0, ROW_BLOCK=max(row_block, 1), num_warps=num_warps,
         enable_fp_fusion=False,  # keep HF's separate roundings (see the module docstring)
     )
     if norm != NONE:
