@@ -1,15 +1,20 @@
 """Launch-config sweep of the fused load-balancing loss on one GPU, at the issue's shape (48 layers x 8192
 tokens x 128 experts, top-8), bf16 and fp32 router logits.
 
-    python kernel_repos/load-balancing-loss/benchmarks/tune_lbl.py            # GPU, < 150 s
+    python kernel_repos/load-balancing-loss/benchmarks/tune_lbl.py            # GPU, < 120 s
     python kernel_repos/load-balancing-loss/benchmarks/tune_lbl.py --small    # CPU smoke run (interpreter)
 
-1. Forward and backward kernels separately, for each candidate `LBL_CONFIG` entry: GPU ms (summed kernel
-   time, torch.profiler) and stream ms (do_bench median), checked against the default config (selection
-   counts, loss, grads). 2. The whole public call, forward + backward with 48 leaf tensors as a model
-   records them (what scripts/bench_ops.py times), with the default config: stream ms vs GPU ms shows the
-   per-call CPU cost; the same through the custom op (the old eager path) for comparison; and softmax_topk.
-Make the winner the default by editing `LBL_CONFIG` in triton_kernels.py. Not uploaded (only benchmark*.py is).
+1. The whole public call, forward + backward with 48 leaf tensors as a model records them (what
+   scripts/bench_ops.py times), with the default configs (per dtype): stream ms vs GPU ms shows the per-call
+   CPU cost, and the per-kernel GPU times (forward, partials reduction, loss, backward) and launch count;
+   the same through the custom op for comparison; and softmax_topk.
+2. Forward and backward kernels separately, for each candidate `LBL_CONFIG` entry of the dtype's kinds
+   ("fwd"/"bwd" for bf16, "fwd_fp32"/"bwd_fp32" for fp32) and for the partials reduction's experts per
+   program (`FINALIZE_EXPERTS`): GPU ms (summed kernel time, torch.profiler; the forward includes the
+   reduction and loss kernels) and stream ms (do_bench median), checked against the default (selection
+   counts, loss, grads).
+Make the winners the defaults by editing `LBL_CONFIG` / `FINALIZE_EXPERTS` in triton_kernels.py. Not uploaded
+(only benchmark*.py is).
 """
 import os
 import sys
@@ -30,20 +35,27 @@ from load_balancing_loss import triton_kernels as tk  # noqa: E402
 
 DEV = "cpu" if SMALL else "cuda"
 L, T, E, K = (2, 64, 128, 8) if SMALL else (48, 8192, 128, 8)
-BUDGET_S = 135
+BUDGET_S = 100
 DEFAULT = {kind: dict(cfg) for kind, cfg in tk.LBL_CONFIG.items()}
+DEFAULT_FINALIZE_EXPERTS = tk.FINALIZE_EXPERTS
 
 
 def cfg(tile=4096, lanes=4, num_warps=4, programs=1024, num_stages=1):
     return dict(tile=tile, lanes=lanes, num_warps=num_warps, programs=programs, num_stages=num_stages)
 
 
-CANDIDATES = {  # per kernel; the default is always timed first
-    "fwd": [cfg(tile=2048, lanes=8), cfg(tile=2048, lanes=4, num_warps=2), cfg(lanes=8), cfg(lanes=16),
-            cfg(tile=8192, num_warps=8), cfg(programs=528), cfg(programs=2112), cfg(num_stages=2)],
-    "bwd": [cfg(tile=2048, lanes=8), cfg(tile=8192, num_warps=8), cfg(tile=8192, lanes=8, num_warps=8),
-            cfg(lanes=8), cfg(programs=528), cfg(programs=2112), cfg(num_stages=2)],
+CANDIDATES = {  # per kernel and dtype; the default is always timed first (num_stages=2: forward only)
+    "fwd": [cfg(programs=264), cfg(programs=396), cfg(programs=792), cfg(programs=1024),
+            cfg(tile=2048, lanes=8, programs=528), cfg(tile=2048, lanes=8, programs=1024),
+            cfg(programs=528, num_stages=2)],
+    "bwd": [cfg(programs=4224), cfg(programs=1024), cfg(tile=8192, num_warps=8, programs=2112),
+            cfg(tile=2048, lanes=8, programs=2112)],
+    "fwd_fp32": [cfg(programs=528), cfg(programs=792), cfg(programs=1320), cfg(programs=2112),
+                 cfg(lanes=8), cfg(tile=2048, lanes=8), cfg(num_stages=2)],
+    "bwd_fp32": [cfg(tile=8192, num_warps=8, programs=2112), cfg(tile=8192, num_warps=8, programs=528),
+                 cfg(programs=2112), cfg()],
 }
+FINALIZE_CANDIDATES = [4, 16, 32, 128]  # experts per program of the partials' reduction (default 8)
 T0 = time.time()
 
 
@@ -61,8 +73,9 @@ def stream_ms(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def gpu_ms(fn, steps=10):
-    """Summed device time of the kernels one call launches (torch.profiler); nan on CPU."""
+def gpu_ms(fn, steps=10, per_kernel=False):
+    """Summed device time of the kernels one call launches (torch.profiler); nan on CPU. per_kernel: also
+    print each kernel's time and launches per call."""
     if SMALL:
         return float("nan")
     from torch.profiler import ProfilerActivity, profile
@@ -73,8 +86,12 @@ def gpu_ms(fn, steps=10):
         for _ in range(steps):
             fn()
         sync()
-    total = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-    return total / steps / 1e3
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    if per_kernel:
+        for e in sorted(events, key=lambda e: -e.self_device_time_total):
+            print(f"      {e.key[:70]:70s} {e.self_device_time_total / steps / 1e3:7.4f} ms  "
+                  f"x{e.count / steps:.0f} per call")
+    return sum(e.self_device_time_total for e in events) / steps / 1e3
 
 
 def make_case(dtype, masked):
@@ -91,17 +108,25 @@ def sweep_kernels(dtype, masked):
     layers = tk.layer_table(zs)
     n = (mask.sum().item() if mask is not None else T) * L
     grad_out = torch.ones((), device=DEV)
+    suffix = "_fp32" if dtype == torch.float32 else ""
     best = {}
-    for kind in ("fwd", "bwd"):
+    for kind in ("fwd" + suffix, "bwd" + suffix, "finalize"):
         ref = None
         rows = []
-        for c in [DEFAULT[kind]] + [c for c in CANDIDATES[kind] if c != DEFAULT[kind]]:
+        if kind == "finalize":  # experts per program of the partials' reduction, default forward config
+            variants = [DEFAULT_FINALIZE_EXPERTS] + [f for f in FINALIZE_CANDIDATES if f != DEFAULT_FINALIZE_EXPERTS]
+        else:
+            variants = [DEFAULT[kind]] + [c for c in CANDIDATES[kind] if c != DEFAULT[kind]]
+        for c in variants:
             if time.time() - T0 > BUDGET_S:
                 print(f"  [{tag} {kind}] time budget reached, skipping the remaining candidates")
                 break
-            tk.LBL_CONFIG[kind] = c
+            if kind == "finalize":
+                tk.FINALIZE_EXPERTS = c
+            else:
+                tk.LBL_CONFIG[kind] = c
             try:
-                if kind == "fwd":
+                if not kind.startswith("bwd"):
                     fn = lambda: tk.load_balancing_loss_fwd(zs, mask, K, layers)  # noqa: E731
                     loss, dloss = fn()
                     out = (loss.double(), (dloss.double() * n * n / E).round())  # loss, selection counts
@@ -112,7 +137,7 @@ def sweep_kernels(dtype, masked):
                 sync()
                 if ref is None:
                     ref, check = out, "ref"
-                elif kind == "fwd":
+                elif not kind.startswith("bwd"):
                     flips = (out[1] - ref[1]).abs().sum().item() / 2
                     rel = abs(out[0] - ref[0]).item() / abs(ref[0]).item()
                     check = f"flips {flips:.0f} rel {rel:.1e}" + ("  << MISMATCH" if flips > 64 or rel > 1e-4 else "")
@@ -125,7 +150,9 @@ def sweep_kernels(dtype, masked):
                 print(f"  [{tag} {kind}] {str(c):80s} GPU {g:7.4f} ms  stream {s:7.4f} ms  {check}", flush=True)
             except Exception as e:  # a config that does not compile or run: report and go on
                 print(f"  [{tag} {kind}] {c}: {type(e).__name__}: {str(e)[:150]}", flush=True)
-        tk.LBL_CONFIG[kind] = DEFAULT[kind]
+        tk.FINALIZE_EXPERTS = DEFAULT_FINALIZE_EXPERTS
+        if kind in DEFAULT:
+            tk.LBL_CONFIG[kind] = DEFAULT[kind]
         good = [r for r in rows if "MISMATCH" not in r[4]]
         if good:
             best[kind] = min(good, key=lambda r: r[0])
@@ -150,9 +177,12 @@ def time_public_call(dtype, masked):
 
     api = step(lambda: lbl.load_balancing_loss(zs, E, K, mask))
     custom = step(lambda: ops._lbl_fwd(zs, None if flat is None else flat.contiguous(), E, K)[0])
-    for name, fn in (("public api (autograd.Function)", api), ("custom op (old eager path)", custom)):
+    for name, fn in (("public api (autograd.Function)", api), ("custom op (torch.compile path)", custom)):
         fn()
-        print(f"  [{tag}] {name:32s} stream {stream_ms(fn):7.4f} ms  GPU {gpu_ms(fn):7.4f} ms", flush=True)
+        per_kernel = name.startswith("public")
+        g = gpu_ms(fn, per_kernel=per_kernel)
+        print(f"  [{tag}] {name:32s} stream {stream_ms(fn):7.4f} ms  GPU {g:7.4f} ms"
+              + ("  (target <= 0.3)" if per_kernel else ""), flush=True)
 
 
 def time_softmax_topk():
@@ -177,7 +207,8 @@ def main():
     print(f"{dev_name}, torch {torch.__version__}, triton {triton.__version__}; L={L} T={T} E={E} top-{K}")
     print(f"default LBL_CONFIG: {DEFAULT}")
     print("== public call, fwd+bwd (default config)")
-    for dtype, masked in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
+    for dtype, masked in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True),
+                          (torch.float32, True)):
         time_public_call(dtype, masked)
     time_softmax_topk()
     print("== kernel sweep (GPU = summed kernel ms per call; checks vs the default config)")
@@ -187,7 +218,8 @@ def main():
     print("== best per case")
     for (dtype, masked), best in winners.items():
         for kind, r in best.items():
-            print(f"best {kind} {dtype} masked={masked}: {r[1]}  GPU {r[2]:.4f} ms  stream {r[3]:.4f} ms")
+            print(f"best {kind} {dtype} masked={masked}: {r[1]}  GPU {r[2]:.4f} ms  stream {r[3]:.4f} ms"
+                  f"  ({r[4]})")
     print(f"total {time.time() - T0:.0f} s")
 
 

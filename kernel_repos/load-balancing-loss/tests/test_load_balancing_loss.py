@@ -230,8 +230,8 @@ def test_lbl_launch_configs_agree(monkeypatch, dtype):
     counts = lbl_float64_parts(zs, E, K, mask)[3]
     for tile, lanes, warps, programs in ((512, 1, 2, 1), (1024, 4, 4, 7), (256, 32, 1, 1024), (4096, 2, 8, 3)):
         cfg = dict(tile=tile, lanes=lanes, num_warps=warps, programs=programs, num_stages=1)
-        monkeypatch.setitem(triton_kernels.LBL_CONFIG, "fwd", cfg)
-        monkeypatch.setitem(triton_kernels.LBL_CONFIG, "bwd", cfg)
+        for kind in ("fwd", "bwd", "fwd_fp32", "bwd_fp32"):
+            monkeypatch.setitem(triton_kernels.LBL_CONFIG, kind, cfg)
         assert torch.equal(_kernel_counts(zs, E, K, mask).round(), counts), cfg
         loss, grads = run_fused(zs, E, K, mask)
         torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)
@@ -607,10 +607,12 @@ compile_ptx(tk._router_fwd_kernel, {"Z": "*bf16", "SCORES": "*bf16", "INDICES": 
             rconst)
 compile_ptx(tk._router_bwd_kernel, {"DS": "*bf16", "Z": "*bf16", "STATS": "*fp32", "INDICES": "*i64",
                                     "DZ": "*bf16", **rsig}, rconst)
-compile_ptx(tk._lbl_finalize_kernel,
-            {"PARTS": "*fp32", "LOSS": "*fp32", "DLOSS": "*fp32", "num_parts": "i32", "E": "i32", "top_k_f": "fp32",
-             "num_experts_f": "fp32", "BLOCK_P": "constexpr", "BLOCK_E": "constexpr"},
-            {"BLOCK_P": 64, "BLOCK_E": 128})
+compile_ptx(tk._lbl_reduce_parts_kernel,
+            {"PARTS": "*fp32", "TOTALS": "*fp32", "num_parts": "i32", "E": "i32", "BLOCK_P": "constexpr",
+             "BLOCK_E": "constexpr"}, {"BLOCK_P": 512, "BLOCK_E": 8})
+compile_ptx(tk._lbl_loss_kernel,
+            {"TOTALS": "*fp32", "LOSS": "*fp32", "DLOSS": "*fp32", "E": "i32", "top_k_f": "fp32",
+             "num_experts_f": "fp32", "BLOCK_E": "constexpr"}, {"BLOCK_E": 128})
 print("compiled")
 """
 

@@ -83,6 +83,9 @@ def test_fwd_bwd_fp16():
     _check(21, 64, 32, 5, 2, torch.float16)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors reach the Triton kernels only under the interpreter (on a GPU machine they "
+                           "take the torch path); the GPU runs TMA through GPU_CONFIGS in the gpu-marked tests")
 @pytest.mark.parametrize("shape", [(37, 64, 64, 8, 2), (13, 48, 40, 6, 3)])
 def test_tma_weight_operand(shape, monkeypatch):
     # weights through tensor descriptors (the interpreter emulates the copy engine); at (48, 40) the forward

@@ -35,14 +35,26 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT = torch.bfloat16 if DEV == "cuda" else torch.float32
 KERNEL_NAMES = ("_fwd_kernel", "_bwd_kernel")  # the rotary Triton kernels, as the profiler names them
 
-BLOCK_ELEMS = (2048, 4096, 8192, 16384)
 ELEMS_PER_WARP = (256, 512, 1024)
+# row_tile=True: the row-tile kernels for partial RoPE (one [BLOCK_M, next_pow2(D)] tile per row, partner
+# loads); the column-group candidates are the best of the earlier full sweep (run 6, H200). row_tile only
+# changes the partial (R < D) cases; the full-RoPE cases run the same kernel in every candidate.
 CANDIDATES = {
-    "norm_bwd": [dict(block_elems=b, elems_per_warp=w, programs_per_sm=p)
-                 for b, w, p in itertools.product(BLOCK_ELEMS[:3], ELEMS_PER_WARP, (0, 8, 16, 32))],
-    "norm_fwd": [dict(block_elems=b, elems_per_warp=w) for b, w in itertools.product(BLOCK_ELEMS, ELEMS_PER_WARP)],
-    "rope_bwd": [dict(block_elems=b, elems_per_warp=w) for b, w in itertools.product(BLOCK_ELEMS, ELEMS_PER_WARP)],
-    "rope_fwd": [dict(block_elems=b, elems_per_warp=w) for b, w in itertools.product(BLOCK_ELEMS, ELEMS_PER_WARP)],
+    "norm_bwd": [dict(block_elems=b, elems_per_warp=w, programs_per_sm=p, row_tile=False)
+                 for b, w, p in ((2048, 512, 16), (4096, 512, 16), (2048, 1024, 32))]
+                + [dict(block_elems=b, elems_per_warp=w, programs_per_sm=p, row_tile=True)
+                   for b, w, p in itertools.product((1024, 2048, 4096), ELEMS_PER_WARP, (8, 16, 32))],
+    "norm_fwd": [dict(block_elems=b, elems_per_warp=w, row_tile=False) for b, w in ((2048, 1024), (4096, 1024), (2048, 512))]
+                + [dict(block_elems=b, elems_per_warp=w, row_tile=True)
+                   for b, w in itertools.product((1024, 2048, 4096, 8192), ELEMS_PER_WARP)],
+    "rope_bwd": [dict(block_elems=b, elems_per_warp=w, row_tile=False)
+                 for b, w in ((4096, 512), (16384, 1024), (2048, 512), (8192, 256))]
+                + [dict(block_elems=b, elems_per_warp=w, row_tile=True)
+                   for b, w in ((2048, 512), (4096, 512), (4096, 1024), (8192, 1024))],
+    "rope_fwd": [dict(block_elems=b, elems_per_warp=w, row_tile=False)
+                 for b, w in ((4096, 512), (4096, 1024), (2048, 1024), (16384, 256))]
+                + [dict(block_elems=b, elems_per_warp=w, row_tile=True)
+                   for b, w in ((2048, 512), (4096, 512), (4096, 1024), (8192, 1024))],
 }
 
 
@@ -167,7 +179,7 @@ def sweep(cases, budget_s, t_start):
             try:
                 for name, check, run in users:
                     D, R = (256, 64) if "partial" in name else (128, 128)
-                    bm, _, _, nw = tk._blocks(key, D, R, D > R and "inplace" not in name)
+                    bm, _, _, rb, nw = tk._blocks(key, D, R, D > R and "inplace" not in name)
                     err = max_err([t for t in check() if isinstance(t, torch.Tensor)], want[name])
                     tol = 0.0 if key.startswith("rope") else 2.0 ** -7  # norm: reduction order may flip an ulp
                     if err > tol:
@@ -175,7 +187,7 @@ def sweep(cases, budget_s, t_start):
                     ms = timed(run)
                     total += ms
                     short = name.split('/')[0] + (" in place" if "inplace" in name else "")
-                    parts.append(f"{short} {ms:.4f} (BM{bm} w{nw})")
+                    parts.append(f"{short} {ms:.4f} (BM{bm} w{nw}{' row' if rb else ''})")
             except Exception as e:  # a variant that fails to compile or launch: report and go on
                 print(f"  {key} {cand}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue

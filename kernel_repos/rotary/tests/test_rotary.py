@@ -16,16 +16,27 @@ TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16:
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(params=["triton", "torch"])
+@pytest.fixture(params=["triton", "triton_row_tile", "torch"])
 def path(request, monkeypatch):
-    """Run each CPU test through the Triton kernels (interpreter) and through the torch reference path."""
+    """Run each CPU test through the Triton kernels (interpreter), through them with CONFIG's row_tile flipped
+    (partial RoPE: the row-tile kernels if the default runs the column groups, and vice versa), and through
+    the torch reference path."""
     if request.param == "torch":
         if DEV != "cpu":
             pytest.skip("the torch path is the no-Triton CPU path")
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     elif DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    if request.param == "triton_row_tile":
+        _flip_row_tile(monkeypatch)
     return request.param
+
+
+def _flip_row_tile(monkeypatch):
+    from rotary import triton_kernels as tk
+
+    for kind, cfg in tk.CONFIG.items():
+        monkeypatch.setitem(tk.CONFIG, kind, dict(cfg, row_tile=not cfg["row_tile"]))
 
 
 def make_cos_sin(B, S, R, dtype, device=DEV, batch_broadcast=False, shifted=True):
@@ -441,9 +452,14 @@ def _assert_bitwise(got, want, what):
 @pytest.mark.gpu
 @pytest.mark.parametrize("Hq, Hk, D, R", [(32, 8, 128, 128), (16, 2, 256, 64)])
 @pytest.mark.parametrize("ud", [1, 2])
-def test_rope_gpu_bf16(Hq, Hk, D, R, ud):
+@pytest.mark.parametrize("flip_row_tile", [False, True])
+def test_rope_gpu_bf16(Hq, Hk, D, R, ud, flip_row_tile, monkeypatch):
     """Plain RoPE has no reduction: with HF's roundings reproduced (and no fma contraction) it is bitwise
-    equal to eager, forward and backward, also in bf16 on the GPU."""
+    equal to eager, forward and backward, also in bf16 on the GPU (both partial-RoPE kernel variants)."""
+    if flip_row_tile:
+        if R == D:
+            pytest.skip("row_tile only changes partial RoPE")
+        _flip_row_tile(monkeypatch)
     torch.manual_seed(9)
     B, S, dt = 8, 2048, torch.bfloat16
     if ud == 1:  # as the attention produces it: transposed (B, S, H, D)
@@ -475,7 +491,12 @@ def test_rope_gpu_bf16(Hq, Hk, D, R, ud):
 @pytest.mark.gpu
 @pytest.mark.parametrize("Hq, Hk, D, R, mode, strided", [(32, 8, 128, 128, STANDARD, False),
                                                          (16, 2, 256, 64, ZERO_CENTERED, True)])
-def test_qk_norm_rope_gpu_bf16(Hq, Hk, D, R, mode, strided):
+@pytest.mark.parametrize("flip_row_tile", [False, True])
+def test_qk_norm_rope_gpu_bf16(Hq, Hk, D, R, mode, strided, flip_row_tile, monkeypatch):
+    if flip_row_tile:
+        if R == D:
+            pytest.skip("row_tile only changes partial RoPE")
+        _flip_row_tile(monkeypatch)
     torch.manual_seed(10)
     B, S, dt = 8, 2048, torch.bfloat16
     q = torch.randn(B, S, Hq, 2 * D if strided else D, device="cuda", dtype=dt)[..., :D].requires_grad_()

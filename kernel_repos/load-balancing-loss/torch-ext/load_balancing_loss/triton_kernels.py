@@ -143,9 +143,9 @@ def _lbl_fwd_kernel(
     # accumulators, reduced over rows once at the end (a per-tile reduction over rows would cross warps)
     count_acc = tl.zeros([BLOCK_T, BLOCK_E // CHUNK, CHUNK], dtype=tl.float32)
     prob_acc = tl.zeros([BLOCK_T, BLOCK_E // CHUNK, CHUNK], dtype=tl.float32)
-    # rows (per tile slot) that met a (near-)tie at the k-th place: reduced once after the loop (a per-tile
-    # reduction over all rows would cross warps: a shared-memory round trip and a barrier every tile)
-    unsure_rows = tl.zeros([BLOCK_T, 1, 1], dtype=tl.int32)
+    # (near-)ties at the k-th place seen by each thread: reduced once after the loop (a per-tile reduction
+    # over the whole tile would cross warps: a shared-memory round trip and a barrier every tile)
+    unsure_acc = tl.zeros([BLOCK_T, 1, CHUNK], dtype=tl.int32)
     row_begin = pid * rows_per_program
     row_end = tl.minimum(row_begin + rows_per_program, T)
     for start in tl.range(row_begin, row_end, BLOCK_T, num_stages=NUM_STAGES):
@@ -157,15 +157,18 @@ def _lbl_fwd_kernel(
         kth = _kth_largest(key, TOP_K)
         count_acc += tl.where(key >= kth, wt, 0.0)
         if not EXACT_KEYS:
-            # the truncated keys chose exactly unless the best unselected one has the k-th's truncated p (a
-            # tie or near-tie at the k-th place, and not in a padding row)
-            below = kth - 1 - _row_min(kth - 1 - key)
-            unsure_rows |= (((below >> COL_BITS) == (kth >> COL_BITS)) & (wt != 0)).to(tl.int32)
+            # the truncated keys chose exactly unless another key of the row has the k-th's truncated p (a
+            # tie or near-tie at the k-th place; conservatively also one among the selected, or in a
+            # padding row: those only cost a needless redo). key ^ kth < 2^COL_BITS for such keys, and
+            # (key ^ kth) - 1 wraps around for the k-th itself. Per element, no row reduction (no shuffles):
+            # OR-ed over the thread's chunks and kept per thread until after the loop.
+            near = ((key ^ kth) - 1) < ((1 << COL_BITS) - 1)
+            unsure_acc |= tl.max(near.to(tl.int32), axis=1, keep_dims=True)
     part = layer * tl.num_programs(0) + pid
     out = part * E + cols
     tl.store(PARTS + num_parts * E + out, tl.sum(prob_acc, axis=0, keep_dims=True), mask=col_ok)
     if not EXACT_KEYS:
-        if tl.max(unsure_rows) != 0:  # rare: count this program's rows again with exact 64-bit keys
+        if tl.max(unsure_acc) != 0:  # rare: count this program's rows again with exact 64-bit keys
             count_acc = tl.zeros([BLOCK_T, BLOCK_E // CHUNK, CHUNK], dtype=tl.float32)
             for start in range(row_begin, row_end, BLOCK_T):
                 p, wt = _tile_probs(z_ptr, MASK, start, row_end, cols, col_ok, E, BLOCK_E, DT, HAS_MASK,

@@ -4,6 +4,8 @@ All tensors are seen as canonical (B, H, S, D) views with arbitrary strides (las
 k go through ONE launch (programs [0, Pq) take q rows, the rest k rows). A program owns a contiguous range of
 rows (b, h, s); each row is read once as three column groups: the two rotary halves [0, R/2), [R/2, R)
 and the pass-through part [R, D). cos/sin are (Bc, S, R) with Bc in {1, B} (batch stride 0 broadcasts).
+With CONFIG[...]["row_tile"] and R < D, the row-tile kernels read the row as ONE tile instead (rotate_half
+partners by second, cache-hitting loads): one register layout, no shuffles between column groups.
 
 Arithmetic is fp32. The forward reproduces HF's roundings when the output dtype is narrower than fp32
 (each product rounded, then the sum; the norm output rounded before the rotation), so outputs match eager
@@ -111,6 +113,15 @@ def _fwd_rows(
 
 
 @triton.jit
+def _partner(ptr, c, HALF, first, second):
+    # rotate_half's partner of column c: ptr[c + HALF] where `first`, ptr[c - HALF] where `second`, else 0
+    # (where, not a sum: keeps the sign of a zero)
+    hi = tl.load(ptr + (c + HALF), mask=first, other=0.0)
+    lo = tl.load(ptr + (c - HALF), mask=second, other=0.0)
+    return tl.where(first, hi, lo)
+
+
+@triton.jit
 def _fwd_rows_tile(
     X, O, W, COS, SIN, row_begin, row_end, H, S,
     sx_b, sx_h, sx_s, so_b, so_h, so_s, sc_b, sc_s, eps, D, HALF,
@@ -120,15 +131,16 @@ def _fwd_rows_tile(
     # As _fwd_rows, but each row is ONE [BLOCK_M, ROW_BLOCK] tile (partial RoPE, R < D): full-width vector
     # loads and a single register layout (the row sums need no shuffles between column groups). The
     # rotate_half partner of a rotated column c < R (c + R/2 in the first half, c - R/2 in the second) comes
-    # from a second, cache-hitting load; cos/sin are loaded for c < R only. Same roundings as _fwd_rows.
+    # from cache-hitting loads of the shifted row (two contiguous masked loads, so that they vectorise like
+    # the row's; `_partner`); cos/sin are loaded for c < R only. Same roundings as _fwd_rows.
     c = tl.arange(0, ROW_BLOCK)
     cmask = c < D
     first = c < HALF  # y = x c - x[c + R/2] s here, y = x c + x[c - R/2] s in [R/2, R)
+    second = (c >= HALF) & (c < 2 * HALF)
     rot = c < 2 * HALF
-    partner = tl.where(first, c + HALF, c - HALF)
     if NORM != 0:
         w = tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        wq = tl.load(W + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
+        wq = _partner(W, c, HALF, first, second).to(tl.float32)[None, :]
     for start in range(row_begin, row_end, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
@@ -139,7 +151,8 @@ def _fwd_rows_tile(
         mr = rmask[:, None] & rot[None, :]
         x_raw = tl.load(X + x_off[:, None] + c[None, :], mask=m, other=0.0)
         x = x_raw.to(tl.float32)
-        xq = tl.load(X + x_off[:, None] + partner[None, :], mask=mr, other=0.0).to(tl.float32)
+        xq = _partner(X + x_off[:, None], c[None, :], HALF, rmask[:, None] & first[None, :],
+                      rmask[:, None] & second[None, :]).to(tl.float32)
         if NORM != 0:
             rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # as torch.rsqrt
             if NORM == 1:  # standard: cast(n) to the input dtype, then * w (HF: `weight * h.to(dtype)`)
@@ -303,12 +316,12 @@ def _bwd_rows_tile(
     BLOCK_M: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     # As _bwd_rows with each row ONE [BLOCK_M, ROW_BLOCK] tile (see _fwd_rows_tile); the inverse rotation
-    # reads the partner of dy and the partner's sin by a second load.
+    # reads the partners of dy and of sin as _fwd_rows_tile reads x's.
     c = tl.arange(0, ROW_BLOCK)
     cmask = c < D
     first = c < HALF  # d = dy c + dy[c + R/2] s[c + R/2] here, d = dy c - dy[c - R/2] s[c - R/2] in [R/2, R)
+    second = (c >= HALF) & (c < 2 * HALF)
     rot = c < 2 * HALF
-    partner = tl.where(first, c + HALF, c - HALF)
     if NORM != 0:
         w = tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
         # dweight summed over rows as a (BLOCK_M, cols) tile: no cross-warp reduction inside the loop
@@ -322,9 +335,11 @@ def _bwd_rows_tile(
         m = rmask[:, None] & cmask[None, :]
         mr = rmask[:, None] & rot[None, :]
         dy = tl.load(DY + dy_off[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
-        dyq = tl.load(DY + dy_off[:, None] + partner[None, :], mask=mr, other=0.0).to(tl.float32)
+        mf = rmask[:, None] & first[None, :]
+        ms = rmask[:, None] & second[None, :]
+        dyq = _partner(DY + dy_off[:, None], c[None, :], HALF, mf, ms).to(tl.float32)
         cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
-        snq = tl.load(SIN + c_off[:, None] + partner[None, :], mask=mr, other=0.0).to(tl.float32)
+        snq = _partner(SIN + c_off[:, None], c[None, :], HALF, mf, ms).to(tl.float32)
         a = dy * cs
         p = dyq * snq
         if ROUND_ROPE:
@@ -396,12 +411,15 @@ def _bwd_kernel(
 
 # Launch shapes per kernel, read at every launch (benchmarks/tune_rotary.py sweeps them). block_elems: elements
 # of one (BLOCK_M rows x padded row) tile; elems_per_warp: sets num_warps (a power of 2 in [1, 8]);
-# programs_per_sm (fused backward): programs looping over rows, one fp32 dweight partial each (0: one per tile).
+# programs_per_sm (fused backward): programs looping over rows, one fp32 dweight partial each (0: one per tile);
+# row_tile: partial RoPE (R < D, not in place) runs the row-tile kernels (_fwd_rows_tile / _bwd_rows_tile: one
+# [BLOCK_M, next_pow2(D)] tile per row) instead of three column groups; full RoPE is unaffected.
 CONFIG = {
-    "rope_fwd": dict(block_elems=4096, elems_per_warp=512),
-    "rope_bwd": dict(block_elems=4096, elems_per_warp=512),
-    "norm_fwd": dict(block_elems=2048, elems_per_warp=1024),  # H200 sweep (tune_rotary.py, run 6)
-    "norm_bwd": dict(block_elems=2048, elems_per_warp=512, programs_per_sm=16),
+    "rope_fwd": dict(block_elems=4096, elems_per_warp=512, row_tile=False),
+    "rope_bwd": dict(block_elems=4096, elems_per_warp=512, row_tile=False),
+    # H200 (run 6 sweep; run 7 bench: fused partial zero-centred norm + RoPE 0.695 -> 0.630 ms with the row tile)
+    "norm_fwd": dict(block_elems=2048, elems_per_warp=512, row_tile=True),
+    "norm_bwd": dict(block_elems=2048, elems_per_warp=512, programs_per_sm=16, row_tile=True),
 }
 
 
@@ -416,7 +434,7 @@ def _blocks(kind: str, D: int, R: int, has_pass: bool):
     cfg = CONFIG[kind]
     half_block = triton.next_power_of_2(max(R // 2, 1))
     pass_block = triton.next_power_of_2(D - R) if has_pass else 1
-    row_block = triton.next_power_of_2(D) if has_pass and cfg.get("row_tile", False) else 0
+    row_block = triton.next_power_of_2(D) if has_pass and cfg["row_tile"] else 0
     row_elems = row_block or 2 * half_block + (pass_block if has_pass else 0)
     block_m = _pow2_floor(cfg["block_elems"] // row_elems)
     num_warps = min(8, _pow2_floor(block_m * row_elems // cfg["elems_per_warp"]))
