@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh e2e [bench.py args ...]        (issue 8: training-step benchmark of the model
 #        slices, then `kernels benchmark` on every repo; BENCH_BUDGET_S caps bench.py, default 420 s)
 #   BUILD_REPOS, TEST_PATHS, MODEL_TEST_PATHS narrow the builds and the kernel / model test selection.
-# Carry `.whl` (transformers 5.22.2, kernels 0.17.2, liger-kernel 0.8.5 wheels; see docs/benchmarks.md).
+# Carry `.whl` (transformers 5.22.2, kernels 0.17.2, liger-kernel 0.8.5, tabulate wheels; see docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OUT="${OUT:-$PWD/out}"
