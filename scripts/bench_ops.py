@@ -60,8 +60,10 @@ def measure_ceilings():
     print(f"ceilings: copy {COPY_BW / 1e12:.2f} TB/s, bf16 mm {MM_RATE / 1e12:.0f} TFLOP/s", flush=True)
 
 
-def bench(op, impl, fn, make_inputs, floor_ms, note=""):
-    """fn(*inputs) -> output tensor (or scalar loss); runs fwd + bwd with a random upstream grad."""
+def bench(op, impl, fn, make_inputs, floor_ms, note="", kernels=None):
+    """fn(*inputs) -> output tensor (or scalar loss); runs fwd + bwd with a random upstream grad.
+    `kernels`: GPU ms counts only the kernels whose names contain one of these strings (e.g. to leave out input
+    copies that fn needs but the op does not)."""
     torch.cuda.empty_cache()
     t0 = time.time()
     try:
@@ -85,7 +87,7 @@ def bench(op, impl, fn, make_inputs, floor_ms, note=""):
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
-        gpu = gpu_ms(step)
+        gpu = gpu_ms(step, kernels=kernels)
         row = dict(op=op, impl=impl, ms=round(ms, 4), gpu_ms=round(gpu, 4), peak_extra_MiB=round(peak, 1),
                    floor_ms=round(floor_ms, 4), floor_ratio=round(floor_ms / ms, 3),
                    gpu_floor_ratio=round(floor_ms / gpu, 3), note=note)
@@ -96,7 +98,7 @@ def bench(op, impl, fn, make_inputs, floor_ms, note=""):
     print(row, flush=True)
 
 
-def gpu_ms(step, steps: int = 10) -> float:
+def gpu_ms(step, steps: int = 10, kernels=None) -> float:
     """Device time of one step: the sum of its kernels' (and copies') durations, from torch.profiler.
 
     `do_bench` times the stream, so an op whose Python/launch overhead exceeds its GPU work is measured by
@@ -107,7 +109,8 @@ def gpu_ms(step, steps: int = 10) -> float:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    total = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    total = sum(e.self_device_time_total for e in prof.key_averages()
+                if e.device_type.name == "CUDA" and (kernels is None or any(n in e.key for n in kernels)))
     return total / steps / 1e3
 
 

@@ -111,6 +111,12 @@ def run(h):
             for label, entries in ROW_TILE.items():
                 h.bench(name, f"hubfuse ({label})", with_config(kr, kr.apply_rotary_pos_emb_flat, **entries), mk,
                         floor)
+            # in place needs non-leaf q/k: fn makes them with a copy, which "GPU ms" leaves out (rotary kernels
+            # only); peak and the stream time include the copies
+            h.bench(name, "hubfuse in place (rotary kernels only)", lambda q, k, c, s: torch.cat(
+                [t.flatten() for t in kr.apply_rotary_pos_emb_(q * 1, k * 1, c, s)]), mk, floor,
+                note="apply_rotary_pos_emb_ on q*1, k*1; GPU ms = the rotary Triton kernels alone (_fwd_kernel, "
+                     "_bwd_kernel)", kernels=("_fwd_kernel", "_bwd_kernel"))
         h.bench(name, "hubfuse+cat", lambda q, k, c, s: torch.cat([t.flatten() for t in kr.apply_rotary_pos_emb(q, k, c, s)]),
                 mk, floor, note="pair API (what models call) + torch.cat")
         # the layout models hand over: q/k are transposed (B, S, H, D) projections
