@@ -238,6 +238,126 @@ def test_weight_grad_grouped_mm_falls_back(monkeypatch):
         tk.weight_grad_impl(x, 16, 16, 4)
 
 
+def _ragged_offsets(counts, lead=0):
+    # expert_offsets for experts with `counts` rows each, the first starting at row `lead`
+    return torch.tensor([lead] + counts).cumsum(0)
+
+
+# interpreter tiles of the weight grads: BLOCK_K = 16 rows. Experts: empty (first, middle, last), 1 row, a whole
+# tile, a whole tile + 1, 3 tiles + 5 rows, 15 rows (tail only), 2 whole tiles
+RAGGED_COUNTS = [0, 1, 16, 17, 0, 53, 15, 32, 0]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors reach Triton only under the interpreter")
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("MN", [(48, 40), (64, 32)])
+def test_dense_weight_grad_kernel_ragged(MN, dtype, tma, monkeypatch):
+    # _dense_bwd_w_kernel alone vs float64 per-expert A^T B: ragged experts (see RAGGED_COUNTS); rows before the
+    # first expert and after the last (slots routed outside [0, E)) hold NaN and must never be read, by the whole
+    # tiles (pointer or TMA loads) or the masked tail; empty experts give exact zeros
+    from moe import triton_kernels as tk
+
+    M, N = MN
+    lead, trail = 3, 5
+    offs = _ragged_offsets(RAGGED_COUNTS, lead)
+    S = int(offs[-1]) + trail
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(S, M, generator=gen).to(dtype)
+    b = torch.randn(S, N, generator=gen).to(dtype)
+    a[:lead] = b[:lead] = float("nan")
+    a[S - trail:] = b[S - trail:] = float("nan")
+    E = len(RAGGED_COUNTS)
+    out = torch.full((E, M, N), float("nan"), dtype=dtype)
+    used = []
+    kernel = tk._dense_bwd_w_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                used.append(kw["TMA"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tk, "_dense_bwd_w_kernel", Spy())
+    cfg = dict(tk._INTERPRETER_W_CONFIG, TMA=tma)
+    tk._dense_weight_grad(a, b, offs, out, cfg, tk._prec(dtype))
+    assert used == [tma]
+    for e in range(E):
+        lo, hi = int(offs[e]), int(offs[e + 1])
+        ref = a[lo:hi].double().t() @ b[lo:hi].double()
+        if hi == lo:
+            assert torch.equal(out[e], torch.zeros_like(out[e])), e
+        else:
+            err = (out[e].double() - ref).abs().max().item()
+            assert err <= TOL[dtype] * max(ref.abs().max().item(), 1.0), (e, err)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU glue test under the interpreter")
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("impl", ["triton_dense", "triton_dense_gather"])
+def test_weight_grad_triton_dense(impl, tma, monkeypatch):
+    # GPU_CONFIGS["weight_grad"] = triton_dense (w * dout rows stored by _down_bwd_act) / triton_dense_gather
+    # (gathered) against the "triton" weight grads and the float64 reference. K=1 routing with the ragged
+    # per-expert row counts of RAGGED_COUNTS, plus tokens routed to -1 (rows before expert 0) and to the sentinel
+    # E (rows after the last expert), whose sorted rows are never written
+    from moe import triton_kernels as tk
+
+    E = len(RAGGED_COUNTS)
+    idx = torch.cat([torch.full((c,), e) for e, c in enumerate(RAGGED_COUNTS)] + [torch.full((3,), -1),
+                                                                                   torch.full((4,), E)])
+    idx = idx[torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(6))][:, None]
+    T, H, I = idx.shape[0], 48, 40
+    x, _, w, gu, dn, dout = _make(T, H, I, E, 1, torch.float32)
+    ref = _bwd_direct(x, idx, w, gu, dn, dout)
+    valid = (idx >= 0) & (idx < E)
+    ref64 = _reference(x, idx.clamp(0, E - 1), torch.where(valid, w, 0.0), gu, dn, dout)[1]
+
+    dense_calls = []
+    dense = tk._dense_weight_grad
+
+    def spy(a_rows, b_rows, offsets, out, cfg, prec):
+        dense_calls.append((a_rows.shape[1], b_rows.shape[1], cfg.get("TMA", False)))
+        return dense(a_rows, b_rows, offsets, out, cfg, prec)
+
+    monkeypatch.setattr(tk, "_dense_weight_grad", spy)
+    monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl=impl))
+    monkeypatch.setitem(tk._INTERPRETER_W_CONFIG, "TMA", tma)
+    assert tk.weight_grad_impl(x, H, I, E) == impl
+    got = _bwd_direct(x, idx, w, gu, dn, dout)
+    assert sorted(dense_calls) == [(H, I, tma), (2 * I, H, tma)], dense_calls
+    for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous(), name
+        if name in ("dhidden", "dtop_k_weights"):  # untouched by the switch
+            assert torch.equal(g, r), name
+        else:
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=name)
+    for name, g, r in zip(("dgate_up_proj", "ddown_proj"), got[2:], ref64[2:]):
+        _assert_close(name, g, r, torch.float32)
+    for e, c in enumerate(RAGGED_COUNTS):
+        if c == 0:
+            assert not got[2][e].any() and not got[3][e].any(), e
+    # deterministic
+    again = _bwd_direct(x, idx, w, gu, dn, dout)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+    # and through the public op against the float64 reference (random routing, K=3, odd sizes)
+    _check(13, 48, 40, 6, 3, torch.float32)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the torch path")
+def test_weight_grad_triton_dense_falls_back(monkeypatch):
+    # where the dense path does not apply (not CUDA sm_90+ 16-bit with aligned rows; the interpreter always
+    # applies) the "triton" weight grads run
+    from moe import triton_kernels as tk
+
+    for impl in ("triton_dense", "triton_dense_gather"):
+        monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl=impl))
+        assert tk.weight_grad_impl(torch.zeros(4, 16), 16, 16, 4) == impl  # interpreter: runs
+        assert tk.weight_grad_impl(torch.zeros(4, 16, device="meta"), 16, 16, 4) == "triton"
+
+
 def test_check_can_fail():
     # the comparison is sensitive: a perturbed down_proj must be caught
     x, idx, w, gu, dn, dout = _make(7, 32, 32, 4, 2, torch.float32)
@@ -439,6 +559,41 @@ def test_weight_grad_grouped_mm_gpu(monkeypatch):
     # the public op, grouped_mm for both, vs the fp32 torch path and for determinism + graph capture
     monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl="grouped_mm"))
     test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
+    test_deterministic_and_cuda_graph_gpu()
+
+
+@pytest.mark.gpu
+def test_weight_grad_triton_dense_gpu(monkeypatch):
+    # GPU_CONFIGS["weight_grad"] = triton_dense / triton_dense_gather (TMA dense weight grads) vs the "triton" ones,
+    # bf16 at a mid shape with empty experts (first and last) and sentinel slots; then the public op vs the fp32
+    # torch path, determinism and CUDA-graph capture with new routing at replay
+    from moe import triton_kernels as tk
+
+    T, H, I, E, K = 2048, 1024, 512, 64, 8
+    x, _, w, gu, dn, dout = _make(T, H, I, E, K, torch.bfloat16, "cuda")
+    monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl="triton_dense"))
+    if tk.weight_grad_impl(x, H, I, E) != "triton_dense":
+        pytest.skip("the dense weight grads need sm_90+")
+    monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl="triton"))
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.stack([torch.randperm(E - 2, generator=gen)[:K] + 1 for _ in range(T)])
+    idx[::7, 3] = E
+    idx = idx.cuda()
+    args = (x, idx, w, gu, dn, dout)
+    ref = _bwd_direct(*args)
+    for impl in ("triton_dense", "triton_dense_gather"):
+        monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl=impl))
+        got = _bwd_direct(*args)
+        for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got, ref):
+            assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous(), (impl, name)
+            assert torch.isfinite(g).all(), (impl, name)
+            err = (g.float() - r.float()).abs().max().item()
+            scale = r.float().abs().max().item()
+            assert err <= 1e-2 * scale, f"{impl} {name}: max error {err:.3e} vs scale {scale:.3e}"
+        assert not got[2][0].any() and not got[2][E - 1].any() and not got[3][0].any() and not got[3][E - 1].any()
+    monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl="triton_dense"))
+    test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
+    test_bf16_real_sizes_gpu((333, 2048, 768, 128, 1))
     test_deterministic_and_cuda_graph_gpu()
 
 
