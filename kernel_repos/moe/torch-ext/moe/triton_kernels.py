@@ -10,8 +10,7 @@ copy of `hidden`), weights are read in the HF v5 layout: gate_up_proj (E, 2I, H)
 Forward:  gate_up GEMM with SwiGLU in the epilogue -> down GEMM -> weighted combine back to token order.
 Backward: dact = (dout @ Wd) with the routing-weight grad and the SwiGLU backward in the epilogue ->
           dx rows (dgate_up @ Wgu) -> combine; per-expert weight grads reduce over the expert's rows
-          inside one program (fixed order, no atomics: deterministic), or (GPU_CONFIGS["weight_grad"], off by
-          default) over dense sorted rows: Triton with TMA operand loads ("triton_dense") or torch._grouped_mm.
+          inside one program (fixed order, no atomics: deterministic).
 All products accumulate in fp32; operands are the input dtype (bf16/fp16 tensor cores, fp32 in IEEE).
 This module imports triton: import it lazily.
 """
@@ -164,16 +163,14 @@ def _combine_kernel(
 
 @triton.jit
 def _down_bwd_act_kernel(
-    DOUT, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT, DGU, DW_PART, DY,
-    H, I, E, TILES_N, stride_dout, stride_de, stride_dn, stride_gu, stride_act, stride_dgu, stride_part, stride_dy,
+    DOUT, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT, DGU, DW_PART,
+    H, I, E, TILES_N, stride_dout, stride_de, stride_dn, stride_gu, stride_act, stride_dgu, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, STORE_DY: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
 ):
     # g_act = dout[token] @ Wd[e]   (unweighted grad of act, BLOCK_N intermediate columns)
     # epilogue: dweight partial = sum_i g_act * act; dact = w * g_act; SwiGLU backward -> dgate, dup
     # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_K)
-    # STORE_DY: the pid_n == 0 programs also store the rows they stream, DY[r] = w_r * dout[token_r] (fp32
-    # product rounded once to the dtype, as _gather_rows_kernel): the dense operand of the down weight grad
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
@@ -189,18 +186,10 @@ def _down_bwd_act_kernel(
         d_col = pid_n * BLOCK_N
     else:
         b_ptrs = D + e * stride_de + ks[:, None].to(tl.int64) * stride_dn + cols[None, :]
-    if STORE_DY:
-        w_dy = tl.load(ROW_W + rows, mask=row_mask, other=0.0).to(tl.float32)
-        dy_ptrs = DY + rows[:, None] * stride_dy + ks[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, H, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if STORE_DY:
-            if pid_n == 0:
-                tl.store(dy_ptrs, (a.to(tl.float32) * w_dy[:, None]).to(DY.dtype.element_ty),
-                         mask=row_mask[:, None] & k_mask[None, :])
-            dy_ptrs += BLOCK_K
         if TMA:  # columns past I are zero-filled by the copy engine
             b = D.load([d_row + k0, d_col])
         else:
@@ -328,74 +317,6 @@ def _down_bwd_w_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _dense_bwd_w_kernel(
-    A, B, A_PTR, B_PTR, OFFSETS, DW,
-    M, N, stride_a, stride_b, stride_dwe, stride_dwm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, TMA: tl.constexpr,
-):
-    # DW[e][m, n] = sum over the expert's rows r in [lo, hi) of A[r, m] * B[r, n]   (one program per tile)
-    # A (S, M), B (S, N): dense rows in expert-sorted order (gate_up: dgate_up, x rows; down: w * dout rows, act).
-    # The whole BLOCK_K-row tiles inside [lo, hi) first, then the tail rows [tail, hi) by masked pointer loads:
-    # a tile never reads a row of another expert (nor one never written: slots routed outside [0, E)), which
-    # TMA could not mask (it zero-fills only past the tensor's ends). Fixed order, no atomics: deterministic.
-    # TMA: A, B are tensor descriptors over the (S, M), (S, N) buffers, blocks (BLOCK_K, BLOCK_M / BLOCK_N)
-    # (columns past M / N are zero-filled); A_PTR, B_PTR are the buffers themselves (the tail's loads).
-    pid = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // tiles_n
-    pid_n = pid % tiles_n
-    lo = tl.load(OFFSETS + e)
-    hi = tl.load(OFFSETS + e + 1)
-    n_whole = (hi - lo) // BLOCK_K
-    tail = lo + n_whole * BLOCK_K
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = _in_bounds(ms, M, EVEN_M)
-    n_mask = _in_bounds(ns, N, EVEN_N)
-    ks = tl.arange(0, BLOCK_K).to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, n_whole):  # whole tiles: no row mask
-        r0 = lo + i * BLOCK_K
-        if TMA:
-            a = A.load([r0.to(tl.int32), pid_m * BLOCK_M]).T
-            b = B.load([r0.to(tl.int32), pid_n * BLOCK_N])
-        else:
-            rows = r0 + ks
-            a = tl.load(A_PTR + rows[None, :] * stride_a + ms[:, None], mask=m_mask[:, None], other=0.0)
-            b = tl.load(B_PTR + rows[:, None] * stride_b + ns[None, :], mask=n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-    if tail < hi:  # fewer than BLOCK_K rows left: mask both operands (rows past hi may hold anything)
-        rows = tail + ks
-        r_mask = rows < hi
-        a = tl.load(A_PTR + rows[None, :] * stride_a + ms[:, None], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        b = tl.load(B_PTR + rows[:, None] * stride_b + ns[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-    tl.store(DW + e * stride_dwe + ms[:, None].to(tl.int64) * stride_dwm + ns[None, :], acc.to(DW.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _gather_rows_kernel(
-    SRC, ROW_TOKEN, ROW_W, DST, S, N, stride_src, stride_dst,
-    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # dst[r] = src[token_r], times w_r in fp32 and rounded once to the dtype when HAS_WEIGHT (the same rounding
-    # as the scaled dout operand of _down_bwd_w_kernel). Materialises expert-sorted rows for torch._grouped_mm.
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_mask = rows < S
-    mask = r_mask[:, None] & (cols < N)[None, :]
-    tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
-    v = tl.load(SRC + tok[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
-    if HAS_WEIGHT:
-        w = tl.load(ROW_W + rows, mask=r_mask, other=0.0).to(tl.float32)
-        v = v.to(tl.float32) * w[:, None]
-    tl.store(DST + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], v.to(DST.dtype.element_ty), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------- launch
 
 # Tile configs for 16-bit inputs on CUDA (H100/H200 class), one entry per kernel. Row tiles (BLOCK_M) of the
@@ -412,17 +333,6 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
-    # weight grads: "triton" (_gate_up_bwd_w / _down_bwd_w above: token lookup, per-step routing-weight multiply),
-    # "triton_dense" (_dense_bwd_w over dense sorted rows: x rows gathered after the dx combine, w * dout rows
-    # stored by _down_bwd_act's pid_n == 0 programs; TMA operand loads), "triton_dense_gather" (the same with the
-    # w * dout rows gathered too), or torch._grouped_mm (CUTLASS K-grouped GEMM over gathered sorted rows) for
-    # both ("grouped_mm") or one of them ("grouped_mm_gate_up", "grouped_mm_down"). Each falls back to "triton"
-    # where it does not apply (`_dense_weight_grad_applies`, `_grouped_mm_applies`)
-    "weight_grad": dict(impl="triton"),
-    # dense weight grads (untuned): 3 stages = 96 KB of TMA buffers, 2 CTAs/SM (4 stages: 128 KB, 1 CTA/SM)
-    "gate_up_bwd_dense_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True),
-    "down_bwd_dense_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True),
-    "gather_rows": dict(BLOCK_R=8, BLOCK_N=512, num_warps=4),  # the row gathers of the grouped_mm / dense weight grads
 }
 _FP32_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)  # IEEE fp32: no tensor cores
 # interpreter: small tiles, so that the tests cover several row tiles per expert and several column tiles
@@ -515,106 +425,6 @@ def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype):
     return out
 
 
-def _gather_rows(src, row_token, row_w, dst):
-    """dst[r] = src[row_token[r]] (* row_w[r] when given), dst (S, N) in src's dtype."""
-    S, N = dst.shape
-    cfg = GPU_CONFIGS["gather_rows"] if _on_gpu(src) else dict(BLOCK_R=8, BLOCK_N=32, num_warps=4)
-    block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(N))
-    grid = (triton.cdiv(S, cfg["BLOCK_R"]), triton.cdiv(N, block_n))
-    _gather_rows_kernel[grid](
-        src, row_token, row_w if row_w is not None else src, dst, S, N, src.stride(0), dst.stride(0),
-        HAS_WEIGHT=row_w is not None, BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n, num_warps=cfg["num_warps"],
-    )
-    return dst
-
-
-def _grouped_mm_applies(t: torch.Tensor, H: int, inter: int, E: int) -> bool:
-    """Whether torch._grouped_mm runs its fast path for the weight grads: the CUTLASS sm90/sm100 kernel (bf16
-    only; elsewhere torch falls back to a per-group mm loop that syncs the host), TMA-aligned row strides
-    (H, I multiples of 8 elements), fewer than 1024 groups (E + 1 are used)."""
-    if not hasattr(torch, "_grouped_mm") or t.dtype != torch.bfloat16:
-        return False
-    if t.device.type != "cuda" or torch.version.cuda is None:
-        return False
-    return torch.cuda.get_device_capability(t.device)[0] in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
-
-
-def _dense_weight_grad_applies(t: torch.Tensor, H: int, inter: int) -> bool:
-    """Whether the "triton_dense" weight grads run: under the interpreter (CPU tensors only get here there; the
-    tests cover its logic), and on Hopper+ CUDA for 16-bit inputs with TMA-aligned row strides (H, I multiples of
-    16 bytes), where its operands can be tensor-descriptor loads. Elsewhere the "triton" kernels run."""
-    if t.device.type == "cpu":
-        return True
-    if t.device.type != "cuda" or torch.version.cuda is None or t.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    size = t.element_size()
-    return torch.cuda.get_device_capability(t.device)[0] >= 9 and H * size % 16 == 0 and inter * size % 16 == 0
-
-
-WEIGHT_GRAD_IMPLS = ("triton", "triton_dense", "triton_dense_gather", "grouped_mm", "grouped_mm_gate_up",
-                     "grouped_mm_down")
-
-
-def weight_grad_impl(t: torch.Tensor, H: int, inter: int, E: int) -> str:
-    """The weight-grad implementation that runs for these inputs: GPU_CONFIGS["weight_grad"]["impl"] (read at
-    call time) where it applies (`_dense_weight_grad_applies`, `_grouped_mm_applies`), else "triton"."""
-    impl = GPU_CONFIGS.get("weight_grad", {}).get("impl", "triton")
-    if impl not in WEIGHT_GRAD_IMPLS:
-        raise ValueError(f"moe: unknown GPU_CONFIGS['weight_grad'] impl {impl!r} (one of {WEIGHT_GRAD_IMPLS})")
-    if impl.startswith("grouped_mm"):
-        return impl if _grouped_mm_applies(t, H, inter, E) else "triton"
-    if impl.startswith("triton_dense"):
-        return impl if _dense_weight_grad_applies(t, H, inter) else "triton"
-    return impl
-
-
-def _dense_weight_grad(a_rows, b_rows, expert_offsets, out, cfg, prec):
-    """out[e] = a_rows[rows_e]^T @ b_rows[rows_e] for every expert e (_dense_bwd_w_kernel), out (E, M, N).
-
-    a_rows (S, M), b_rows (S, N): dense rows in expert-sorted order, only the experts' row ranges read. Both
-    operands are tensor descriptors when cfg asks for TMA and the buffers allow it (`_tma_ok`), else pointers."""
-    S, M = a_rows.shape
-    N = b_rows.shape[1]
-    E = out.shape[0]
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tma = bool(cfg.get("TMA", False)) and _tma_ok(a_rows, True) and _tma_ok(b_rows, True)
-    a, b = a_rows, b_rows
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a = TensorDescriptor(a_rows, [S, M], [a_rows.stride(0), 1], [bk, bm])
-        b = TensorDescriptor(b_rows, [S, N], [b_rows.stride(0), 1], [bk, bn])
-    _dense_bwd_w_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn), E)](
-        a, b, a_rows, b_rows, expert_offsets, out, M, N, a_rows.stride(0), b_rows.stride(0),
-        out.stride(0), out.stride(1), PREC=prec, EVEN_M=M % bm == 0, EVEN_N=N % bn == 0, TMA=tma,
-        **_launch_opts(cfg),
-    )
-    return out
-
-
-def _k_grouped_mm(a_sorted, b_sorted, expert_offsets):
-    """out[e] = a_sorted[rows_e]^T @ b_sorted[rows_e] for every expert e, one torch._grouped_mm call.
-
-    a_sorted (S, M), b_sorted (S, N): rows in expert-sorted order; returns (E, M, N). The "K-grouped" 2d x 2d
-    form (what autograd of _grouped_mm uses for its weight grad): mat_a = a_sorted.t() (column-major), mat_b
-    row-major, offs = int32 cumulative row ends, one per group, the first group starting at row 0.
-    We pass E + 1 groups, offs = expert_offsets: group 0 = rows [0, offsets[0]) (slots routed to negative ids,
-    usually none; its product is dropped, so unwritten rows there never reach a result), group e + 1 = expert
-    e. Rows past offsets[E] (the expert-parallel sentinel E) are past the last offset: never read.
-    Experts with no rows are zero-K groups: GroupMMCommon.cuh accepts them only in this layout (column-major A,
-    row-major B; every other layout asserts K > 0), so they are meant to give zeros (alpha * an empty sum),
-    but we have not seen that in the CUTLASS source: test_weight_grad_grouped_mm_gpu has empty experts.
-    Determinism / capture, as far as the source shows (pytorch GroupMM.cu / GroupedBlas.cpp, the sm90/sm100
-    bf16 fast path; it is CUTLASS, not cuBLAS, up to torch builds with CUDA < 13.3, where newer torch may pick
-    cuBLASLt grouped GEMM instead): one CUTLASS ptr-array TMA warp-specialized kernel with a persistent tile
-    scheduler, no split-K / stream-K (each output tile is reduced by one CTA in K order: deterministic);
-    per-group problem sizes are built on the device from offs by a prepare kernel (no host sync) and scratch
-    comes from the caching allocator, so it should be CUDA-graph capturable (the gpu test captures it).
-    """
-    out = torch._grouped_mm(a_sorted.t(), b_sorted, offs=expert_offsets.to(torch.int32))
-    return out[1:]  # (E + 1, M, N) contiguous -> the E expert groups, still contiguous
-
-
 def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_slot, expert_offsets):
     T, H = hidden.shape
     K = top_k_index.shape[1]
@@ -667,38 +477,29 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     pos = _positions(sorted_slot)
     row_tiles = _RowTiles(expert_offsets, S)
 
-    impl = weight_grad_impl(hidden, H, inter, E)
-    # "triton_dense": step 1 also writes the sorted w * dout rows (into the buffer that step 2 reuses for dx rows)
-    store_dy = impl == "triton_dense"
-
     # 1. grad of act (SwiGLU backward and routing-weight grad partials in the epilogue)
     cfg = _config("down_bwd_act", hidden, S, E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
     tiles_i = triton.cdiv(inter, cfg["BLOCK_N"])
     dgate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
     dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=hidden.device)
-    dy_rows = torch.empty((S, H), dtype=dtype, device=hidden.device) if store_dy else dout
     even_k = H % cfg["BLOCK_K"] == 0
     w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     _down_bwd_act_kernel[(tiles_i * max_tiles,)](
         dout, w_down, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, act,
-        dgate_up_out, dw_part, dy_rows, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0),
-        down_proj.stride(1), gate_up_out.stride(0), act.stride(0), dgate_up_out.stride(0), dw_part.stride(0),
-        dy_rows.stride(0), PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma,
-        STORE_DY=store_dy, **_launch_opts(cfg),
+        dgate_up_out, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
+        gate_up_out.stride(0), act.stride(0), dgate_up_out.stride(0), dw_part.stride(0),
+        PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, **_launch_opts(cfg),
     )
     # routing-weight grad: fixed-order sum of the per-column-tile partials, back to slot order
     valid = (top_k_index >= 0) & (top_k_index < E)
     dweights = torch.where(valid, dw_part.sum(1)[pos].view(T, K), 0.0).to(top_k_weights.dtype)
-    if store_dy:  # the down weight grad now, before step 2 overwrites the w * dout rows
-        ddown_proj = _dense_weight_grad(dy_rows, act, expert_offsets, torch.empty_like(down_proj),
-                                        _config("down_bwd_dense_w", hidden, S, E), prec)
 
     # 2. grad of hidden: per-row dx, then the sum of each token's K copies
     cfg = _config("gate_up_bwd_x", hidden, S, E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
     tiles_n = triton.cdiv(H, cfg["BLOCK_N"])
-    dx_rows = dy_rows if store_dy else torch.empty((S, H), dtype=dtype, device=hidden.device)
+    dx_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
     even_k = two_i % cfg["BLOCK_K"] == 0
     w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     _gate_up_bwd_x_kernel[(tiles_n * max_tiles,)](
@@ -708,39 +509,19 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     )
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
-    # 3. weight grads. Triton: one program per (output tile, expert), reducing over that expert's rows in order.
-    #    grouped_mm / triton_dense: gathered sorted rows (x[token], w * dout[token]) in dx_rows' buffer (free once
-    #    combined; stream order keeps each gather after the previous reader of the buffer)
-    if impl in ("grouped_mm", "grouped_mm_gate_up"):
-        x_rows = _gather_rows(hidden, row_token, None, dx_rows)
-        dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, expert_offsets)
-    elif impl.startswith("triton_dense"):
-        x_rows = _gather_rows(hidden, row_token, None, dx_rows)
-        dgate_up_proj = _dense_weight_grad(dgate_up_out, x_rows, expert_offsets, torch.empty_like(gate_up_proj),
-                                           _config("gate_up_bwd_dense_w", hidden, S, E), prec)
-    else:
-        cfg = _config("gate_up_bwd_w", hidden, S, E)
-        dgate_up_proj = torch.empty_like(gate_up_proj)
-        _gate_up_bwd_w_kernel[(triton.cdiv(two_i, cfg["BLOCK_M"]) * triton.cdiv(H, cfg["BLOCK_N"]), E)](
-            dgate_up_out, hidden, row_token, expert_offsets, dgate_up_proj,
-            H, two_i, dgate_up_out.stride(0), hidden.stride(0), dgate_up_proj.stride(0), dgate_up_proj.stride(1),
-            PREC=prec, EVEN_M=two_i % cfg["BLOCK_M"] == 0, EVEN_N=H % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
-        )
-    if impl in ("grouped_mm", "grouped_mm_down"):
-        dy_rows = _gather_rows(dout, row_token, row_w, dx_rows)  # stream order: after the gate_up read of it
-        ddown_proj = _k_grouped_mm(dy_rows, act, expert_offsets)
-    elif impl == "triton_dense_gather":
-        dy_rows = _gather_rows(dout, row_token, row_w, dx_rows)
-        ddown_proj = _dense_weight_grad(dy_rows, act, expert_offsets, torch.empty_like(down_proj),
-                                        _config("down_bwd_dense_w", hidden, S, E), prec)
-    elif store_dy:
-        pass  # done after step 1
-    else:
-        cfg = _config("down_bwd_w", hidden, S, E)
-        ddown_proj = torch.empty_like(down_proj)
-        _down_bwd_w_kernel[(triton.cdiv(H, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]), E)](
-            dout, row_w, act, row_token, expert_offsets, ddown_proj,
-            H, inter, dout.stride(0), act.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
-            PREC=prec, EVEN_M=H % cfg["BLOCK_M"] == 0, EVEN_N=inter % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
-        )
+    # 3. weight grads: one program per (output tile, expert), reducing over that expert's rows in order
+    cfg = _config("gate_up_bwd_w", hidden, S, E)
+    dgate_up_proj = torch.empty_like(gate_up_proj)
+    _gate_up_bwd_w_kernel[(triton.cdiv(two_i, cfg["BLOCK_M"]) * triton.cdiv(H, cfg["BLOCK_N"]), E)](
+        dgate_up_out, hidden, row_token, expert_offsets, dgate_up_proj,
+        H, two_i, dgate_up_out.stride(0), hidden.stride(0), dgate_up_proj.stride(0), dgate_up_proj.stride(1),
+        PREC=prec, EVEN_M=two_i % cfg["BLOCK_M"] == 0, EVEN_N=H % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
+    )
+    cfg = _config("down_bwd_w", hidden, S, E)
+    ddown_proj = torch.empty_like(down_proj)
+    _down_bwd_w_kernel[(triton.cdiv(H, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]), E)](
+        dout, row_w, act, row_token, expert_offsets, ddown_proj,
+        H, inter, dout.stride(0), act.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
+        PREC=prec, EVEN_M=H % cfg["BLOCK_M"] == 0, EVEN_N=inter % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
+    )
     return dhidden, dweights, dgate_up_proj, ddown_proj
