@@ -461,6 +461,9 @@ def main(argv=None) -> int:
                    help="stop launching runs after this many seconds; children are cut to what is left "
                         "(default 510; smoke 300)")
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply the per-run timeouts")
+    p.add_argument("--timeouts", nargs="+", default=[], metavar="CONFIG=S",
+                   help=f"per-config run timeouts in seconds (default {TIMEOUT_S}), e.g. liger=330 (Liger's MoE "
+                        f"autotunes for ~3.5 min on its first call)")
     p.add_argument("--out", default=None, help="output dir (default $OUT or ./out)")
     p.add_argument("--append", action="store_true", help="merge into an existing bench_train.json")
     p.add_argument("--model-dir", default=None, help="where the built models go (default: a mktemp dir, removed)")
@@ -477,6 +480,11 @@ def main(argv=None) -> int:
             setattr(args, k, v)
     if args.child_configs:
         return child(args)
+    for item in args.timeouts:
+        c, _, v = item.partition("=")
+        if c not in TIMEOUT_S or not v:
+            p.error(f"--timeouts: expected CONFIG=SECONDS with CONFIG in {list(TIMEOUT_S)}, got {item!r}")
+        TIMEOUT_S[c] = float(v)
 
     t_begin = time.time()
     import torch
