@@ -30,6 +30,13 @@ def main():
         sys.exit(f"unknown repo(s) {unknown}; known: {REPOS}")
     out = Path(os.environ.get("OUT", ROOT / "out"))
     out.mkdir(parents=True, exist_ok=True)
+    # the CLI imports its signature checker (cryptography) at start-up: say so once instead of failing per repo
+    probe = subprocess.run([sys.executable, "-c", "import kernels.cli"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        msg = (f"the kernels CLI does not import here: {probe.stderr.strip().splitlines()[-1]}\n(on the GPU image: "
+               f"carry the cryptography, cffi and pycparser wheels in .whl; see docs/benchmarks.md)")
+        (out / "kernels_benchmark.log").write_text(msg + "\n")
+        sys.exit(msg)
     subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), *args.repos], check=True, cwd=ROOT)
     results, failed = {}, []
     with open(out / "kernels_benchmark.log", "w") as log, tempfile.TemporaryDirectory() as tmp:

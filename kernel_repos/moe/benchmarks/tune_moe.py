@@ -1,12 +1,13 @@
 """Variant sweep for the MoE grouped-GEMM kernels on one GPU (< 3 minutes at the default shape).
 
-    python kernel_repos/moe/benchmarks/tune_moe.py [T E K H I] [--budget-s 140]
+    python kernel_repos/moe/benchmarks/tune_moe.py [T E K H I] [--budget-s 130]
     python kernel_repos/moe/benchmarks/tune_moe.py --small      # CPU logic check under TRITON_INTERPRET=1
 
 1. times the current `GPU_CONFIGS` (fwd, bwd, routing; `triton.testing.do_bench` medians) and prints a
    per-kernel breakdown of one fwd+bwd (CUDA profiler: device time of every launch, torch glue included);
 2. tries a short list of variants, one kernel at a time (`VARIANTS`: overrides of that kernel's
-   `GPU_CONFIGS` entry, e.g. TMA weight loads, more stages). Each is timed against the current config measured
+   `GPU_CONFIGS` entry, e.g. TMA weight loads, more stages; for "weight_grad" the implementation: the Triton
+   kernels or torch._grouped_mm, for one or both weight grads). Each is timed against the current config measured
    right after it (paired, to cancel clock drift) on the phase that runs the kernel, and its outputs are
    compared with the current implementation's: a variant off by more than `MAX_REL_ERR` is flagged WRONG
    and never chosen; one that fails to compile is reported and skipped;
@@ -32,19 +33,28 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from moe import reference, triton_kernels as tk  # noqa: E402
 
-# (kernel, overrides of its GPU_CONFIGS entry), most promising first (the budget may cut the tail)
+TRITON_W = {"weight_grad": dict(impl="triton")}  # context of the Triton weight-grad kernels' variants
+
+# (kernel, overrides of its GPU_CONFIGS entry[, context]), most promising first (the budget may cut the tail).
+# context: overrides of other entries, applied to the variant and to its paired baseline alike; such a variant is
+# chosen only if the final config keeps that context
 VARIANTS = [
+    # weight grads through torch._grouped_mm (the default: CUTLASS K-grouped GEMM over gathered sorted rows;
+    # + ~0.1 ms per gather) for one GEMM only, or the Triton kernels (their configs are timed in that context)
+    ("weight_grad", dict(impl="triton")),
+    ("weight_grad", dict(impl="grouped_mm_gate_up")),
+    ("weight_grad", dict(impl="grouped_mm_down")),
     # weight-grad kernels (K = the expert's ~512 rows): the gathered-row index load takes pipeline stages,
     # so 4 stages leave 2 operand buffers; 5 gives 3 (99 KB smem: still 2 CTAs/SM)
-    ("gate_up_bwd_w", dict(num_stages=5)),
-    ("down_bwd_w", dict(num_stages=5)),
-    ("gate_up_bwd_w", dict(num_stages=5, num_warps=4)),
-    ("down_bwd_w", dict(num_stages=5, num_warps=4)),
-    ("gate_up_bwd_w", dict(BLOCK_N=256, num_stages=5)),
-    ("down_bwd_w", dict(BLOCK_M=256, num_stages=5)),
-    ("gate_up_bwd_w", dict(BLOCK_K=128, num_stages=4)),
-    ("down_bwd_w", dict(BLOCK_K=128, num_stages=4)),
-    ("gate_up_bwd_w", dict(num_stages=3)),
+    ("gate_up_bwd_w", dict(num_stages=5), TRITON_W),
+    ("down_bwd_w", dict(num_stages=5), TRITON_W),
+    ("gate_up_bwd_w", dict(num_stages=5, num_warps=4), TRITON_W),
+    ("down_bwd_w", dict(num_stages=5, num_warps=4), TRITON_W),
+    ("gate_up_bwd_w", dict(BLOCK_N=256, num_stages=5), TRITON_W),
+    ("down_bwd_w", dict(BLOCK_M=256, num_stages=5), TRITON_W),
+    ("gate_up_bwd_w", dict(BLOCK_K=128, num_stages=4), TRITON_W),
+    ("down_bwd_w", dict(BLOCK_K=128, num_stages=4), TRITON_W),
+    ("gate_up_bwd_w", dict(num_stages=3), TRITON_W),
     # row-tiled kernels: the dense per-expert weight operand through TMA instead of cp.async pointer loads
     ("gate_up_fwd", dict(TMA=True)),
     ("down_fwd", dict(TMA=True)),
@@ -83,7 +93,9 @@ def rel_err(outs, refs):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("shape", nargs="*", type=int, default=[8192, 128, 8, 2048, 768])
-    p.add_argument("--budget-s", type=float, default=140.0)
+    p.add_argument("--budget-s", type=float, default=130.0,
+                   help="no new variant once this much has passed (or the last variant's time would pass it); "
+                        "the final timing and breakdown take ~10 s more")
     p.add_argument("--small", action="store_true", help="tiny shape; runs on CPU under the interpreter")
     a = p.parse_args()
     T, E, K, H, I = [64, 8, 2, 64, 64] if a.small else a.shape
@@ -91,6 +103,8 @@ def main():
     dev, dt = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     if not on_gpu:  # the interpreter ignores GPU_CONFIGS: only the sweep logic is exercised
         print("no CUDA: checking the script's logic under the interpreter (timings meaningless)")
+        if hasattr(torch, "_grouped_mm"):  # the weight_grad variants through torch's CPU _grouped_mm
+            tk._grouped_mm_applies = lambda *args: True
     x, idx, w, gu, dn, dout = make_inputs(T, E, K, H, I, dev, dt)
     slot, offs = reference.route(idx, E)
     flops = 3 * T * K * (2 * H * 2 * I + 2 * I * H)
@@ -154,46 +168,71 @@ def main():
     breakdown()
 
     start = {k: dict(v) for k, v in tk.GPU_CONFIGS.items()}
-    best = {name: (None, 0.0) for name in start}  # kernel -> (overrides, fractional gain)
+    best = {name: (None, 0.0, None) for name in start}  # kernel -> (overrides, fractional gain, context)
     print(f"\nvariants ({len(VARIANTS)}; time = the phase that runs the kernel, paired with the current config):")
-    for name, over in VARIANTS:
-        if time.time() - t0 > a.budget_s:
+    last_s = 0.0
+    for name, over, *context in VARIANTS:
+        context = context[0] if context else {}
+        if time.time() - t0 + last_s > a.budget_s:
             print(f"  budget of {a.budget_s:.0f} s spent: skipping the remaining variants", flush=True)
             break
         phase = fwd_bwd if name == "combine" else fwd if name.endswith("_fwd") else bwd
         ref = ref_f + ref_b if name == "combine" else ref_f if name.endswith("_fwd") else ref_b
+        for k, v in context.items():
+            tk.GPU_CONFIGS[k] = dict(start[k], **v)
         tk.GPU_CONFIGS[name] = dict(start[name], **over)
-        label = f"{name:14s} {str(over):45s}"
+        ctx = ", ".join(f"{k}={v}" for o in context.values() for k, v in o.items())
+        label = f"{name:19s} {str(over):40s}" + (f" [{ctx}]" if context else "")
+        impls = {n: o["impl"] for n, o in [(name, over)] + list(context.items()) if n == "weight_grad"}
+        if impls and tk.weight_grad_impl(x, H, I, E) != impls["weight_grad"]:
+            for k in [name, *context]:
+                tk.GPU_CONFIGS[k] = start[k]
+            print(f"  {label} n/a here ({impls['weight_grad']} does not apply: grouped_mm needs the "
+                  f"torch._grouped_mm fast path): skipped", flush=True)
+            continue
+        v0 = time.time()
         try:
             err = rel_err(phase(), ref)
             ms = timed(phase)
         except Exception as e:  # e.g. out of shared memory, or an API this triton lacks
+            for k in context:
+                tk.GPU_CONFIGS[k] = start[k]
             print(f"  {label} FAILED {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
             continue
         finally:
             tk.GPU_CONFIGS[name] = start[name]
-        cur_ms = timed(phase)
+        cur_ms = timed(phase)  # the current config (with the context, if any)
+        for k in context:
+            tk.GPU_CONFIGS[k] = start[k]
+        last_s = time.time() - v0
         gain = (cur_ms - ms) / cur_ms
         ok = err <= MAX_REL_ERR
         print(f"  {label} {ms:7.3f} ms vs {cur_ms:7.3f} ({100 * gain:+5.1f}%)  rel err {err:.1e}"
               f"{'' if ok else '  WRONG (rejected)'}", flush=True)
         if ok and gain > max(MIN_GAIN, best[name][1]):
-            best[name] = (over, gain)
+            best[name] = (over, gain, context)
 
     print("\nbest per kernel:")
-    for name, (over, gain) in best.items():
-        print(f"  {name:14s} {'keep current' if over is None else f'{over} ({100 * gain:+.1f}% on its phase)'}")
+    for name, (over, gain, context) in best.items():
+        # a variant timed in a context counts only if the final config keeps that context (e.g. the Triton
+        # weight-grad kernels' configs, if impl "triton" won)
+        lost = context and any(best[k][0] is None or best[k][0].get("impl")
+                                != v.get("impl") for k, v in context.items())
+        if lost:
+            print(f"  {name:19s} keep current ({over} won in {context}, which the final config does not keep)")
+            continue
+        print(f"  {name:19s} {'keep current' if over is None else f'{over} ({100 * gain:+.1f}% on its phase)'}")
         if over is not None:
             tk.GPU_CONFIGS[name] = dict(start[name], **over)
     err = rel_err(fwd() + bwd(), ref_f + ref_b)
     print(f"\nfinal (rel err vs start {err:.1e}{'' if err <= MAX_REL_ERR else ' WRONG'}):", flush=True)
     final_ms = total()
-    if any(over is not None for over, _ in best.values()):
+    if any(over is not None for over, _, _ in best.values()):
         breakdown()
     print(f"fwd+bwd {base_ms:.3f} -> {final_ms:.3f} ms ({time.time() - t0:.0f} s). Paste into triton_kernels.py:")
     print("GPU_CONFIGS = {")
     for k, v in tk.GPU_CONFIGS.items():
-        print(f"    {k!r}: dict({', '.join(f'{kk}={vv}' for kk, vv in v.items())}),")
+        print(f"    {k!r}: dict({', '.join(f'{kk}={vv!r}' for kk, vv in v.items())}),")
     print("}")
 
 

@@ -15,7 +15,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from moe import triton_kernels as tk  # noqa: E402
 
-INTS = {"H", "I", "E", "T", "K", "TWO_I", "TILES_N"}
+INTS = {"H", "I", "E", "T", "K", "TWO_I", "TILES_N", "S", "M", "N"}
 PTR_TYPES = {"ROW_TOKEN": "*i64", "TILE_EXPERT": "*i64", "TILE_START": "*i64", "OFFSETS": "*i64", "POS": "*i64",
              "IDX": "*i64", "DW_PART": "*fp32", "ROW_W": "*fp32"}
 SMEM_LIMIT = 227 * 1024
@@ -24,6 +24,17 @@ SMEM_LIMIT = 227 * 1024
 # the weight operand of the row-tiled kernels and its TMA block shape (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N)
 TMA_OPERAND = {"gate_up_fwd": ("W", "NK"), "down_fwd": ("D", "NK"), "down_bwd_act": ("D", "KN"),
                "gate_up_bwd_x": ("W", "KN")}
+
+
+def check_ptx(name, k, tma):
+    ptx = k.asm["ptx"]
+    n_wgmma, n_cp = len(re.findall(r"wgmma\.mma_async", ptx)), len(re.findall(r"cp\.async", ptx))
+    n_tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    print(f"{name}{' (TMA)' if tma else ''}: shared={k.metadata.shared} wgmma={n_wgmma} cp.async={n_cp} tma={n_tma}")
+    assert n_wgmma > 0, f"{name}: no wgmma instructions"
+    assert n_cp > 0, f"{name}: no cp.async pipelining"
+    assert n_tma > 0 or not tma, f"{name}: no TMA copies"
+    assert k.metadata.shared <= SMEM_LIMIT, f"{name}: {k.metadata.shared} bytes of shared memory"
 
 
 def compile_sm90(kern, constexprs, num_warps, num_stages, dtype="bf16", descs=None):
@@ -64,15 +75,7 @@ def main():
                 block = (cfg["BLOCK_N"], cfg["BLOCK_K"]) if order == "NK" else (cfg["BLOCK_K"], cfg["BLOCK_N"])
                 descs = {arg: f"tensordesc<bf16[{block[0]},{block[1]}]>"}
             k = compile_sm90(kern, dict(cfg, PREC="tf32", **even), warps, stages, descs=descs)
-            ptx = k.asm["ptx"]
-            n_wgmma, n_cp = len(re.findall(r"wgmma\.mma_async", ptx)), len(re.findall(r"cp\.async", ptx))
-            n_tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
-            print(f"{name}{' (TMA)' if tma else ''}: shared={k.metadata.shared} wgmma={n_wgmma} cp.async={n_cp} "
-                  f"tma={n_tma}")
-            assert n_wgmma > 0, f"{name}: no wgmma instructions"
-            assert n_cp > 0, f"{name}: no cp.async pipelining"
-            assert n_tma > 0 or not tma, f"{name}: no TMA copies"
-            assert k.metadata.shared <= SMEM_LIMIT, f"{name}: {k.metadata.shared} bytes of shared memory"
+            check_ptx(name, k, tma)
     # fp32 inputs (IEEE dots) and fp16, odd dims (masked paths), with their configs
     for name, kern in kernels.items():
         for dtype, prec, cfg in (("fp32", "ieee", dict(tk._FP32_CONFIG, TMA=False)),
@@ -87,6 +90,11 @@ def main():
     k = compile_sm90(tk._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"]),
                      cfg["num_warps"], 1)
     print(f"combine: shared={k.metadata.shared}")
+    cfg = dict(tk.GPU_CONFIGS["gather_rows"])  # the grouped_mm weight-grad path's row gather
+    for has_weight in (False, True):
+        compile_sm90(tk._gather_rows_kernel, dict(HAS_WEIGHT=has_weight, BLOCK_R=cfg["BLOCK_R"],
+                                                  BLOCK_N=cfg["BLOCK_N"]), cfg["num_warps"], 1)
+    print("gather_rows: ok")
     print("ok")
 
 

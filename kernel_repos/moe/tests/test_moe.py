@@ -155,6 +155,101 @@ def test_deterministic():
     assert torch.equal(out1, out2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
+def _grouped_mm_loop(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    # stand-in for torch._grouped_mm, K-grouped 2d x 2d form only: out[g] = mat_a[:, lo:hi] @ mat_b[lo:hi], the
+    # groups' row ranges ending at offs (int32), the first starting at 0
+    assert mat_a.dim() == 2 and mat_b.dim() == 2 and offs.dtype == torch.int32 and bias is None
+    out, lo = [], 0
+    for hi in offs.tolist():
+        out.append(mat_a[:, lo:hi] @ mat_b[lo:hi])
+        lo = hi
+    return torch.stack(out)
+
+
+def _bwd_direct(x, idx, w, gu, dn, dout):
+    # the Triton fwd/bwd entry points without input validation (so negative ids can be routed too)
+    from moe import reference, triton_kernels as tk
+
+    slot, offs = reference.route(idx, gu.shape[0])
+    _, gate_up_out, act = tk.moe_fwd(x, idx, w, gu, dn, slot, offs)
+    return tk.moe_bwd(dout, x, idx, w, gu, dn, gate_up_out, act, slot, offs)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU glue test under the interpreter")
+@pytest.mark.parametrize("standin", ["torch_cpu", "loop"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "grouped_mm_gate_up", "grouped_mm_down"])
+def test_weight_grad_grouped_mm_glue(standin, impl, monkeypatch):
+    # the torch._grouped_mm weight-grad path (GPU_CONFIGS["weight_grad"]) against the Triton one, on CPU: with
+    # torch's own CPU _grouped_mm (same offs semantics as CUDA) or a python loop over experts. Routing with
+    # empty experts (first and last), negative ids (rows before expert 0) and the sentinel E (rows at the end).
+    from moe import triton_kernels as tk
+
+    if standin == "torch_cpu" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    T, H, I, E, K = 23, 48, 40, 7, 2
+    x, _, w, gu, dn, dout = _make(T, H, I, E, K, torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.stack([torch.randperm(E - 2, generator=gen)[:K] + 1 for _ in range(T)])  # experts 0, E-1 empty
+    idx[::5, 0] = -1
+    idx[1::4, 1] = E
+    ref = _bwd_direct(x, idx, w, gu, dn, dout)
+
+    calls = []
+    real = torch._grouped_mm if standin == "torch_cpu" else _grouped_mm_loop
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy, raising=False)
+    monkeypatch.setattr(tk, "_grouped_mm_applies", lambda *a: True)
+    monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl=impl))
+    got = _bwd_direct(x, idx, w, gu, dn, dout)
+    assert len(calls) == (2 if impl == "grouped_mm" else 1), calls
+    for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous(), name
+        if name in ("dhidden", "dtop_k_weights"):  # untouched by the switch
+            assert torch.equal(g, r), name
+        else:
+            assert torch.isfinite(g).all(), name
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=name)
+    for e in (0, E - 1):  # empty experts: zero weight grads
+        assert not got[2][e].any() and not got[3][e].any()
+
+    # and through the public op against the float64 reference
+    _check(13, 48, 40, 6, 3, torch.float32)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the torch path")
+def test_weight_grad_grouped_mm_falls_back(monkeypatch):
+    # asked for grouped_mm where it does not apply (CPU, fp32): the Triton weight grads run, no error
+    from moe import triton_kernels as tk
+
+    calls = []
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1), raising=False)
+    monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl="grouped_mm"))
+    x = torch.zeros(4, 16)
+    assert tk.weight_grad_impl(x, 16, 16, 4) == "triton"
+    assert tk.weight_grad_impl(x.bfloat16(), 16, 16, 4) == "triton"  # CPU: never the CUTLASS fast path
+    _check(13, 48, 40, 6, 3, torch.float32)
+    assert not calls
+    monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl="cublas"))
+    with pytest.raises(ValueError, match="weight_grad"):
+        tk.weight_grad_impl(x, 16, 16, 4)
+
+
+def _ragged_offsets(counts, lead=0):
+    # expert_offsets for experts with `counts` rows each, the first starting at row `lead`
+    return torch.tensor([lead] + counts).cumsum(0)
+
+
+# interpreter tiles of the weight grads: BLOCK_K = 16 rows. Experts: empty (first, middle, last), 1 row, a whole
+# tile, a whole tile + 1, 3 tiles + 5 rows, 15 rows (tail only), 2 whole tiles
+RAGGED_COUNTS = [0, 1, 16, 17, 0, 53, 15, 32, 0]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors reach Triton only under the interpreter")
 def test_check_can_fail():
     # the comparison is sensitive: a perturbed down_proj must be caught
     x, idx, w, gu, dn, dout = _make(7, 32, 32, 4, 2, torch.float32)
@@ -324,6 +419,40 @@ def test_deterministic_and_cuda_graph_gpu():
     torch.cuda.synchronize()
     ref_out, ref_g = _run(moe.moe_experts, x, new_idx, w, gu, dn, dout)
     assert torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(gs, ref_g))
+
+
+@pytest.mark.gpu
+def test_weight_grad_grouped_mm_gpu(monkeypatch):
+    # GPU_CONFIGS["weight_grad"] = grouped_mm (the default; CUTLASS torch._grouped_mm) vs the Triton weight grads, bf16
+    # at a mid shape with empty experts (first and last: zero-K groups) and sentinel slots; then its
+    # determinism and CUDA-graph capture with new routing at replay
+    from moe import triton_kernels as tk
+
+    T, H, I, E, K = 2048, 1024, 512, 64, 8
+    x, _, w, gu, dn, dout = _make(T, H, I, E, K, torch.bfloat16, "cuda")
+    if not tk._grouped_mm_applies(x, H, I, E):
+        pytest.skip("torch._grouped_mm fast path unavailable here (needs sm90/sm100 and torch with _grouped_mm)")
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.stack([torch.randperm(E - 2, generator=gen)[:K] + 1 for _ in range(T)])
+    idx[::7, 3] = E
+    idx = idx.cuda()
+    args = (x, idx, w, gu, dn, dout)
+    monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl="triton"))
+    ref = _bwd_direct(*args)
+    for impl in ("grouped_mm", "grouped_mm_gate_up", "grouped_mm_down"):
+        monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl=impl))
+        got = _bwd_direct(*args)
+        for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got, ref):
+            assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous(), (impl, name)
+            assert torch.isfinite(g).all(), (impl, name)
+            err = (g.float() - r.float()).abs().max().item()
+            scale = r.float().abs().max().item()
+            assert err <= 1e-2 * scale, f"{impl} {name}: max error {err:.3e} vs scale {scale:.3e}"
+        assert not got[2][0].any() and not got[2][E - 1].any() and not got[3][0].any() and not got[3][E - 1].any()
+    # the public op, grouped_mm for both, vs the fp32 torch path and for determinism + graph capture
+    monkeypatch.setitem(tk.GPU_CONFIGS, "weight_grad", dict(impl="grouped_mm"))
+    test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
+    test_deterministic_and_cuda_graph_gpu()
 
 
 def test_autocast_fp32_weights():

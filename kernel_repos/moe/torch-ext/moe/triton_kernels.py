@@ -10,7 +10,8 @@ copy of `hidden`), weights are read in the HF v5 layout: gate_up_proj (E, 2I, H)
 Forward:  gate_up GEMM with SwiGLU in the epilogue -> down GEMM -> weighted combine back to token order.
 Backward: dact = (dout @ Wd) with the routing-weight grad and the SwiGLU backward in the epilogue ->
           dx rows (dgate_up @ Wgu) -> combine; per-expert weight grads reduce over the expert's rows
-          inside one program (fixed order, no atomics: deterministic).
+          inside one program (fixed order, no atomics: deterministic), or (GPU_CONFIGS["weight_grad"], the
+          default on sm_90/sm_100 bf16) torch._grouped_mm over gathered expert-sorted rows (deterministic too).
 All products accumulate in fp32; operands are the input dtype (bf16/fp16 tensor cores, fp32 in IEEE).
 This module imports triton: import it lazily.
 """
@@ -317,6 +318,25 @@ def _down_bwd_w_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _gather_rows_kernel(
+    SRC, ROW_TOKEN, ROW_W, DST, S, N, stride_src, stride_dst,
+    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # dst[r] = src[token_r], times w_r in fp32 and rounded once to the dtype when HAS_WEIGHT (the same rounding
+    # as the scaled dout operand of _down_bwd_w_kernel). Materialises expert-sorted rows for torch._grouped_mm.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_mask = rows < S
+    mask = r_mask[:, None] & (cols < N)[None, :]
+    tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
+    v = tl.load(SRC + tok[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        w = tl.load(ROW_W + rows, mask=r_mask, other=0.0).to(tl.float32)
+        v = v.to(tl.float32) * w[:, None]
+    tl.store(DST + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], v.to(DST.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------- launch
 
 # Tile configs for 16-bit inputs on CUDA (H100/H200 class), one entry per kernel. Row tiles (BLOCK_M) of the
@@ -333,6 +353,13 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
+    # weight grads: "triton" (_gate_up_bwd_w / _down_bwd_w above: token lookup, per-step routing-weight multiply)
+    # or torch._grouped_mm (CUTLASS K-grouped GEMM over gathered sorted rows) for both ("grouped_mm") or one of
+    # them ("grouped_mm_gate_up", "grouped_mm_down"); falls back to "triton" where _grouped_mm's fast path does
+    # not apply (`_grouped_mm_applies`). Run 10: bwd 3.675 -> 3.037 ms with "grouped_mm" (the Triton weight-grad
+    # kernels reach ~55% of the matmul rate; CUTLASS's persistent TMA kernel ~80%), bitwise the same grads
+    "weight_grad": dict(impl="grouped_mm"),
+    "gather_rows": dict(BLOCK_R=8, BLOCK_N=512, num_warps=4),  # the row gathers of the grouped_mm weight grads
 }
 _FP32_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)  # IEEE fp32: no tensor cores
 # interpreter: small tiles, so that the tests cover several row tiles per expert and several column tiles
@@ -425,6 +452,67 @@ def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype):
     return out
 
 
+def _gather_rows(src, row_token, row_w, dst):
+    """dst[r] = src[row_token[r]] (* row_w[r] when given), dst (S, N) in src's dtype."""
+    S, N = dst.shape
+    cfg = GPU_CONFIGS["gather_rows"] if _on_gpu(src) else dict(BLOCK_R=8, BLOCK_N=32, num_warps=4)
+    block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(N))
+    grid = (triton.cdiv(S, cfg["BLOCK_R"]), triton.cdiv(N, block_n))
+    _gather_rows_kernel[grid](
+        src, row_token, row_w if row_w is not None else src, dst, S, N, src.stride(0), dst.stride(0),
+        HAS_WEIGHT=row_w is not None, BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n, num_warps=cfg["num_warps"],
+    )
+    return dst
+
+
+def _grouped_mm_applies(t: torch.Tensor, H: int, inter: int, E: int) -> bool:
+    """Whether torch._grouped_mm runs its fast path for the weight grads: the CUTLASS sm90/sm100 kernel (bf16
+    only; elsewhere torch falls back to a per-group mm loop that syncs the host), TMA-aligned row strides
+    (H, I multiples of 8 elements), fewer than 1024 groups (E + 1 are used)."""
+    if not hasattr(torch, "_grouped_mm") or t.dtype != torch.bfloat16:
+        return False
+    if t.device.type != "cuda" or torch.version.cuda is None:
+        return False
+    return torch.cuda.get_device_capability(t.device)[0] in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
+
+
+WEIGHT_GRAD_IMPLS = ("triton", "grouped_mm", "grouped_mm_gate_up", "grouped_mm_down")
+
+
+def weight_grad_impl(t: torch.Tensor, H: int, inter: int, E: int) -> str:
+    """The weight-grad implementation that runs for these inputs: GPU_CONFIGS["weight_grad"]["impl"] (read at
+    call time) where it applies (`_grouped_mm_applies`), else "triton"."""
+    impl = GPU_CONFIGS.get("weight_grad", {}).get("impl", "triton")
+    if impl not in WEIGHT_GRAD_IMPLS:
+        raise ValueError(f"moe: unknown GPU_CONFIGS['weight_grad'] impl {impl!r} (one of {WEIGHT_GRAD_IMPLS})")
+    if impl.startswith("grouped_mm"):
+        return impl if _grouped_mm_applies(t, H, inter, E) else "triton"
+    return impl
+
+
+def _k_grouped_mm(a_sorted, b_sorted, expert_offsets):
+    """out[e] = a_sorted[rows_e]^T @ b_sorted[rows_e] for every expert e, one torch._grouped_mm call.
+
+    a_sorted (S, M), b_sorted (S, N): rows in expert-sorted order; returns (E, M, N). The "K-grouped" 2d x 2d
+    form (what autograd of _grouped_mm uses for its weight grad): mat_a = a_sorted.t() (column-major), mat_b
+    row-major, offs = int32 cumulative row ends, one per group, the first group starting at row 0.
+    We pass E + 1 groups, offs = expert_offsets: group 0 = rows [0, offsets[0]) (slots routed to negative ids,
+    usually none; its product is dropped, so unwritten rows there never reach a result), group e + 1 = expert
+    e. Rows past offsets[E] (the expert-parallel sentinel E) are past the last offset: never read.
+    Experts with no rows are zero-K groups: GroupMMCommon.cuh accepts them only in this layout (column-major A,
+    row-major B; every other layout asserts K > 0), so they are meant to give zeros (alpha * an empty sum),
+    but we have not seen that in the CUTLASS source: test_weight_grad_grouped_mm_gpu has empty experts.
+    Determinism / capture, as far as the source shows (pytorch GroupMM.cu / GroupedBlas.cpp, the sm90/sm100
+    bf16 fast path; it is CUTLASS, not cuBLAS, up to torch builds with CUDA < 13.3, where newer torch may pick
+    cuBLASLt grouped GEMM instead): one CUTLASS ptr-array TMA warp-specialized kernel with a persistent tile
+    scheduler, no split-K / stream-K (each output tile is reduced by one CTA in K order: deterministic);
+    per-group problem sizes are built on the device from offs by a prepare kernel (no host sync) and scratch
+    comes from the caching allocator, so it should be CUDA-graph capturable (the gpu test captures it).
+    """
+    out = torch._grouped_mm(a_sorted.t(), b_sorted, offs=expert_offsets.to(torch.int32))
+    return out[1:]  # (E + 1, M, N) contiguous -> the E expert groups, still contiguous
+
+
 def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_slot, expert_offsets):
     T, H = hidden.shape
     K = top_k_index.shape[1]
@@ -477,6 +565,8 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     pos = _positions(sorted_slot)
     row_tiles = _RowTiles(expert_offsets, S)
 
+    impl = weight_grad_impl(hidden, H, inter, E)
+
     # 1. grad of act (SwiGLU backward and routing-weight grad partials in the epilogue)
     cfg = _config("down_bwd_act", hidden, S, E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
@@ -487,8 +577,8 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     _down_bwd_act_kernel[(tiles_i * max_tiles,)](
         dout, w_down, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, act,
-        dgate_up_out, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
-        gate_up_out.stride(0), act.stride(0), dgate_up_out.stride(0), dw_part.stride(0),
+        dgate_up_out, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0),
+        down_proj.stride(1), gate_up_out.stride(0), act.stride(0), dgate_up_out.stride(0), dw_part.stride(0),
         PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, **_launch_opts(cfg),
     )
     # routing-weight grad: fixed-order sum of the per-column-tile partials, back to slot order
@@ -509,19 +599,29 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     )
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
-    # 3. weight grads: one program per (output tile, expert), reducing over that expert's rows in order
-    cfg = _config("gate_up_bwd_w", hidden, S, E)
-    dgate_up_proj = torch.empty_like(gate_up_proj)
-    _gate_up_bwd_w_kernel[(triton.cdiv(two_i, cfg["BLOCK_M"]) * triton.cdiv(H, cfg["BLOCK_N"]), E)](
-        dgate_up_out, hidden, row_token, expert_offsets, dgate_up_proj,
-        H, two_i, dgate_up_out.stride(0), hidden.stride(0), dgate_up_proj.stride(0), dgate_up_proj.stride(1),
-        PREC=prec, EVEN_M=two_i % cfg["BLOCK_M"] == 0, EVEN_N=H % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
-    )
-    cfg = _config("down_bwd_w", hidden, S, E)
-    ddown_proj = torch.empty_like(down_proj)
-    _down_bwd_w_kernel[(triton.cdiv(H, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]), E)](
-        dout, row_w, act, row_token, expert_offsets, ddown_proj,
-        H, inter, dout.stride(0), act.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
-        PREC=prec, EVEN_M=H % cfg["BLOCK_M"] == 0, EVEN_N=inter % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
-    )
+    # 3. weight grads. Triton: one program per (output tile, expert), reducing over that expert's rows in order.
+    #    grouped_mm: gathered sorted rows (x[token], w * dout[token]) in dx_rows' buffer (free once
+    #    combined; stream order keeps each gather after the previous reader of the buffer)
+    if impl in ("grouped_mm", "grouped_mm_gate_up"):
+        x_rows = _gather_rows(hidden, row_token, None, dx_rows)
+        dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, expert_offsets)
+    else:
+        cfg = _config("gate_up_bwd_w", hidden, S, E)
+        dgate_up_proj = torch.empty_like(gate_up_proj)
+        _gate_up_bwd_w_kernel[(triton.cdiv(two_i, cfg["BLOCK_M"]) * triton.cdiv(H, cfg["BLOCK_N"]), E)](
+            dgate_up_out, hidden, row_token, expert_offsets, dgate_up_proj,
+            H, two_i, dgate_up_out.stride(0), hidden.stride(0), dgate_up_proj.stride(0), dgate_up_proj.stride(1),
+            PREC=prec, EVEN_M=two_i % cfg["BLOCK_M"] == 0, EVEN_N=H % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
+        )
+    if impl in ("grouped_mm", "grouped_mm_down"):
+        dy_rows = _gather_rows(dout, row_token, row_w, dx_rows)  # stream order: after the gate_up read of it
+        ddown_proj = _k_grouped_mm(dy_rows, act, expert_offsets)
+    else:
+        cfg = _config("down_bwd_w", hidden, S, E)
+        ddown_proj = torch.empty_like(down_proj)
+        _down_bwd_w_kernel[(triton.cdiv(H, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]), E)](
+            dout, row_w, act, row_token, expert_offsets, ddown_proj,
+            H, inter, dout.stride(0), act.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
+            PREC=prec, EVEN_M=H % cfg["BLOCK_M"] == 0, EVEN_N=inter % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
+        )
     return dhidden, dweights, dgate_up_proj, ddown_proj
