@@ -144,7 +144,8 @@ def print_table(rows):
     for r in rows:
         log(f"{r['family']:18s} {r['device']:6s} {r['loss_eager']:10.4f} {r['loss_ours']:10.4f} "
             f"{r['max_loss_diff']:10.2e} {r['max_grad_diff']:10.2e} {r['n_grads']:5d} {r['step_ms_eager']:9.1f}ms "
-            f"{r['step_ms_ours']:8.1f}ms {r['peak_mib_eager']:6.0f}/{r['peak_mib_ours']:<6.0f}")
+            f"{r['step_ms_ours']:8.1f}ms " + (f"{r['peak_mib_eager']:6.0f}/{r['peak_mib_ours']:<6.0f}"
+                                                  if r['peak_mib_eager'] == r['peak_mib_eager'] else f"{'-/-':>8s}"))
     log("\nkernels active per module type (module class -> kernel layer x modules; the losses are per-instance "
         "switches from presets.enable_losses)")
     for r in rows:
