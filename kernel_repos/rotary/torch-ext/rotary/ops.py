@@ -305,14 +305,9 @@ def _norm_rope_out(x, dtype, full):
     return x.new_empty((B, H, S, D), dtype=dtype)  # HF: `torch.cat` output, contiguous (B, H, S, D)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("qk_norm_rope_fwd"), mutates_args=())
-def _qk_norm_rope_fwd(
-    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, eps: float, mode: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    norm_dtype, dtype = _norm_dtypes(q, q_weight, cos, mode)
-    full = cos.shape[-1] == q.shape[-1]
-    q_out, k_out = _norm_rope_out(q, dtype, full), _norm_rope_out(k, dtype, full)
+def _qk_norm_rope_into(q, k, q_weight, k_weight, cos, sin, eps, mode, norm_dtype, q_out, k_out) -> None:
+    """The fused q/k norm + RoPE forward into preallocated (B, H, S, D) outputs: Triton on GPU / interpreter,
+    else the HF-exact torch path. q, k: the (B, S, H, D) projections."""
     if _use_triton(q):
         from .triton_kernels import qk_rope_fwd
 
@@ -322,6 +317,17 @@ def _qk_norm_rope_fwd(
         qr, kr = qk_norm_rope_hf(q, k, q_weight, k_weight, cos, sin, eps, mode)
         q_out.copy_(qr)
         k_out.copy_(kr)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("qk_norm_rope_fwd"), mutates_args=())
+def _qk_norm_rope_fwd(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, eps: float, mode: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    norm_dtype, dtype = _norm_dtypes(q, q_weight, cos, mode)
+    full = cos.shape[-1] == q.shape[-1]
+    q_out, k_out = _norm_rope_out(q, dtype, full), _norm_rope_out(k, dtype, full)
+    _qk_norm_rope_into(q, k, q_weight, k_weight, cos, sin, eps, mode, norm_dtype, q_out, k_out)
     return q_out, k_out
 
 
@@ -383,15 +389,7 @@ def _qk_norm_rope_fwd_flat(
     flat = q.new_empty(q.numel() + k.numel(), dtype=dtype)
     q_out = flat[: q.numel()].view(B, Hq, S, D)
     k_out = flat[q.numel():].view(B, Hk, S, D)
-    if _use_triton(q):
-        from .triton_kernels import qk_rope_fwd
-
-        qk_rope_fwd(q.transpose(1, 2), k.transpose(1, 2), cos, sin, q_out, k_out, q_weight, k_weight, eps, mode,
-                    round_norm=(norm_dtype == q.dtype and q.dtype != torch.float32))
-    else:
-        qr, kr = qk_norm_rope_hf(q, k, q_weight, k_weight, cos, sin, eps, mode)
-        q_out.copy_(qr)
-        k_out.copy_(kr)
+    _qk_norm_rope_into(q, k, q_weight, k_weight, cos, sin, eps, mode, norm_dtype, q_out, k_out)
     return flat
 
 
