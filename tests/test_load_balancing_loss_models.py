@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-from tests.utils import assert_compiled_parity, assert_parity, hub, load, make_batch, modules_running, \
-    register_local_kernels, save_tiny_model, ROOT
+from tests.utils import assert_compiled_parity, assert_parity, assert_same_weights_and_logits, hub, load, make_batch, \
+    modules_running, register_local_kernels, save_tiny_model, ROOT
 
 REPO = "load-balancing-loss"
 ROUTER = {"qwen3_moe": ("^Qwen3MoeTopKRouter$", "TopKRouter"),
@@ -182,12 +182,7 @@ def test_save_load_round_trip(tmp_path):
     assert "Layout" in type(ours.model.layers[0].mlp.gate).__name__
     ours.save_pretrained(tmp_path / "resaved")
     plain, again = load(path), load(tmp_path / "resaved")
-    sd_plain, sd_again = plain.state_dict(), again.state_dict()
-    assert sd_plain.keys() == sd_again.keys()
-    for k in sd_plain:
-        assert torch.equal(sd_plain[k], sd_again[k]), k
-    batch = _batch(plain)
-    torch.testing.assert_close(again(**batch).logits, plain(**batch).logits, atol=0, rtol=0)
+    assert_same_weights_and_logits(plain, again, _batch(plain))
 
 
 @pytest.mark.skipif(not (ROOT / "kernel_repos" / "cross-entropy" / "CARD.md").is_file(),

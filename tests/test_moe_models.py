@@ -10,8 +10,8 @@ On CPU the kernels run under TRITON_INTERPRET=1 (root conftest).
 import pytest
 import torch
 
-from tests.utils import assert_compiled_parity, assert_parity, forward_backward, hub, load, make_batch, modules_running, \
-    register_local_kernels, save_tiny_model
+from tests.utils import assert_compiled_parity, assert_parity, assert_same_weights_and_logits, forward_backward, hub, \
+    load, make_batch, modules_running, register_local_kernels, save_tiny_model
 
 ARCHS = {"qwen3_moe": "^Qwen3MoeExperts$", "qwen3_5_moe_text": "^Qwen3_5MoeExperts$"}
 
@@ -71,12 +71,7 @@ def test_save_load_round_trip(tmp_path):
     ours.save_pretrained(tmp_path / "resaved")
     plain = load(path, experts_implementation="eager")
     again = load(tmp_path / "resaved", experts_implementation="eager")
-    sd_plain, sd_again = plain.state_dict(), again.state_dict()
-    assert sd_plain.keys() == sd_again.keys()
-    for k in sd_plain:
-        assert torch.equal(sd_plain[k], sd_again[k]), k
-    batch = _batch(plain)
-    torch.testing.assert_close(again(**batch).logits, plain(**batch).logits, atol=0, rtol=0)
+    assert_same_weights_and_logits(plain, again, _batch(plain))
 
 
 def test_torch_compile_fullgraph(tmp_path):

@@ -5,14 +5,12 @@ loss too) and every gradient, fused parameters mapped back (`gate_up_proj` = cat
 RMSNorm+MLP fusion's MLP under `post_attention_layernorm`). Then a plain load in the same process is untouched.
 On CPU the Triton kernels run under the interpreter (root conftest sets TRITON_INTERPRET=1).
 """
-import importlib
-
 import pytest
 import torch
 
 from hubfuse import presets
-from tests.utils import (REVISION, load, make_batch, register_local_kernels, save_tiny_model, sharpen_attention,
-                         tiny_config)
+from tests.utils import (REVISION, load, make_batch, register_local_kernels, restore_rope_functions, rope_bound,
+                         rope_function, save_tiny_model, sharpen_attention, tiny_config)
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "llama", "qwen2")
 OVERRIDES = {
@@ -32,33 +30,14 @@ EXPECTED_BOUND = {
 ROPE_HUB_FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")  # `apply_rotary_pos_emb` carries the hub name
 
 
-def _rope_function(family):
-    m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return m.apply_rotary_pos_emb
-
-
-def _rope_bound(family) -> bool:
-    fwd = _rope_function(family).__dict__.get("forward")
-    return getattr(getattr(fwd, "__func__", None), "__qualname__", "").startswith("RotaryPosEmb.")
-
-
-def _restore_rope(saved):
-    for family, fwd in saved.items():
-        fn = _rope_function(family)
-        if fwd is None:
-            fn.__dict__.pop("forward", None)
-        else:
-            fn.forward = fwd
-
-
 @pytest.fixture(autouse=True)
 def _rope_restored():
     """The `rotary_pos_emb` hub kernel (Llama / Qwen2 presets) binds onto the family's module-global
     `apply_rotary_pos_emb` for the whole process (kernel_repos/rotary/CARD.md): undo it after each test so later
     eager references are eager."""
-    saved = {f: _rope_function(f).__dict__.get("forward") for f in ROPE_HUB_FAMILIES}
+    saved = {f: rope_function(f).__dict__.get("forward") for f in ROPE_HUB_FAMILIES}
     yield
-    _restore_rope(saved)
+    restore_rope_functions(saved)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -131,7 +110,7 @@ def _check_parity(family, path, expected_bound, **options):
     assert bound_layers(ours) == expected_bound
     if family in ROPE_HUB_FAMILIES:
         # Layouts only for Qwen3 / Qwen3-MoE (nothing process-wide); the RoPE hub function for Llama / Qwen2
-        assert _rope_bound(family) == (family in ("llama", "qwen2"))
+        assert rope_bound(family) == (family in ("llama", "qwen2"))
     logits_o, loss_o, aux_o, grads_o = _step(ours, batch)
     tol = dict(atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(logits_o, logits_e, **tol)
@@ -166,7 +145,7 @@ def test_later_plain_load_is_untouched(model_dirs):
 
     before_patches = get_patch_mapping()
     before_conv = {f: repr(get_checkpoint_conversion_mapping(f)) for f in FAMILIES}
-    saved_rope = {f: _rope_function(f).__dict__.get("forward") for f in ROPE_HUB_FAMILIES}
+    saved_rope = {f: rope_function(f).__dict__.get("forward") for f in ROPE_HUB_FAMILIES}
     plain_types = {f: {type(m).__name__ for m in load(model_dirs[f]).modules()} for f in FAMILIES}
     kernelized = {}
     for family in FAMILIES:
@@ -176,9 +155,9 @@ def test_later_plain_load_is_untouched(model_dirs):
     assert {f: repr(get_checkpoint_conversion_mapping(f)) for f in FAMILIES} == before_conv
     # Layout keys are per instance: Qwen3 / Qwen3-MoE never touch the RoPE function; the Llama / Qwen2 hub
     # function binding is process-wide by transformers' design, undone here by hand
-    assert not _rope_bound("qwen3") and not _rope_bound("qwen3_moe")
-    assert _rope_bound("llama") and _rope_bound("qwen2")
-    _restore_rope(saved_rope)
+    assert not rope_bound("qwen3") and not rope_bound("qwen3_moe")
+    assert rope_bound("llama") and rope_bound("qwen2")
+    restore_rope_functions(saved_rope)
     for family in FAMILIES:
         plain = load(model_dirs[family]).train()
         types = {type(m).__name__ for m in plain.modules()}

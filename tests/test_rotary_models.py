@@ -7,13 +7,12 @@ Logits and every gradient against a plain eager load (eval and train), greedy ge
 equal to eager for 16 new tokens, save_pretrained round trip, torch.compile(fullgraph=True).
 On CPU the kernels run under the Triton interpreter (root conftest sets TRITON_INTERPRET=1).
 """
-import importlib
-
 import pytest
 import torch
 
 from tests.utils import (assert_parity, assert_saved_checkpoints_equal, hub, load, make_batch, modules_running,
-                         register_local_kernels, save_tiny_model, sharpen_attention, tiny_config)
+                         register_local_kernels, restore_rope_functions, rope_bound, rope_function, save_tiny_model,
+                         sharpen_attention, tiny_config)
 
 ROPE_FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")  # `apply_rotary_pos_emb` decorated with the hub name
 LAYOUT_MAPPINGS = {
@@ -24,18 +23,6 @@ LAYOUT_MAPPINGS = {
 LAYOUT_LAYER = {"qwen3": "QKNormRopeAttention", "qwen3_moe": "QKNormRopeAttention",
                 "qwen3_5_moe_text": "GatedQKNormRopeAttention"}
 EXPECTED_ATTENTION = {"qwen3": 2, "qwen3_moe": 2, "qwen3_5_moe_text": 1}  # tiny models: 2 layers (3.5: 1 full-attn)
-MODELING = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama", "qwen2": "qwen2"}
-
-
-def _rope_module(family):
-    """The module-global `apply_rotary_pos_emb` (a kernels function-layer instance) of a model family."""
-    m = importlib.import_module(f"transformers.models.{MODELING[family]}.modeling_{MODELING[family]}")
-    return m.apply_rotary_pos_emb
-
-
-def _rope_bound(family) -> bool:
-    fwd = _rope_module(family).__dict__.get("forward")
-    return getattr(getattr(fwd, "__func__", None), "__qualname__", "").startswith("RotaryPosEmb.")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,14 +35,9 @@ def _restore_rope_functions():
     """kernelize binds the kernel onto the module-global `apply_rotary_pos_emb` instance, which outlives the
     model (hubfuse.KernelConfig does not undo it yet): put the original forward back after each test so the
     eager references of later tests really are eager."""
-    saved = {f: _rope_module(f).__dict__.get("forward") for f in ROPE_FAMILIES}
+    saved = {f: rope_function(f).__dict__.get("forward") for f in ROPE_FAMILIES}
     yield
-    for f, fwd in saved.items():
-        mod = _rope_module(f)
-        if fwd is None:
-            mod.__dict__.pop("forward", None)
-        else:
-            mod.forward = fwd
+    restore_rope_functions(saved)
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +57,17 @@ def _load_eager(path, **kw):
 def test_hub_name_rotary_pos_emb_parity_eval_and_train(family, model_dirs):
     path = model_dirs[family]
     eager = _load_eager(path)
-    assert not _rope_bound(family)
+    assert not rope_bound(family)
     ours = load(path, {"rotary_pos_emb": hub("rotary", "RotaryPosEmb")})
-    assert _rope_bound(family)
+    assert rope_bound(family)
     batch = make_batch(tiny_config(family).vocab_size)
     # eager and ours share the module-global function: run eager with the original forward
-    fwd = _rope_module(family).__dict__.pop("forward")
+    fwd = rope_function(family).__dict__.pop("forward")
     loss_e, logits_e, grads_e = _step(eager, batch)
-    _rope_module(family).forward = fwd
+    rope_function(family).forward = fwd
     for train in (False, True):
         ours.train(train)
-        assert _rope_bound(family)  # hubfuse.KernelConfig keeps the kernel in training mode
+        assert rope_bound(family)  # hubfuse.KernelConfig keeps the kernel in training mode
         loss_o, logits_o, grads_o = _step(ours, batch)
         torch.testing.assert_close(logits_o, logits_e, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(loss_o, loss_e, atol=2e-5, rtol=2e-5)
@@ -148,7 +130,7 @@ def test_greedy_generation_with_kv_cache_matches_eager(family, style, model_dirs
         want = eager.generate(prompt, **kw)
         ours = load(path, mapping)
         if style == "hub_name":
-            assert _rope_bound(family)
+            assert rope_bound(family)
         else:
             assert len(modules_running(ours, LAYOUT_LAYER[family])) == EXPECTED_ATTENTION[family]
         got = ours.generate(prompt, **kw)
@@ -230,7 +212,7 @@ def test_gpu_bf16_hub_name_parity(family, model_dirs):
     batch = make_batch(tiny_config(family).vocab_size, device="cuda")
     loss_e, logits_e, grads_e = _step(eager, batch)
     ours = load(path, {"rotary_pos_emb": hub("rotary", "RotaryPosEmb")}, dtype=torch.bfloat16, device="cuda").train()
-    assert _rope_bound(family)
+    assert rope_bound(family)
     loss_o, logits_o, grads_o = _step(ours, batch)
     torch.testing.assert_close(logits_o, logits_e, atol=3e-2, rtol=3e-2)
     for name in grads_e:

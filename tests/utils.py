@@ -180,3 +180,37 @@ def assert_saved_checkpoints_equal(original_dir, resaved_dir) -> None:
     assert original.keys() == resaved.keys()
     for key in original:
         assert torch.equal(original[key], resaved[key]), key
+
+
+def rope_function(family: str):
+    """The module-global `apply_rotary_pos_emb` of a model family (a kernels function-layer instance where the
+    family's modeling file carries the hub name)."""
+    import importlib
+
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+
+
+def rope_bound(family: str) -> bool:
+    """Whether kernelize bound our `RotaryPosEmb` to the family's `apply_rotary_pos_emb`."""
+    fwd = rope_function(family).__dict__.get("forward")
+    return getattr(getattr(fwd, "__func__", None), "__qualname__", "").startswith("RotaryPosEmb.")
+
+
+def restore_rope_functions(saved: dict) -> None:
+    """Put back the forwards saved as {family: rope_function(family).__dict__.get("forward")}: kernelize binds
+    the kernel onto the module-global instance, which outlives the model."""
+    for family, fwd in saved.items():
+        fn = rope_function(family)
+        if fwd is None:
+            fn.__dict__.pop("forward", None)
+        else:
+            fn.forward = fwd
+
+
+def assert_same_weights_and_logits(a, b, batch) -> None:
+    """Two loaded models hold bitwise-equal state dicts (same keys) and give bitwise-equal logits."""
+    sd_a, sd_b = a.state_dict(), b.state_dict()
+    assert sd_a.keys() == sd_b.keys()
+    for k in sd_a:
+        assert torch.equal(sd_a[k], sd_b[k]), k
+    torch.testing.assert_close(b(**batch).logits, a(**batch).logits, atol=0, rtol=0)
