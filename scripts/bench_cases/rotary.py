@@ -67,6 +67,20 @@ ROW_TILE = {
                           for k in ("rope_fwd", "rope_bwd", "norm_fwd", "norm_bwd")},
 }
 
+# the lean row-tile kernels of the fused norm + RoPE (partial and full): fewer instructions per element (one
+# partner load, sign folded, row coordinates stepped without division, int32 offsets, fma in the backward);
+# the forward loops over several tiles per program (the per-program setup amortised)
+LEAN = {
+    "lean": dict(norm_fwd=dict(lean=True, tiles_per_program=8), norm_bwd=dict(lean=True)),
+    "lean, fwd 1 tile/program": dict(norm_fwd=dict(lean=True, tiles_per_program=1), norm_bwd=dict(lean=True)),
+    "lean, dweight 4 rows": dict(norm_fwd=dict(lean=True, tiles_per_program=8),
+                                 norm_bwd=dict(lean=True, dw_rows=4)),
+    "lean, dweight 4 rows, 32 programs/SM": dict(norm_fwd=dict(lean=True, tiles_per_program=16),
+                                                 norm_bwd=dict(lean=True, dw_rows=4, programs_per_sm=32)),
+    "lean 4096/512": dict(norm_fwd=dict(lean=True, tiles_per_program=8, block_elems=4096),
+                          norm_bwd=dict(lean=True, block_elems=4096)),
+}
+
 
 def run(h):
     kr = h.load_kernel("rotary")
@@ -155,3 +169,7 @@ def run(h):
                 h.bench(name, f"hubfuse (fused, {label})", with_config(
                     kr, lambda q, k, wq, wk, c, s: kr.qk_norm_rope_flat(q, k, wq, wk, c, s, 1e-6, zero_centered=zc),
                     **entries), mk, floor)
+        for label, entries in LEAN.items():
+            h.bench(name, f"hubfuse (fused, {label})", with_config(
+                kr, lambda q, k, wq, wk, c, s, zc=zc: kr.qk_norm_rope_flat(q, k, wq, wk, c, s, 1e-6, zero_centered=zc),
+                **entries), mk, floor)

@@ -38,15 +38,22 @@ KERNEL_NAMES = ("_fwd_kernel", "_bwd_kernel")  # the rotary Triton kernels, as t
 ELEMS_PER_WARP = (256, 512, 1024)
 # row_tile=True: the row-tile kernels for partial RoPE (one [BLOCK_M, next_pow2(D)] tile per row, partner
 # loads); the column-group candidates are the best of the earlier full sweep (run 6, H200). row_tile only
-# changes the partial (R < D) cases; the full-RoPE cases run the same kernel in every candidate.
+# changes the partial (R < D) cases; the full-RoPE cases run the same kernel in every candidate. lean=True
+# (norm only): the lean row-tile kernels, partial and full (see CONFIG's comment in triton_kernels.py).
 CANDIDATES = {
     "norm_bwd": [dict(block_elems=b, elems_per_warp=w, programs_per_sm=p, row_tile=False)
                  for b, w, p in ((2048, 512, 16), (4096, 512, 16), (2048, 1024, 32))]
                 + [dict(block_elems=b, elems_per_warp=w, programs_per_sm=p, row_tile=True)
-                   for b, w, p in itertools.product((1024, 2048, 4096), ELEMS_PER_WARP, (8, 16, 32))],
+                   for b, w, p in itertools.product((1024, 2048, 4096), ELEMS_PER_WARP, (8, 16, 32))]
+                + [dict(block_elems=b, elems_per_warp=w, programs_per_sm=p, row_tile=True, lean=True, dw_rows=r)
+                   for b, w, p, r in ((2048, 512, 16, 8), (2048, 512, 16, 4), (2048, 512, 32, 4), (2048, 512, 8, 8),
+                                      (4096, 512, 16, 8), (2048, 256, 16, 4), (1024, 256, 32, 4))],
     "norm_fwd": [dict(block_elems=b, elems_per_warp=w, row_tile=False) for b, w in ((2048, 1024), (4096, 1024), (2048, 512))]
                 + [dict(block_elems=b, elems_per_warp=w, row_tile=True)
-                   for b, w in itertools.product((1024, 2048, 4096, 8192), ELEMS_PER_WARP)],
+                   for b, w in itertools.product((1024, 2048, 4096, 8192), ELEMS_PER_WARP)]
+                + [dict(block_elems=b, elems_per_warp=w, row_tile=True, lean=True, tiles_per_program=t)
+                   for b, w, t in ((2048, 512, 1), (2048, 512, 4), (2048, 512, 8), (2048, 512, 16), (4096, 512, 8),
+                                   (2048, 256, 8), (1024, 256, 8))],
     "rope_bwd": [dict(block_elems=b, elems_per_warp=w, row_tile=False)
                  for b, w in ((4096, 512), (16384, 1024), (2048, 512), (8192, 256))]
                 + [dict(block_elems=b, elems_per_warp=w, row_tile=True)

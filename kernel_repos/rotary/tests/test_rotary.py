@@ -331,6 +331,53 @@ def test_qk_norm_rope_weight_dtype_promotion():
     torch.testing.assert_close(qo, qr, atol=1e-5, rtol=1e-5)
 
 
+LEAN = dict(lean=True, tiles_per_program=2, dw_rows=2)  # the lean kernels, looping, dweight rows folded
+
+
+def _set_lean(monkeypatch, **entries):
+    from rotary import triton_kernels as tk
+
+    for kind in ("norm_fwd", "norm_bwd"):
+        monkeypatch.setitem(tk.CONFIG, kind, dict(tk.CONFIG[kind], **entries))
+
+
+@pytest.mark.parametrize("case", NORM_CASES)
+@pytest.mark.parametrize("mode", [STANDARD, ZERO_CENTERED])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qk_norm_rope_lean_vs_float64(case, mode, dtype, monkeypatch):
+    """The lean row-tile kernels (CONFIG lean, a bench variant): as the default ones against float64."""
+    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    _set_lean(monkeypatch, **LEAN)
+    test_qk_norm_rope_vs_float64(case, mode, dtype, "triton")
+
+
+@pytest.mark.parametrize("case", NORM_CASES[1:])
+@pytest.mark.parametrize("mode", [STANDARD, ZERO_CENTERED])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qk_norm_rope_lean_forward_bitwise_equal_to_row_tile(case, mode, dtype, monkeypatch):
+    """Partial RoPE: the lean forward rounds as the row-tile one (HF's order), bit for bit; the lean
+    backward differs from it by fp32 contraction only."""
+    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    from rotary import triton_kernels as tk
+
+    for kind in ("norm_fwd", "norm_bwd"):
+        monkeypatch.setitem(tk.CONFIG, kind, dict(tk.CONFIG[kind], row_tile=True))
+    outs = []
+    for lean in (False, True):
+        _set_lean(monkeypatch, lean=lean, tiles_per_program=3)
+        torch.manual_seed(5)
+        q, k, wq, wk, cos, sin = _norm_inputs(case, dtype)
+        outs.append(FUSED[mode](q, k, wq, wk, cos, sin, 1e-6))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_qk_norm_rope_lean_backward_deterministic(monkeypatch):
+    _set_lean(monkeypatch, **LEAN)
+    test_qk_norm_rope_backward_deterministic()
+
+
 def test_qk_norm_rope_backward_deterministic():
     torch.manual_seed(6)
     q, k, wq, wk, cos, sin = _norm_inputs((2, 4, 2, 9, 16, 8, False, False), torch.float32)
@@ -492,11 +539,14 @@ def test_rope_gpu_bf16(Hq, Hk, D, R, ud, flip_row_tile, monkeypatch):
 @pytest.mark.parametrize("Hq, Hk, D, R, mode, strided", [(32, 8, 128, 128, STANDARD, False),
                                                          (16, 2, 256, 64, ZERO_CENTERED, True)])
 @pytest.mark.parametrize("flip_row_tile", [False, True])
-def test_qk_norm_rope_gpu_bf16(Hq, Hk, D, R, mode, strided, flip_row_tile, monkeypatch):
+@pytest.mark.parametrize("lean", [False, True])
+def test_qk_norm_rope_gpu_bf16(Hq, Hk, D, R, mode, strided, flip_row_tile, lean, monkeypatch):
     if flip_row_tile:
-        if R == D:
-            pytest.skip("row_tile only changes partial RoPE")
+        if R == D or lean:
+            pytest.skip("row_tile only changes partial RoPE (and lean overrides it)")
         _flip_row_tile(monkeypatch)
+    if lean:
+        _set_lean(monkeypatch, lean=True, tiles_per_program=4)
     torch.manual_seed(10)
     B, S, dt = 8, 2048, torch.bfloat16
     q = torch.randn(B, S, Hq, 2 * D if strided else D, device="cuda", dtype=dt)[..., :D].requires_grad_()
