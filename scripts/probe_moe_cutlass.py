@@ -45,7 +45,7 @@ def main():
     cases += [
         ("gate_up_fwd, weight pre-transposed (E,H,2I) row-major", lambda: torch._grouped_mm(x_rows, gu_t, offs=offs32), f_gu),
         ("down_fwd, weight pre-transposed (E,I,H) row-major", lambda: torch._grouped_mm(act, dn_t, offs=offs32), f_dn),
-        ("gather dout rows (S,H)", lambda: tk._gather_rows(dout, row_token, None, torch.empty_like(dy_rows)), 0),
+        ("gather dout rows (S,H)", lambda: tk._gather_rows(dout, row_token, torch.empty_like(dy_rows)), 0),
     ]
     for name, fn, flop in cases:
         ms = bench(fn)
@@ -54,8 +54,8 @@ def main():
     # launch gaps: route+fwd+bwd on the stream vs the same captured in one CUDA graph
     def step():
         s, o = reference.route(idx, E)
-        out, gout, a = tk.moe_fwd(x, idx, w, gu, dn, s, o)
-        return tk.moe_bwd(dout, x, idx, w, gu, dn, gout, a, s, o)
+        out, gout = tk.moe_fwd(x, idx, w, gu, dn, s, o)
+        return tk.moe_bwd(dout, x, idx, w, gu, dn, gout, s, o)
 
     eager = bench(step)
     step()

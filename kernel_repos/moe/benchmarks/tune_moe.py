@@ -6,8 +6,8 @@
 1. times the current `GPU_CONFIGS` (fwd, bwd, routing; `triton.testing.do_bench` medians) and prints a
    per-kernel breakdown of one fwd+bwd (CUDA profiler: device time of every launch, torch glue included);
 2. tries a short list of variants, one kernel at a time (`VARIANTS`: overrides of that kernel's
-   `GPU_CONFIGS` entry, e.g. TMA weight loads, more stages; for "weight_grad" the implementation: the Triton
-   kernels or torch._grouped_mm, for one or both weight grads). Each is timed against the current config measured
+   `GPU_CONFIGS` entry, e.g. TMA weight loads, more stages; for "backward" the implementation: the Triton
+   kernels, or torch._grouped_mm for the weight grads only or also for g_act = dout_rows @ Wd[e]). Each is timed against the current config measured
    right after it (paired, to cancel clock drift) on the phase that runs the kernel, and its outputs are
    compared with the current implementation's: a variant off by more than `MAX_REL_ERR` is flagged WRONG
    and never chosen; one that fails to compile is reported and skipped;
@@ -33,17 +33,21 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from moe import reference, triton_kernels as tk  # noqa: E402
 
-TRITON_W = {"weight_grad": dict(impl="triton")}  # context of the Triton weight-grad kernels' variants
+TRITON_W = {"backward": dict(impl="triton")}  # context of the Triton weight-grad kernels' variants
+FUSED_ACT = {"backward": dict(impl="grouped_mm_wgrad")}  # context of the fused Triton g_act kernel's variants
 
 # (kernel, overrides of its GPU_CONFIGS entry[, context]), most promising first (the budget may cut the tail).
 # context: overrides of other entries, applied to the variant and to its paired baseline alike; such a variant is
 # chosen only if the final config keeps that context
 VARIANTS = [
-    # weight grads through torch._grouped_mm (the default: CUTLASS K-grouped GEMM over gathered sorted rows;
-    # + ~0.1 ms per gather) for one GEMM only, or the Triton kernels (their configs are timed in that context)
-    ("weight_grad", dict(impl="triton")),
-    ("weight_grad", dict(impl="grouped_mm_gate_up")),
-    ("weight_grad", dict(impl="grouped_mm_down")),
+    # backward GEMMs: the default "grouped_mm" (CUTLASS K-grouped weight grads over gathered sorted rows and the
+    # M-grouped g_act GEMM + its row epilogue), CUTLASS weight grads with the fused Triton g_act kernel, or all
+    # Triton (the Triton kernels' configs are timed in those contexts)
+    ("backward", dict(impl="grouped_mm_wgrad")),
+    ("backward", dict(impl="triton")),
+    ("swiglu_bwd_rows", dict(BLOCK_R=8, BLOCK_N=256)),
+    ("swiglu_bwd_rows", dict(BLOCK_R=2, BLOCK_N=512)),
+    ("swiglu_bwd_rows", dict(BLOCK_R=4, BLOCK_N=256, num_warps=8)),
     # weight-grad kernels (K = the expert's ~512 rows): the gathered-row index load takes pipeline stages,
     # so 4 stages leave 2 operand buffers; 5 gives 3 (99 KB smem: still 2 CTAs/SM)
     ("gate_up_bwd_w", dict(num_stages=5), TRITON_W),
@@ -58,12 +62,12 @@ VARIANTS = [
     # row-tiled kernels: the dense per-expert weight operand through TMA instead of cp.async pointer loads
     ("gate_up_fwd", dict(TMA=True)),
     ("down_fwd", dict(TMA=True)),
-    ("down_bwd_act", dict(TMA=True)),
+    ("down_bwd_act", dict(TMA=True), FUSED_ACT),
     ("gate_up_bwd_x", dict(TMA=True)),
     ("gate_up_fwd", dict(TMA=True, num_stages=4)),
     ("down_fwd", dict(TMA=True, BLOCK_N=256, num_stages=3)),
     ("gate_up_bwd_x", dict(TMA=True, BLOCK_N=256, num_stages=3)),
-    ("down_bwd_act", dict(TMA=True, num_stages=5)),
+    ("down_bwd_act", dict(TMA=True, num_stages=5), FUSED_ACT),
     ("gate_up_bwd_x", dict(TMA=True, num_stages=5)),
     ("down_fwd", dict(TMA=True, num_stages=5)),
     # memory-bound combine (y rows -> tokens), used in fwd and bwd
@@ -103,7 +107,7 @@ def main():
     dev, dt = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     if not on_gpu:  # the interpreter ignores GPU_CONFIGS: only the sweep logic is exercised
         print("no CUDA: checking the script's logic under the interpreter (timings meaningless)")
-        if hasattr(torch, "_grouped_mm"):  # the weight_grad variants through torch's CPU _grouped_mm
+        if hasattr(torch, "_grouped_mm"):  # the backward variants through torch's CPU _grouped_mm
             tk._grouped_mm_applies = lambda *args: True
     x, idx, w, gu, dn, dout = make_inputs(T, E, K, H, I, dev, dt)
     slot, offs = reference.route(idx, E)
@@ -115,7 +119,7 @@ def main():
     saved = fwd()
 
     def bwd():
-        return tk.moe_bwd(dout, x, idx, w, gu, dn, saved[1], saved[2], slot, offs)
+        return tk.moe_bwd(dout, x, idx, w, gu, dn, saved[1], slot, offs)
 
     def fwd_bwd():
         return fwd() + bwd()
@@ -183,11 +187,11 @@ def main():
         tk.GPU_CONFIGS[name] = dict(start[name], **over)
         ctx = ", ".join(f"{k}={v}" for o in context.values() for k, v in o.items())
         label = f"{name:19s} {str(over):40s}" + (f" [{ctx}]" if context else "")
-        impls = {n: o["impl"] for n, o in [(name, over)] + list(context.items()) if n == "weight_grad"}
-        if impls and tk.weight_grad_impl(x, H, I, E) != impls["weight_grad"]:
+        impls = {n: o["impl"] for n, o in [(name, over)] + list(context.items()) if n == "backward"}
+        if impls and tk.backward_impl(x, H, I, E) != impls["backward"]:
             for k in [name, *context]:
                 tk.GPU_CONFIGS[k] = start[k]
-            print(f"  {label} n/a here ({impls['weight_grad']} does not apply: grouped_mm needs the "
+            print(f"  {label} n/a here ({impls['backward']} does not apply: grouped_mm needs the "
                   f"torch._grouped_mm fast path): skipped", flush=True)
             continue
         v0 = time.time()

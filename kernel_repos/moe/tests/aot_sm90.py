@@ -17,7 +17,7 @@ from moe import triton_kernels as tk  # noqa: E402
 
 INTS = {"H", "I", "E", "T", "K", "TWO_I", "TILES_N", "S", "M", "N"}
 PTR_TYPES = {"ROW_TOKEN": "*i64", "TILE_EXPERT": "*i64", "TILE_START": "*i64", "OFFSETS": "*i64", "POS": "*i64",
-             "IDX": "*i64", "DW_PART": "*fp32", "ROW_W": "*fp32"}
+             "IDX": "*i64", "DW_PART": "*fp32", "DW_ROWS": "*fp32", "ROW_W": "*fp32"}
 SMEM_LIMIT = 227 * 1024
 
 
@@ -90,11 +90,13 @@ def main():
     k = compile_sm90(tk._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"]),
                      cfg["num_warps"], 1)
     print(f"combine: shared={k.metadata.shared}")
-    cfg = dict(tk.GPU_CONFIGS["gather_rows"])  # the grouped_mm weight-grad path's row gather
-    for has_weight in (False, True):
-        compile_sm90(tk._gather_rows_kernel, dict(HAS_WEIGHT=has_weight, BLOCK_R=cfg["BLOCK_R"],
-                                                  BLOCK_N=cfg["BLOCK_N"]), cfg["num_warps"], 1)
+    cfg = dict(tk.GPU_CONFIGS["gather_rows"])  # the grouped_mm backward's row gather
+    compile_sm90(tk._gather_rows_kernel, dict(BLOCK_R=cfg["BLOCK_R"], BLOCK_N=cfg["BLOCK_N"]), cfg["num_warps"], 1)
     print("gather_rows: ok")
+    cfg = dict(tk.GPU_CONFIGS["swiglu_bwd_rows"])  # g_act's epilogue on the grouped_mm path
+    k = compile_sm90(tk._swiglu_bwd_rows_kernel, dict(BLOCK_R=cfg["BLOCK_R"], BLOCK_N=cfg["BLOCK_N"]),
+                     cfg["num_warps"], 1)
+    print(f"swiglu_bwd_rows: shared={k.metadata.shared} ok")
     print("ok")
 
 

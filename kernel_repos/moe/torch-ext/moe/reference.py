@@ -39,11 +39,19 @@ def route(top_k_index: torch.Tensor, num_experts: int):
     `expert_offsets[e]:expert_offsets[e + 1]`. Slots with an index outside [0, E) fall outside every range
     (negative ones sort first, `E` and above last) and contribute nothing.
     """
-    flat = top_k_index.reshape(-1)
-    sorted_ids, sorted_slot = torch.sort(flat, stable=True)
-    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
+    # 16-bit keys: the radix sort takes 2 passes instead of 8 for int64; the clamp keeps every id on its side of
+    # [0, E), so the order and the offsets are those of the original ids
+    keys = top_k_index.reshape(-1).clamp(-1, num_experts).to(torch.int16 if num_experts < 2 ** 15 else torch.int32)
+    sorted_ids, sorted_slot = torch.sort(keys, stable=True)
+    bounds = torch.arange(num_experts + 1, device=keys.device, dtype=sorted_ids.dtype)
     expert_offsets = torch.searchsorted(sorted_ids, bounds)
     return sorted_slot, expert_offsets
+
+
+def _swiglu(gate_up, dtype):
+    """act = silu(gate) * up in fp32 from the rounded gate_up rows, rounded to dtype (returned as fp32)."""
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return (g * torch.sigmoid(g) * u).to(dtype).float()
 
 
 def _valid_slots(top_k_index, num_experts):
@@ -51,18 +59,16 @@ def _valid_slots(top_k_index, num_experts):
 
 
 def moe_fwd_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    """Returns (out (T, H), gate_up_out (S, 2I) pre-activation, act (S, I) = silu(gate) * up, sorted_slot,
-    expert_offsets); the S rows are in sorted (by expert) order. Same cast points as the Triton path."""
+    """Returns (out (T, H), gate_up_out (S, 2I) pre-activation, sorted_slot, expert_offsets); the S rows are in
+    sorted (by expert) order. Same cast points as the Triton path."""
     T, H = hidden.shape
     K = top_k_index.shape[1]
     E, two_i, _ = gate_up_proj.shape
-    inter = two_i // 2
     dtype = hidden.dtype
     sorted_slot, expert_offsets = route(top_k_index, E)
     rows_token = sorted_slot // K
     x_sorted = hidden[rows_token].float()
     gate_up_out = hidden.new_zeros((T * K, two_i))
-    act = hidden.new_zeros((T * K, inter))
     y_sorted = torch.zeros((T * K, H), dtype=dtype, device=hidden.device)
     bounds = expert_offsets.tolist()  # reference path: a host sync is fine here
     for e in range(E):
@@ -71,26 +77,24 @@ def moe_fwd_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_pro
             continue
         gu = (x_sorted[lo:hi] @ gate_up_proj[e].float().t()).to(dtype)
         gate_up_out[lo:hi] = gu
-        g, u = gu.float().chunk(2, dim=-1)
-        a = (F.silu(g) * u).to(dtype)
-        act[lo:hi] = a
-        y_sorted[lo:hi] = (a.float() @ down_proj[e].float().t()).to(dtype)
+        a = _swiglu(gu, dtype)
+        y_sorted[lo:hi] = (a @ down_proj[e].float().t()).to(dtype)
     valid = _valid_slots(top_k_index, E).reshape(-1, 1)
     pos = torch.empty_like(sorted_slot)
     pos[sorted_slot] = torch.arange(sorted_slot.numel(), device=hidden.device)
     y_slot = torch.where(valid, y_sorted[pos].float(), 0.0)  # (S, H) in slot order
     w = torch.where(valid, top_k_weights.reshape(-1, 1).float(), 0.0)
     out = (y_slot * w).view(T, K, H).sum(1).to(dtype)
-    return out, gate_up_out, act, sorted_slot, expert_offsets
+    return out, gate_up_out, sorted_slot, expert_offsets
 
 
-def moe_bwd_reference(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, act,
-                      sorted_slot, expert_offsets):
-    """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj) in fp32 math, cast to the input dtypes."""
+def moe_bwd_reference(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
+                      expert_offsets):
+    """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj) in fp32 math, cast to the input dtypes.
+    act is recomputed from gate_up_out, as the kernels do."""
     T, H = hidden.shape
     K = top_k_index.shape[1]
-    E, two_i, _ = gate_up_proj.shape
-    inter = two_i // 2
+    E = gate_up_proj.shape[0]
     dtype = hidden.dtype
     valid = _valid_slots(top_k_index, E).reshape(-1)[sorted_slot]
     rows_token = sorted_slot // K
@@ -106,8 +110,9 @@ def moe_bwd_reference(dout, hidden, top_k_index, top_k_weights, gate_up_proj, do
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
             continue
-        a = act[lo:hi].float()
-        dact_unweighted = dout_rows[lo:hi] @ down_proj[e].float()  # (n, I)
+        a = _swiglu(gate_up_out[lo:hi], dtype)
+        # unweighted grad of act, rounded to the dtype (as F.linear's backward and the kernels round it)
+        dact_unweighted = (dout_rows[lo:hi] @ down_proj[e].float()).to(dtype).float()  # (n, I)
         dw_rows[lo:hi] = (dact_unweighted * a).sum(1)  # d out / d w = <dout, y> = <dout @ Wd, act>
         dact = dact_unweighted * w_rows[lo:hi, None]
         g, u = gate_up_out[lo:hi].float().chunk(2, dim=-1)
@@ -117,8 +122,8 @@ def moe_bwd_reference(dout, hidden, top_k_index, top_k_weights, gate_up_proj, do
         dgu = torch.cat([dg, du], dim=1).to(dtype).float()
         dx_rows[lo:hi] = (dgu @ gate_up_proj[e].float()).to(dtype).float()
         dgate_up_proj[e] = dgu.t() @ x_rows[lo:hi]
-        dyw = (dout_rows[lo:hi] * w_rows[lo:hi, None]).to(dtype).float()
-        ddown_proj[e] = dyw.t() @ a
+        act_w = (a * w_rows[lo:hi, None]).to(dtype).float()
+        ddown_proj[e] = dout_rows[lo:hi].t() @ act_w
     pos = torch.empty_like(sorted_slot)
     pos[sorted_slot] = torch.arange(sorted_slot.numel(), device=hidden.device)
     valid_slot = _valid_slots(top_k_index, E).reshape(-1, 1)

@@ -7,11 +7,13 @@ row, and the grid has a static upper bound on the number of tiles (programs past
 every launch is CUDA-graph capturable. Activations are gathered by token id inside the kernels (no permuted
 copy of `hidden`), weights are read in the HF v5 layout: gate_up_proj (E, 2I, H), down_proj (E, H, I).
 
-Forward:  gate_up GEMM with SwiGLU in the epilogue -> down GEMM -> weighted combine back to token order.
-Backward: dact = (dout @ Wd) with the routing-weight grad and the SwiGLU backward in the epilogue ->
+Forward:  gate_up GEMM with SwiGLU in the epilogue -> down GEMM -> weighted combine back to token order; only
+          gate_up_out is kept for the backward (act is recomputed from it).
+Backward: g_act = (dout @ Wd) with the routing-weight grad and the SwiGLU backward in the epilogue ->
           dx rows (dgate_up @ Wgu) -> combine; per-expert weight grads reduce over the expert's rows
-          inside one program (fixed order, no atomics: deterministic), or (GPU_CONFIGS["weight_grad"], the
-          default on sm_90/sm_100 bf16) torch._grouped_mm over gathered expert-sorted rows (deterministic too).
+          inside one program (fixed order, no atomics: deterministic). On sm_90/sm_100 bf16 (GPU_CONFIGS
+          ["backward"], the default there) the weight grads and g_act are torch._grouped_mm (CUTLASS) GEMMs over
+          gathered expert-sorted rows instead (deterministic too), g_act's epilogue a separate row pass.
 All products accumulate in fp32; operands are the input dtype (bf16/fp16 tensor cores, fp32 in IEEE).
 This module imports triton: import it lazily.
 """
@@ -28,6 +30,19 @@ def _in_bounds(offs, bound, EVEN: tl.constexpr):
         return tl.full(offs.shape, 1, tl.int1)
     else:
         return offs < bound
+
+
+@triton.jit
+def _swiglu(g, u):
+    # act = silu(g) * u in fp32 from the rounded linear outputs; the forward and both backward paths evaluate
+    # this one expression, so the act recomputed in the backward is bitwise the forward's
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _swiglu_bwd(dact, g, u):
+    sig = tl.sigmoid(g)
+    return dact * u * sig * (1.0 + g * (1.0 - sig)), dact * g * sig
 
 
 @triton.jit
@@ -94,8 +109,7 @@ def _gate_up_fwd_kernel(
     gu_ptrs = GU + rows[:, None] * stride_gu + cols[None, :]
     tl.store(gu_ptrs, g, mask=mask)
     tl.store(gu_ptrs + I, u, mask=mask)
-    g = g.to(tl.float32)
-    act = g * tl.sigmoid(g) * u.to(tl.float32)
+    act = _swiglu(g.to(tl.float32), u.to(tl.float32))
     tl.store(ACT + rows[:, None] * stride_act + cols[None, :], act.to(ACT.dtype.element_ty), mask=mask)
 
 
@@ -164,13 +178,15 @@ def _combine_kernel(
 
 @triton.jit
 def _down_bwd_act_kernel(
-    DOUT, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT, DGU, DW_PART,
-    H, I, E, TILES_N, stride_dout, stride_de, stride_dn, stride_gu, stride_act, stride_dgu, stride_part,
+    DOUT, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART,
+    H, I, E, TILES_N, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
 ):
-    # g_act = dout[token] @ Wd[e]   (unweighted grad of act, BLOCK_N intermediate columns)
-    # epilogue: dweight partial = sum_i g_act * act; dact = w * g_act; SwiGLU backward -> dgate, dup
+    # g_act = dout[token] @ Wd[e]   (unweighted grad of act, BLOCK_N intermediate columns; rounded to the input
+    # dtype like the M-grouped GEMM of the grouped_mm path and F.linear's backward)
+    # epilogue: act recomputed from gate_up_out (not saved by the forward); dweight partial = sum_i g_act * act;
+    # dact = w * g_act; SwiGLU backward -> dgate, dup; act_w = w * act (operand of the down-proj weight grad)
     # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_K)
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
@@ -198,20 +214,51 @@ def _down_bwd_act_kernel(
             b_ptrs += BLOCK_K * stride_dn
         acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BLOCK_K
+    g_act = acc.to(DGU.dtype.element_ty).to(tl.float32)
     mask = row_mask[:, None] & col_mask[None, :]
-    act = tl.load(ACT + rows[:, None] * stride_act + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(DW_PART + rows * stride_part + pid_n, tl.sum(acc * act, axis=1), mask=row_mask)
-    w = tl.load(ROW_W + rows, mask=row_mask, other=0.0).to(tl.float32)
-    dact = acc * w[:, None]
     gu_ptrs = GU + rows[:, None] * stride_gu + cols[None, :]
     g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    dg = dact * u * sig * (1.0 + g * (1.0 - sig))
-    du = dact * g * sig
+    act = _swiglu(g, u).to(ACT_W.dtype.element_ty).to(tl.float32)
+    tl.store(DW_PART + rows * stride_part + pid_n, tl.sum(g_act * act, axis=1), mask=row_mask)
+    w = tl.load(ROW_W + rows, mask=row_mask, other=0.0).to(tl.float32)
+    dg, du = _swiglu_bwd(g_act * w[:, None], g, u)
     dgu_ptrs = DGU + rows[:, None] * stride_dgu + cols[None, :]
     tl.store(dgu_ptrs, dg.to(DGU.dtype.element_ty), mask=mask)
     tl.store(dgu_ptrs + I, du.to(DGU.dtype.element_ty), mask=mask)
+    tl.store(ACT_W + rows[:, None] * stride_act_w + cols[None, :], (act * w[:, None]).to(ACT_W.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_rows_kernel(
+    G_ACT, GU, ROW_W, OFFSETS, DGU, DW_ROWS, I, E, stride_g, stride_gu, stride_dgu,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # the epilogue of _down_bwd_act_kernel as its own pass, after the M-grouped GEMM g_act = dout_rows @ Wd[e]
+    # (grouped_mm path): act recomputed from gate_up_out; dw_rows[r] = <g_act, act> (whole row: no partials);
+    # dact = w * g_act -> dgate, dup; G_ACT overwritten in place with w * act. Rows outside the experts' range
+    # [offsets[0], offsets[E]) (slots routed outside [0, E)) are skipped.
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    r_mask = (rows >= tl.load(OFFSETS)) & (rows < tl.load(OFFSETS + E))
+    w = tl.load(ROW_W + rows, mask=r_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, I, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        mask = r_mask[:, None] & (cols < I)[None, :]
+        g_ptrs = G_ACT + rows[:, None] * stride_g + cols[None, :]
+        g_act = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        gu_ptrs = GU + rows[:, None] * stride_gu + cols[None, :]
+        g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+        act = _swiglu(g, u).to(G_ACT.dtype.element_ty).to(tl.float32)
+        dw += tl.sum(g_act * act, axis=1)
+        dg, du = _swiglu_bwd(g_act * w[:, None], g, u)
+        dgu_ptrs = DGU + rows[:, None] * stride_dgu + cols[None, :]
+        tl.store(dgu_ptrs, dg.to(DGU.dtype.element_ty), mask=mask)
+        tl.store(dgu_ptrs + I, du.to(DGU.dtype.element_ty), mask=mask)
+        tl.store(g_ptrs, (act * w[:, None]).to(G_ACT.dtype.element_ty), mask=mask)
+    tl.store(DW_ROWS + rows, dw, mask=r_mask)
 
 
 @triton.jit
@@ -286,12 +333,12 @@ def _gate_up_bwd_w_kernel(
 
 @triton.jit
 def _down_bwd_w_kernel(
-    DOUT, ROW_W, ACT, ROW_TOKEN, OFFSETS, DW,
-    H, I, stride_dout, stride_act, stride_dwe, stride_dwn,
+    DOUT, ACT_W, ROW_TOKEN, OFFSETS, DW,
+    H, I, stride_dout, stride_act_w, stride_dwe, stride_dwn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    # dWd[e][h, i] = sum over the expert's rows r of (w_r * dout[token_r, h]) * act[r, i]
+    # dWd[e][h, i] = sum over the expert's rows r of dout[token_r, h] * act_w[r, i]   (act_w = w_r * act)
     pid = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
     tiles_n = tl.cdiv(I, BLOCK_N)
@@ -309,10 +356,9 @@ def _down_bwd_w_kernel(
         rows = r0 + ks
         r_mask = rows < hi
         tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
-        w = tl.load(ROW_W + rows, mask=r_mask, other=0.0).to(tl.float32)
         a = tl.load(DOUT + tok[None, :] * stride_dout + ms[:, None], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        a = (a.to(tl.float32) * w[None, :]).to(DOUT.dtype.element_ty)
-        b = tl.load(ACT + rows[:, None] * stride_act + ns[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        b = tl.load(ACT_W + rows[:, None] * stride_act_w + ns[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                    other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     tl.store(DW + e * stride_dwe + ms[:, None].to(tl.int64) * stride_dwn + ns[None, :], acc.to(DW.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
@@ -320,21 +366,16 @@ def _down_bwd_w_kernel(
 
 @triton.jit
 def _gather_rows_kernel(
-    SRC, ROW_TOKEN, ROW_W, DST, S, N, stride_src, stride_dst,
-    HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    SRC, ROW_TOKEN, DST, S, N, stride_src, stride_dst, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # dst[r] = src[token_r], times w_r in fp32 and rounded once to the dtype when HAS_WEIGHT (the same rounding
-    # as the scaled dout operand of _down_bwd_w_kernel). Materialises expert-sorted rows for torch._grouped_mm.
+    # dst[r] = src[token_r]: expert-sorted rows for torch._grouped_mm
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < S
     mask = r_mask[:, None] & (cols < N)[None, :]
     tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
     v = tl.load(SRC + tok[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
-    if HAS_WEIGHT:
-        w = tl.load(ROW_W + rows, mask=r_mask, other=0.0).to(tl.float32)
-        v = v.to(tl.float32) * w[:, None]
-    tl.store(DST + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], v.to(DST.dtype.element_ty), mask=mask)
+    tl.store(DST + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], v, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------- launch
@@ -353,13 +394,16 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
-    # weight grads: "triton" (_gate_up_bwd_w / _down_bwd_w above: token lookup, per-step routing-weight multiply)
-    # or torch._grouped_mm (CUTLASS K-grouped GEMM over gathered sorted rows) for both ("grouped_mm") or one of
-    # them ("grouped_mm_gate_up", "grouped_mm_down"); falls back to "triton" where _grouped_mm's fast path does
-    # not apply (`_grouped_mm_applies`). Run 10: bwd 3.675 -> 3.037 ms with "grouped_mm" (the Triton weight-grad
-    # kernels reach ~55% of the matmul rate; CUTLASS's persistent TMA kernel ~80%), bitwise the same grads
-    "weight_grad": dict(impl="grouped_mm"),
-    "gather_rows": dict(BLOCK_R=8, BLOCK_N=512, num_warps=4),  # the row gathers of the grouped_mm weight grads
+    # backward GEMMs (see moe_bwd): "triton" (all Triton kernels), "grouped_mm_wgrad" (the two weight grads
+    # through torch._grouped_mm: CUTLASS K-grouped GEMMs over gathered expert-sorted rows) or "grouped_mm" (those
+    # and g_act = dout_rows @ Wd[e] as a CUTLASS M-grouped GEMM, its SwiGLU epilogue in _swiglu_bwd_rows_kernel);
+    # falls back to "triton" where _grouped_mm's fast path does not apply (`_grouped_mm_applies`).
+    # Run 10: bwd 3.675 -> 3.037 ms with CUTLASS weight grads (Triton's weight-grad kernels reach ~55% of the
+    # matmul rate, CUTLASS's persistent TMA kernel ~80%). Run 11 probe: the M-grouped g_act GEMM 0.368 ms vs
+    # 0.714 ms for the fused Triton _down_bwd_act_kernel
+    "backward": dict(impl="grouped_mm"),
+    "gather_rows": dict(BLOCK_R=8, BLOCK_N=512, num_warps=4),  # the row gathers of the grouped_mm paths
+    "swiglu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=256, num_warps=4),
 }
 _FP32_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)  # IEEE fp32: no tensor cores
 # interpreter: small tiles, so that the tests cover several row tiles per expert and several column tiles
@@ -452,17 +496,26 @@ def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype):
     return out
 
 
-def _gather_rows(src, row_token, row_w, dst):
-    """dst[r] = src[row_token[r]] (* row_w[r] when given), dst (S, N) in src's dtype."""
+def _gather_rows(src, row_token, dst):
+    """dst[r] = src[row_token[r]], dst (S, N) in src's dtype."""
     S, N = dst.shape
     cfg = GPU_CONFIGS["gather_rows"] if _on_gpu(src) else dict(BLOCK_R=8, BLOCK_N=32, num_warps=4)
     block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(N))
     grid = (triton.cdiv(S, cfg["BLOCK_R"]), triton.cdiv(N, block_n))
-    _gather_rows_kernel[grid](
-        src, row_token, row_w if row_w is not None else src, dst, S, N, src.stride(0), dst.stride(0),
-        HAS_WEIGHT=row_w is not None, BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n, num_warps=cfg["num_warps"],
-    )
+    _gather_rows_kernel[grid](src, row_token, dst, S, N, src.stride(0), dst.stride(0), BLOCK_R=cfg["BLOCK_R"],
+                              BLOCK_N=block_n, num_warps=cfg["num_warps"])
     return dst
+
+
+def _swiglu_bwd_rows(g_act, gate_up_out, row_w, expert_offsets, dgate_up_out, dw_rows):
+    S, inter = g_act.shape
+    cfg = GPU_CONFIGS["swiglu_bwd_rows"] if _on_gpu(g_act) else dict(BLOCK_R=4, BLOCK_N=16, num_warps=4)
+    block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(inter))
+    _swiglu_bwd_rows_kernel[(triton.cdiv(S, cfg["BLOCK_R"]),)](
+        g_act, gate_up_out, row_w, expert_offsets, dgate_up_out, dw_rows, inter, expert_offsets.numel() - 1,
+        g_act.stride(0), gate_up_out.stride(0), dgate_up_out.stride(0), BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n,
+        num_warps=cfg["num_warps"],
+    )
 
 
 def _grouped_mm_applies(t: torch.Tensor, H: int, inter: int, E: int) -> bool:
@@ -476,18 +529,28 @@ def _grouped_mm_applies(t: torch.Tensor, H: int, inter: int, E: int) -> bool:
     return torch.cuda.get_device_capability(t.device)[0] in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
 
 
-WEIGHT_GRAD_IMPLS = ("triton", "grouped_mm", "grouped_mm_gate_up", "grouped_mm_down")
+BACKWARD_IMPLS = ("triton", "grouped_mm", "grouped_mm_wgrad")
 
 
-def weight_grad_impl(t: torch.Tensor, H: int, inter: int, E: int) -> str:
-    """The weight-grad implementation that runs for these inputs: GPU_CONFIGS["weight_grad"]["impl"] (read at
-    call time) where it applies (`_grouped_mm_applies`), else "triton"."""
-    impl = GPU_CONFIGS.get("weight_grad", {}).get("impl", "triton")
-    if impl not in WEIGHT_GRAD_IMPLS:
-        raise ValueError(f"moe: unknown GPU_CONFIGS['weight_grad'] impl {impl!r} (one of {WEIGHT_GRAD_IMPLS})")
+def backward_impl(t: torch.Tensor, H: int, inter: int, E: int) -> str:
+    """The backward implementation that runs for these inputs: GPU_CONFIGS["backward"]["impl"] (read at call time)
+    where it applies (`_grouped_mm_applies`), else "triton"."""
+    impl = GPU_CONFIGS.get("backward", {}).get("impl", "triton")
+    if impl not in BACKWARD_IMPLS:
+        raise ValueError(f"moe: unknown GPU_CONFIGS['backward'] impl {impl!r} (one of {BACKWARD_IMPLS})")
     if impl.startswith("grouped_mm"):
         return impl if _grouped_mm_applies(t, H, inter, E) else "triton"
     return impl
+
+
+def _m_grouped_mm(a_sorted, w, expert_offsets):
+    """out[rows_e] = a_sorted[rows_e] @ w[e] for every expert e, one torch._grouped_mm call ("M-grouped", 2d x 3d).
+
+    a_sorted (S, K) in expert-sorted order, w (E, K, N); returns (S, N). offs = the E group ends, the first group
+    starting at row 0: rows before offsets[0] (slots routed to negative ids) are computed with expert 0's weight
+    and rows past offsets[E] (the sentinel E) are left unwritten; no consumer reads either (they fall outside
+    every expert's range)."""
+    return torch._grouped_mm(a_sorted, w, offs=expert_offsets[1:].to(torch.int32))
 
 
 def _k_grouped_mm(a_sorted, b_sorted, expert_offsets):
@@ -500,14 +563,14 @@ def _k_grouped_mm(a_sorted, b_sorted, expert_offsets):
     usually none; its product is dropped, so unwritten rows there never reach a result), group e + 1 = expert
     e. Rows past offsets[E] (the expert-parallel sentinel E) are past the last offset: never read.
     Experts with no rows are zero-K groups: GroupMMCommon.cuh accepts them only in this layout (column-major A,
-    row-major B; every other layout asserts K > 0), so they are meant to give zeros (alpha * an empty sum),
-    but we have not seen that in the CUTLASS source: test_weight_grad_grouped_mm_gpu has empty experts.
+    row-major B; every other layout asserts K > 0) and they come out as zeros (test_backward_grouped_mm_gpu has
+    empty experts).
     Determinism / capture, as far as the source shows (pytorch GroupMM.cu / GroupedBlas.cpp, the sm90/sm100
     bf16 fast path; it is CUTLASS, not cuBLAS, up to torch builds with CUDA < 13.3, where newer torch may pick
     cuBLASLt grouped GEMM instead): one CUTLASS ptr-array TMA warp-specialized kernel with a persistent tile
     scheduler, no split-K / stream-K (each output tile is reduced by one CTA in K order: deterministic);
     per-group problem sizes are built on the device from offs by a prepare kernel (no host sync) and scratch
-    comes from the caching allocator, so it should be CUDA-graph capturable (the gpu test captures it).
+    comes from the caching allocator, so it is CUDA-graph capturable (the gpu test captures it).
     """
     out = torch._grouped_mm(a_sorted.t(), b_sorted, offs=expert_offsets.to(torch.int32))
     return out[1:]  # (E + 1, M, N) contiguous -> the E expert groups, still contiguous
@@ -548,11 +611,17 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
         PREC=prec, EVEN_N=even_n, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, **_launch_opts(cfg),
     )
     out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
-    return out, gate_up_out, act
+    return out, gate_up_out  # act is not kept: the backward recomputes it from gate_up_out
 
 
-def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, act,
-            sorted_slot, expert_offsets):
+def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
+            expert_offsets):
+    """Backward of moe_fwd. act is not saved: it is recomputed from gate_up_out (bitwise the forward's).
+
+    With g_act = dout[token_r] @ Wd[e] per sorted row r (rounded to the dtype), act_w = w_r * act:
+    dweights = <g_act, act>, dgate_up_out = SwiGLU backward of w_r * g_act, dx_r = dgate_up_out_r @ Wgu[e]
+    (dhidden sums each token's K rows), dWgu[e] = dgate_up_out^T x_rows, dWd[e] = dout_rows^T act_w.
+    """
     T, H = hidden.shape
     K = top_k_index.shape[1]
     E, two_i, _ = gate_up_proj.shape
@@ -564,32 +633,52 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     row_w = top_k_weights.reshape(-1)[sorted_slot].float()
     pos = _positions(sorted_slot)
     row_tiles = _RowTiles(expert_offsets, S)
-
-    impl = weight_grad_impl(hidden, H, inter, E)
-
-    # 1. grad of act (SwiGLU backward and routing-weight grad partials in the epilogue)
-    cfg = _config("down_bwd_act", hidden, S, E)
-    tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-    tiles_i = triton.cdiv(inter, cfg["BLOCK_N"])
-    dgate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
-    dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=hidden.device)
-    even_k = H % cfg["BLOCK_K"] == 0
-    w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
-    _down_bwd_act_kernel[(tiles_i * max_tiles,)](
-        dout, w_down, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, act,
-        dgate_up_out, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0),
-        down_proj.stride(1), gate_up_out.stride(0), act.stride(0), dgate_up_out.stride(0), dw_part.stride(0),
-        PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, **_launch_opts(cfg),
-    )
-    # routing-weight grad: fixed-order sum of the per-column-tile partials, back to slot order
+    impl = backward_impl(hidden, H, inter, E)
     valid = (top_k_index >= 0) & (top_k_index < E)
-    dweights = torch.where(valid, dw_part.sum(1)[pos].view(T, K), 0.0).to(top_k_weights.dtype)
+    dgate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
+    rows_buf = torch.empty((S, H), dtype=dtype, device=hidden.device)  # dout rows, then dx rows, then x rows
 
-    # 2. grad of hidden: per-row dx, then the sum of each token's K copies
+    # 1. g_act, its SwiGLU backward and the routing-weight grad; act_w for the down-proj weight grad
+    if impl == "grouped_mm":
+        dout_rows = _gather_rows(dout, row_token, rows_buf)
+        act_w = _m_grouped_mm(dout_rows, down_proj, expert_offsets)  # g_act, overwritten with act_w
+        dw_rows = torch.empty((S,), dtype=torch.float32, device=hidden.device)
+        _swiglu_bwd_rows(act_w, gate_up_out, row_w, expert_offsets, dgate_up_out, dw_rows)
+        ddown_proj = _k_grouped_mm(dout_rows, act_w, expert_offsets)
+        del act_w
+    else:
+        cfg = _config("down_bwd_act", hidden, S, E)
+        tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
+        tiles_i = triton.cdiv(inter, cfg["BLOCK_N"])
+        act_w = torch.empty((S, inter), dtype=dtype, device=hidden.device)
+        dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=hidden.device)
+        even_k = H % cfg["BLOCK_K"] == 0
+        w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
+        _down_bwd_act_kernel[(tiles_i * max_tiles,)](
+            dout, w_down, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, dgate_up_out,
+            act_w, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
+            gate_up_out.stride(0), dgate_up_out.stride(0), act_w.stride(0), dw_part.stride(0),
+            PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, **_launch_opts(cfg),
+        )
+        dw_rows = dw_part.sum(1)  # fixed-order sum of the per-column-tile partials
+        if impl == "grouped_mm_wgrad":
+            ddown_proj = _k_grouped_mm(_gather_rows(dout, row_token, rows_buf), act_w, expert_offsets)
+        else:  # one program per (output tile, expert), reducing over that expert's rows in order
+            cfg = _config("down_bwd_w", hidden, S, E)
+            ddown_proj = torch.empty_like(down_proj)
+            _down_bwd_w_kernel[(triton.cdiv(H, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]), E)](
+                dout, act_w, row_token, expert_offsets, ddown_proj,
+                H, inter, dout.stride(0), act_w.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
+                PREC=prec, EVEN_M=H % cfg["BLOCK_M"] == 0, EVEN_N=inter % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
+            )
+        del act_w
+    dweights = torch.where(valid, dw_rows[pos].view(T, K), 0.0).to(top_k_weights.dtype)  # back to slot order
+
+    # 2. grad of hidden: per-row dx (stream order: after the last reader of rows_buf), then each token's K copies
     cfg = _config("gate_up_bwd_x", hidden, S, E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
     tiles_n = triton.cdiv(H, cfg["BLOCK_N"])
-    dx_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
+    dx_rows = rows_buf
     even_k = two_i % cfg["BLOCK_K"] == 0
     w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     _gate_up_bwd_x_kernel[(tiles_n * max_tiles,)](
@@ -599,11 +688,9 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     )
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
-    # 3. weight grads. Triton: one program per (output tile, expert), reducing over that expert's rows in order.
-    #    grouped_mm: gathered sorted rows (x[token], w * dout[token]) in dx_rows' buffer (free once
-    #    combined; stream order keeps each gather after the previous reader of the buffer)
-    if impl in ("grouped_mm", "grouped_mm_gate_up"):
-        x_rows = _gather_rows(hidden, row_token, None, dx_rows)
+    # 3. gate_up weight grad
+    if impl.startswith("grouped_mm"):
+        x_rows = _gather_rows(hidden, row_token, rows_buf)  # stream order: after the combine's read of dx rows
         dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, expert_offsets)
     else:
         cfg = _config("gate_up_bwd_w", hidden, S, E)
@@ -612,16 +699,5 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
             dgate_up_out, hidden, row_token, expert_offsets, dgate_up_proj,
             H, two_i, dgate_up_out.stride(0), hidden.stride(0), dgate_up_proj.stride(0), dgate_up_proj.stride(1),
             PREC=prec, EVEN_M=two_i % cfg["BLOCK_M"] == 0, EVEN_N=H % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
-        )
-    if impl in ("grouped_mm", "grouped_mm_down"):
-        dy_rows = _gather_rows(dout, row_token, row_w, dx_rows)  # stream order: after the gate_up read of it
-        ddown_proj = _k_grouped_mm(dy_rows, act, expert_offsets)
-    else:
-        cfg = _config("down_bwd_w", hidden, S, E)
-        ddown_proj = torch.empty_like(down_proj)
-        _down_bwd_w_kernel[(triton.cdiv(H, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]), E)](
-            dout, row_w, act, row_token, expert_offsets, ddown_proj,
-            H, inter, dout.stride(0), act.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
-            PREC=prec, EVEN_M=H % cfg["BLOCK_M"] == 0, EVEN_N=inter % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
         )
     return dhidden, dweights, dgate_up_proj, ddown_proj
