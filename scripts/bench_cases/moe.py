@@ -5,7 +5,10 @@ top-8, H=2048, I=512). Peers: HF eager loop, HF `batched_mm`, HF `grouped_mm`, t
 `grouped_mm`, Liger's fused MoE; ours through the functional API. Weights are inputs (fresh leaves, their
 grads reset every step like the activations'), so every impl does the same work: dhidden, dweights, dW.
 Floor = fwd+bwd GEMM FLOPs (3 x 2 x T*K x 3*H*I) at the measured bf16 matmul rate (as anchor_bench.py).
+BENCH_MOE_CASES=label[,label] runs only those cases (Liger's fused MoE autotunes for minutes per shape).
 """
+import os
+
 import torch
 
 CASES = [  # label, T, H, E, K, I, peers beyond grouped_mm
@@ -25,7 +28,10 @@ def run(h):
 
     moe = h.load_kernel("moe")
     dt = torch.bfloat16 if str(h.dev) != "cpu" else torch.float32  # cpu: smoke runs only
+    only = [c for c in os.environ.get("BENCH_MOE_CASES", "").split(",") if c]
     for label, T, H, E, K, I, peers in CASES:
+        if only and label not in only:
+            continue
         op = f"moe_experts_{label}"
         flops = _flops(T, H, K, I)
         floor = flops / h.MM_RATE * 1e3

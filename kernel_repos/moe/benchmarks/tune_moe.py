@@ -44,6 +44,7 @@ VARIANTS = [
     # M-grouped g_act GEMM + its row epilogue), CUTLASS weight grads with the fused Triton g_act kernel, or all
     # Triton (the Triton kernels' configs are timed in those contexts)
     ("backward", dict(impl="grouped_mm_wgrad")),
+    ("backward", dict(impl="grouped_mm_lean")),
     ("backward", dict(impl="triton")),
     ("swiglu_bwd_rows", dict(BLOCK_R=8, BLOCK_N=256)),
     ("swiglu_bwd_rows", dict(BLOCK_R=2, BLOCK_N=512)),

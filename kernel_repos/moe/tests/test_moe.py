@@ -184,7 +184,7 @@ def _bwd_direct(x, idx, w, gu, dn, dout):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU glue test under the interpreter")
 @pytest.mark.parametrize("standin", ["torch_cpu", "loop"])
-@pytest.mark.parametrize("impl", ["grouped_mm", "grouped_mm_wgrad"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "grouped_mm_lean", "grouped_mm_wgrad"])
 def test_backward_grouped_mm_glue(standin, impl, monkeypatch):
     # the torch._grouped_mm backward paths (GPU_CONFIGS["backward"]) against the Triton one, on CPU: with
     # torch's own CPU _grouped_mm (same offs semantics as CUDA) or a python loop over experts. Routing with
@@ -212,7 +212,7 @@ def test_backward_grouped_mm_glue(standin, impl, monkeypatch):
     monkeypatch.setattr(tk, "_grouped_mm_applies", lambda *a: True)
     monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl))
     got = _bwd_direct(x, idx, w, gu, dn, dout)
-    assert len(calls) == (3 if impl == "grouped_mm" else 2), calls
+    assert len(calls) == (3 if impl == "grouped_mm" else 2), calls  # lean: M-grouped g_act + K-grouped ddown
     for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got, ref):
         assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous(), name
         assert torch.isfinite(g).all(), name
@@ -435,7 +435,7 @@ def test_backward_grouped_mm_gpu(monkeypatch):
     args = (x, idx, w, gu, dn, dout)
     monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="triton"))
     ref = _bwd_direct(*args)
-    for impl in ("grouped_mm", "grouped_mm_wgrad"):
+    for impl in ("grouped_mm", "grouped_mm_lean", "grouped_mm_wgrad"):
         monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl))
         got = _bwd_direct(*args)
         for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got, ref):

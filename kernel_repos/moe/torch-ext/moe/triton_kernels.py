@@ -396,7 +396,9 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
     # backward GEMMs (see moe_bwd): "triton" (all Triton kernels), "grouped_mm_wgrad" (the two weight grads
     # through torch._grouped_mm: CUTLASS K-grouped GEMMs over gathered expert-sorted rows) or "grouped_mm" (those
-    # and g_act = dout_rows @ Wd[e] as a CUTLASS M-grouped GEMM, its SwiGLU epilogue in _swiglu_bwd_rows_kernel);
+    # and g_act = dout_rows @ Wd[e] as a CUTLASS M-grouped GEMM, its SwiGLU epilogue in _swiglu_bwd_rows_kernel) or
+    # "grouped_mm_lean" (the same but the gate_up weight grad in Triton, which gathers x rows itself: no (S, H)
+    # buffer of them at the backward's peak);
     # falls back to "triton" where _grouped_mm's fast path does not apply (`_grouped_mm_applies`).
     # Run 10: bwd 3.675 -> 3.037 ms with CUTLASS weight grads (Triton's weight-grad kernels reach ~55% of the
     # matmul rate, CUTLASS's persistent TMA kernel ~80%). Run 11 probe: the M-grouped g_act GEMM 0.368 ms vs
@@ -529,7 +531,7 @@ def _grouped_mm_applies(t: torch.Tensor, H: int, inter: int, E: int) -> bool:
     return torch.cuda.get_device_capability(t.device)[0] in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
 
 
-BACKWARD_IMPLS = ("triton", "grouped_mm", "grouped_mm_wgrad")
+BACKWARD_IMPLS = ("triton", "grouped_mm", "grouped_mm_lean", "grouped_mm_wgrad")
 
 
 def backward_impl(t: torch.Tensor, H: int, inter: int, E: int) -> str:
@@ -639,7 +641,7 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     rows_buf = torch.empty((S, H), dtype=dtype, device=hidden.device)  # dout rows, then dx rows, then x rows
 
     # 1. g_act, its SwiGLU backward and the routing-weight grad; act_w for the down-proj weight grad
-    if impl == "grouped_mm":
+    if impl in ("grouped_mm", "grouped_mm_lean"):
         dout_rows = _gather_rows(dout, row_token, rows_buf)
         act_w = _m_grouped_mm(dout_rows, down_proj, expert_offsets)  # g_act, overwritten with act_w
         dw_rows = torch.empty((S,), dtype=torch.float32, device=hidden.device)
@@ -689,7 +691,7 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
     # 3. gate_up weight grad
-    if impl.startswith("grouped_mm"):
+    if impl in ("grouped_mm", "grouped_mm_wgrad"):
         x_rows = _gather_rows(hidden, row_token, rows_buf)  # stream order: after the combine's read of dx rows
         dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, expert_offsets)
     else:
