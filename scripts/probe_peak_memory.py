@@ -46,6 +46,10 @@ def main():
     a = p.parse_args()
     args = argparse.Namespace(layers=4, smoke=False)
     path = Path("/tmp/hubfuse_probe_models") / a.slice
+    from hubfuse import presets
+    from tests.utils import register_local_kernels
+
+    register_local_kernels(*presets.kernel_repos(bench.SLICES[a.slice]["family"]))
     bench.ensure_model(a.slice, path, args, "cuda")
     model, extra, _ = bench.load_model(a.slice, "ours", path, "cuda")
     print("kernels bound:", extra, flush=True)
