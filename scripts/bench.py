@@ -203,6 +203,18 @@ def load_model(name: str, config: str, path: Path, device: str):
     return model, extra, note
 
 
+def set_moe_backward(model, impl: str) -> None:
+    """GPU_CONFIGS["backward"] of the moe kernel bound to `model` (a variant of its backward, for comparison)."""
+    import importlib
+
+    pkgs = {type(m).__module__.rsplit(".", 1)[0] for m in model.modules() if type(m).__name__ == "GroupedGemmExperts"}
+    for pkg in pkgs:
+        tk = importlib.import_module(pkg + ".triton_kernels")
+        if impl not in tk.BACKWARD_IMPLS:
+            raise ValueError(f"--moe-backward {impl}: not one of {tk.BACKWARD_IMPLS}")
+        tk.GPU_CONFIGS["backward"] = dict(impl=impl)
+
+
 def child(args) -> int:
     """Runs args.child_configs of one slice (one per process on the GPU; --smoke groups a slice's configs)."""
     import resource
@@ -242,6 +254,9 @@ def child(args) -> int:
             log(f"{tag} loading (from_pretrained, bf16, {device})")
             model, extra, note = load_model(name, config, path, device)
             row["modules"] = extra
+            if config == "ours" and args.moe_backward:
+                row["note"] = f"moe backward {args.moe_backward}"
+                set_moe_backward(model, args.moe_backward)
             if config == "ours":
                 log(f"{tag} kernels bound: {extra}")
                 if not extra:
@@ -471,6 +486,7 @@ def main(argv=None) -> int:
     p.add_argument("--append", action="store_true", help="merge into an existing bench_train.json")
     p.add_argument("--model-dir", default=None, help="where the built models go (default: a mktemp dir, removed)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--moe-backward", help="ours: GPU_CONFIGS['backward'] impl of the moe kernel (default: its own)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the runtime estimate, run nothing")
     # internal: child mode
     p.add_argument("--child-configs", nargs="+", help=argparse.SUPPRESS)
@@ -587,7 +603,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--slices", name, "--child-configs", *configs,
                    "--child-out", child_out, "--model-dir", model_dir, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--seq", str(args.seq), "--batch", str(args.batch),
-                   "--layers", str(args.layers)] + (["--smoke"] if args.smoke else [])
+                   "--layers", str(args.layers)] + (["--smoke"] if args.smoke else []) + (
+                       ["--moe-backward", args.moe_backward] if args.moe_backward else [])
             t0 = time.time()
             rc, tail = run_child(cmd, timeout, tag, env)
             try:

@@ -641,6 +641,7 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     rows_buf = torch.empty((S, H), dtype=dtype, device=hidden.device)  # dout rows, then dx rows, then x rows
 
     # 1. g_act, its SwiGLU backward and the routing-weight grad; act_w for the down-proj weight grad
+    dout_rows = None
     if impl in ("grouped_mm", "grouped_mm_lean"):
         dout_rows = _gather_rows(dout, row_token, rows_buf)
         act_w = _m_grouped_mm(dout_rows, down_proj, expert_offsets)  # g_act, overwritten with act_w
@@ -695,6 +696,9 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
         x_rows = _gather_rows(hidden, row_token, rows_buf)  # stream order: after the combine's read of dx rows
         dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, expert_offsets)
     else:
+        # every name of the (S, H) buffer dropped first: the allocator can hand it to this grad (the peak of a
+        # training step is usually here, in the backward of the first MoE layer, with all the other grads live)
+        rows_buf = dx_rows = dout_rows = None  # noqa: F841
         cfg = _config("gate_up_bwd_w", hidden, S, E)
         dgate_up_proj = torch.empty_like(gate_up_proj)
         _gate_up_bwd_w_kernel[(triton.cdiv(two_i, cfg["BLOCK_M"]) * triton.cdiv(H, cfg["BLOCK_N"]), E)](
