@@ -207,7 +207,13 @@ def set_moe_backward(model, impl: str) -> None:
     """GPU_CONFIGS["backward"] of the moe kernel bound to `model` (a variant of its backward, for comparison)."""
     import importlib
 
-    pkgs = {type(m).__module__.rsplit(".", 1)[0] for m in model.modules() if type(m).__name__ == "GroupedGemmExperts"}
+    pkgs = set()
+    for module in model.modules():  # the bound kernel forward (kernelize sets it on the instance)
+        func = getattr(module.__dict__.get("forward"), "__func__", None)
+        if func is not None and func.__qualname__.startswith("GroupedGemmExperts"):
+            pkgs.add(func.__module__.rsplit(".", 1)[0])
+    if not pkgs:
+        raise RuntimeError("--moe-backward: no moe kernel is bound to this model")
     for pkg in pkgs:
         tk = importlib.import_module(pkg + ".triton_kernels")
         if impl not in tk.BACKWARD_IMPLS:

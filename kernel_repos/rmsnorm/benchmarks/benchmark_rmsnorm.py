@@ -1,5 +1,8 @@
 """`kernels benchmark` workloads for the RMSNorm family: forward + backward, verified against HF eager.
 
+The CLI compares outputs with torch.allclose(atol=1e-2): weights and gates are scaled so that outputs stay
+below ~1, where one bf16 ulp (2**-7) is below that tolerance.
+
     kernels benchmark ./kernel_repos/rmsnorm     (on a GPU; small shapes on CPU)
 """
 import torch
@@ -30,12 +33,13 @@ class RMSNormBenchmark(Benchmark):
         rows, hidden = (16384, 4096) if self.device == "cuda" else (64, 256)
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.x = torch.randn(rows, hidden, device=self.device, dtype=dtype, requires_grad=True)
-        self.w = (torch.randn(hidden, device=self.device, dtype=dtype) * 0.1 + 1).requires_grad_()
+        self.w = (torch.randn(hidden, device=self.device, dtype=dtype) * 0.02 + 0.2).requires_grad_()
+        self.wz = (torch.randn(hidden, device=self.device, dtype=dtype) * 0.02 - 0.8).requires_grad_()  # 1 + w
         self.dy = torch.randn(rows, hidden, device=self.device, dtype=dtype)
         rows_g = rows * 32 if self.device == "cuda" else 512
         self.xg = torch.randn(rows_g, 128, device=self.device, dtype=dtype, requires_grad=True)
-        self.g = torch.randn(rows_g, 128, device=self.device, dtype=dtype, requires_grad=True)
-        self.wg = (torch.randn(128, device=self.device, dtype=dtype) * 0.1 + 1).requires_grad_()
+        self.g = (torch.randn(rows_g, 128, device=self.device, dtype=dtype) * 0.25).requires_grad_()
+        self.wg = (torch.randn(128, device=self.device, dtype=dtype) * 0.02 + 0.2).requires_grad_()
         self.dyg = torch.randn(rows_g, 128, device=self.device, dtype=dtype)
 
     def _fwd_bwd(self, y, dy):
@@ -56,10 +60,10 @@ class RMSNormBenchmark(Benchmark):
         return self._hf_fwd_bwd(_hf_rms_norm, self.dy, self.x, self.w)
 
     def benchmark_rms_norm_zero_centered(self):
-        self._fwd_bwd(self.kernel.rms_norm_zero_centered(self.x, self.w, 1e-6), self.dy)
+        self._fwd_bwd(self.kernel.rms_norm_zero_centered(self.x, self.wz, 1e-6), self.dy)
 
     def verify_rms_norm_zero_centered(self):
-        return self._hf_fwd_bwd(_hf_rms_norm_zero_centered, self.dy, self.x, self.w)
+        return self._hf_fwd_bwd(_hf_rms_norm_zero_centered, self.dy, self.x, self.wz)
 
     def benchmark_rms_norm_gated(self):
         self._fwd_bwd(self.kernel.rms_norm_gated(self.xg, self.g, self.wg, 1e-6), self.dyg)
