@@ -47,6 +47,19 @@ def _row_offsets(rows, H, S, s_b, s_h, s_s, HEAD_INNER: tl.constexpr):
 
 
 @triton.jit
+def _norm_block(x, rstd, w, ref, NORM: tl.constexpr, ROUND_NORM: tl.constexpr):
+    # the q/k RMSNorm of one block of a row (fp32 in and out), given the row's rstd, at HF's cast points; ref: a
+    # tensor of the input dtype
+    if NORM == 1:  # standard: cast(n) to the input dtype, then * w (HF: `weight * h.to(dtype)`)
+        x = (x * rstd).to(ref.dtype).to(tl.float32) * w
+    else:  # zero-centred: n * (1 + w) in fp32
+        x = x * rstd * (1.0 + w)
+    if ROUND_NORM:  # the norm's output tensor has the input dtype
+        x = x.to(ref.dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _fwd_rows(
     X, O, W, COS, SIN, row_begin, row_end, H, S,
     sx_b, sx_h, sx_s, so_b, so_h, so_s, sc_b, sc_s, eps, D, HALF,
@@ -80,21 +93,10 @@ def _fwd_rows(
             if HAS_PASS:
                 ss += tl.sum(xp * xp, axis=1)
             rstd = tl.math.rsqrt(ss / D + eps)[:, None]  # as torch.rsqrt
-            if NORM == 1:  # standard: cast(n) to the input dtype, then * w (HF: `weight * h.to(dtype)`)
-                x1 = (x1 * rstd).to(x1_raw.dtype).to(tl.float32) * w1
-                x2 = (x2 * rstd).to(x1_raw.dtype).to(tl.float32) * w2
-                if HAS_PASS:
-                    xp = (xp * rstd).to(x1_raw.dtype).to(tl.float32) * wp
-            else:  # zero-centred: n * (1 + w) in fp32
-                x1 = x1 * rstd * (1.0 + w1)
-                x2 = x2 * rstd * (1.0 + w2)
-                if HAS_PASS:
-                    xp = xp * rstd * (1.0 + wp)
-            if ROUND_NORM:  # the norm's output tensor has the input dtype
-                x1 = x1.to(x1_raw.dtype).to(tl.float32)
-                x2 = x2.to(x1_raw.dtype).to(tl.float32)
-                if HAS_PASS:
-                    xp = xp.to(x1_raw.dtype).to(tl.float32)
+            x1 = _norm_block(x1, rstd, w1, x1_raw, NORM, ROUND_NORM)
+            x2 = _norm_block(x2, rstd, w2, x1_raw, NORM, ROUND_NORM)
+            if HAS_PASS:
+                xp = _norm_block(xp, rstd, wp, x1_raw, NORM, ROUND_NORM)
         c1 = tl.load(COS + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
         c2 = tl.load(COS + c_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
         s1 = tl.load(SIN + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
@@ -158,15 +160,8 @@ def _fwd_rows_tile(
                       rmask[:, None] & second[None, :]).to(tl.float32)
         if NORM != 0:
             rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # as torch.rsqrt
-            if NORM == 1:  # standard: cast(n) to the input dtype, then * w (HF: `weight * h.to(dtype)`)
-                x = (x * rstd).to(x_raw.dtype).to(tl.float32) * w
-                xq = (xq * rstd).to(x_raw.dtype).to(tl.float32) * wq
-            else:  # zero-centred: n * (1 + w) in fp32
-                x = x * rstd * (1.0 + w)
-                xq = xq * rstd * (1.0 + wq)
-            if ROUND_NORM:  # the norm's output tensor has the input dtype
-                x = x.to(x_raw.dtype).to(tl.float32)
-                xq = xq.to(x_raw.dtype).to(tl.float32)
+            x = _norm_block(x, rstd, w, x_raw, NORM, ROUND_NORM)
+            xq = _norm_block(xq, rstd, wq, x_raw, NORM, ROUND_NORM)
         cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
         sn = tl.load(SIN + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
         a = x * cs
@@ -284,15 +279,8 @@ def _fwd_rows_lean(
         xq = tl.load(X + x_off[:, None] + cq[None, :], mask=mr, other=0.0).to(tl.float32)
         if NORM != 0:
             rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # as torch.rsqrt
-            if NORM == 1:  # standard: cast(n) to the input dtype, then * w (HF: `weight * h.to(dtype)`)
-                x = (x * rstd).to(x_raw.dtype).to(tl.float32) * w
-                xq = (xq * rstd).to(x_raw.dtype).to(tl.float32) * wq
-            else:  # zero-centred: n * (1 + w) in fp32
-                x = x * rstd * (1.0 + w)
-                xq = xq * rstd * (1.0 + wq)
-            if ROUND_NORM:  # the norm's output tensor has the input dtype
-                x = x.to(x_raw.dtype).to(tl.float32)
-                xq = xq.to(x_raw.dtype).to(tl.float32)
+            x = _norm_block(x, rstd, w, x_raw, NORM, ROUND_NORM)
+            xq = _norm_block(xq, rstd, wq, x_raw, NORM, ROUND_NORM)
         cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
         sn = tl.load(SIN + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
         a = x * cs
