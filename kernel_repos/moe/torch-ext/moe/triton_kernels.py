@@ -545,20 +545,21 @@ def backward_impl(t: torch.Tensor, H: int, inter: int, E: int) -> str:
     return impl
 
 
-def _m_grouped_mm(a_sorted, w, expert_offsets):
+def _m_grouped_mm(a_sorted, w, offsets32):
     """out[rows_e] = a_sorted[rows_e] @ w[e] for every expert e, one torch._grouped_mm call ("M-grouped", 2d x 3d).
 
-    a_sorted (S, K) in expert-sorted order, w (E, K, N); returns (S, N). offs = the E group ends, the first group
-    starting at row 0: rows before offsets[0] (slots routed to negative ids) are computed with expert 0's weight
+    a_sorted (S, K) in expert-sorted order, w (E, K, N), offsets32 = expert_offsets as int32; returns (S, N).
+    offs = the E group ends, the first group starting at row 0: rows before offsets[0] (slots routed to negative ids) are computed with expert 0's weight
     and rows past offsets[E] (the sentinel E) are left unwritten; no consumer reads either (they fall outside
     every expert's range)."""
-    return torch._grouped_mm(a_sorted, w, offs=expert_offsets[1:].to(torch.int32))
+    return torch._grouped_mm(a_sorted, w, offs=offsets32[1:])
 
 
-def _k_grouped_mm(a_sorted, b_sorted, expert_offsets):
+def _k_grouped_mm(a_sorted, b_sorted, offsets32):
     """out[e] = a_sorted[rows_e]^T @ b_sorted[rows_e] for every expert e, one torch._grouped_mm call.
 
-    a_sorted (S, M), b_sorted (S, N): rows in expert-sorted order; returns (E, M, N). The "K-grouped" 2d x 2d
+    a_sorted (S, M), b_sorted (S, N): rows in expert-sorted order, offsets32 = expert_offsets as int32; returns
+    (E, M, N). The "K-grouped" 2d x 2d
     form (what autograd of _grouped_mm uses for its weight grad): mat_a = a_sorted.t() (column-major), mat_b
     row-major, offs = int32 cumulative row ends, one per group, the first group starting at row 0.
     We pass E + 1 groups, offs = expert_offsets: group 0 = rows [0, offsets[0]) (slots routed to negative ids,
@@ -574,8 +575,23 @@ def _k_grouped_mm(a_sorted, b_sorted, expert_offsets):
     per-group problem sizes are built on the device from offs by a prepare kernel (no host sync) and scratch
     comes from the caching allocator, so it is CUDA-graph capturable (the gpu test captures it).
     """
-    out = torch._grouped_mm(a_sorted.t(), b_sorted, offs=expert_offsets.to(torch.int32))
+    out = torch._grouped_mm(a_sorted.t(), b_sorted, offs=offsets32)
     return out[1:]  # (E + 1, M, N) contiguous -> the E expert groups, still contiguous
+
+
+def _weight_grad_triton(name, kernel, rows_a, rows_b, row_token, expert_offsets, like, dims):
+    """One of the Triton weight-grad kernels: out[e] (M, N) = sum over expert e's rows of a_r^T b_r, one program
+    per (output tile, expert) reducing over the rows in order. out has the shape of `like` (E, M, N); dims are
+    the kernel's two size arguments."""
+    E, M, N = like.shape
+    cfg = _config(name, rows_a, row_token.numel(), E)
+    out = torch.empty_like(like)
+    kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)](
+        rows_a, rows_b, row_token, expert_offsets, out, *dims, rows_a.stride(0), rows_b.stride(0), out.stride(0),
+        out.stride(1), PREC=_prec(rows_a.dtype), EVEN_M=M % cfg["BLOCK_M"] == 0, EVEN_N=N % cfg["BLOCK_N"] == 0,
+        **_launch_opts(cfg),
+    )
+    return out
 
 
 def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_slot, expert_offsets):
@@ -636,6 +652,7 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     pos = _positions(sorted_slot)
     row_tiles = _RowTiles(expert_offsets, S)
     impl = backward_impl(hidden, H, inter, E)
+    offsets32 = expert_offsets.to(torch.int32) if impl.startswith("grouped_mm") else None  # torch._grouped_mm's offs
     valid = (top_k_index >= 0) & (top_k_index < E)
     dgate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
     rows_buf = torch.empty((S, H), dtype=dtype, device=hidden.device)  # dout rows, then dx rows, then x rows
@@ -644,10 +661,10 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     dout_rows = None
     if impl in ("grouped_mm", "grouped_mm_lean"):
         dout_rows = _gather_rows(dout, row_token, rows_buf)
-        act_w = _m_grouped_mm(dout_rows, down_proj, expert_offsets)  # g_act, overwritten with act_w
+        act_w = _m_grouped_mm(dout_rows, down_proj, offsets32)  # g_act, overwritten with act_w
         dw_rows = torch.empty((S,), dtype=torch.float32, device=hidden.device)
         _swiglu_bwd_rows(act_w, gate_up_out, row_w, expert_offsets, dgate_up_out, dw_rows)
-        ddown_proj = _k_grouped_mm(dout_rows, act_w, expert_offsets)
+        ddown_proj = _k_grouped_mm(dout_rows, act_w, offsets32)
         del act_w
     else:
         cfg = _config("down_bwd_act", hidden, S, E)
@@ -665,15 +682,10 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
         )
         dw_rows = dw_part.sum(1)  # fixed-order sum of the per-column-tile partials
         if impl == "grouped_mm_wgrad":
-            ddown_proj = _k_grouped_mm(_gather_rows(dout, row_token, rows_buf), act_w, expert_offsets)
-        else:  # one program per (output tile, expert), reducing over that expert's rows in order
-            cfg = _config("down_bwd_w", hidden, S, E)
-            ddown_proj = torch.empty_like(down_proj)
-            _down_bwd_w_kernel[(triton.cdiv(H, cfg["BLOCK_M"]) * triton.cdiv(inter, cfg["BLOCK_N"]), E)](
-                dout, act_w, row_token, expert_offsets, ddown_proj,
-                H, inter, dout.stride(0), act_w.stride(0), ddown_proj.stride(0), ddown_proj.stride(1),
-                PREC=prec, EVEN_M=H % cfg["BLOCK_M"] == 0, EVEN_N=inter % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
-            )
+            ddown_proj = _k_grouped_mm(_gather_rows(dout, row_token, rows_buf), act_w, offsets32)
+        else:
+            ddown_proj = _weight_grad_triton("down_bwd_w", _down_bwd_w_kernel, dout, act_w, row_token,
+                                             expert_offsets, down_proj, (H, inter))
         del act_w
     dweights = torch.where(valid, dw_rows[pos].view(T, K), 0.0).to(top_k_weights.dtype)  # back to slot order
 
@@ -694,16 +706,11 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     # 3. gate_up weight grad
     if impl in ("grouped_mm", "grouped_mm_wgrad"):
         x_rows = _gather_rows(hidden, row_token, rows_buf)  # stream order: after the combine's read of dx rows
-        dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, expert_offsets)
+        dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, offsets32)
     else:
         # every name of the (S, H) buffer dropped first: the allocator can hand it to this grad (the peak of a
         # training step is usually here, in the backward of the first MoE layer, with all the other grads live)
         rows_buf = dx_rows = dout_rows = None  # noqa: F841
-        cfg = _config("gate_up_bwd_w", hidden, S, E)
-        dgate_up_proj = torch.empty_like(gate_up_proj)
-        _gate_up_bwd_w_kernel[(triton.cdiv(two_i, cfg["BLOCK_M"]) * triton.cdiv(H, cfg["BLOCK_N"]), E)](
-            dgate_up_out, hidden, row_token, expert_offsets, dgate_up_proj,
-            H, two_i, dgate_up_out.stride(0), hidden.stride(0), dgate_up_proj.stride(0), dgate_up_proj.stride(1),
-            PREC=prec, EVEN_M=two_i % cfg["BLOCK_M"] == 0, EVEN_N=H % cfg["BLOCK_N"] == 0, **_launch_opts(cfg),
-        )
+        dgate_up_proj = _weight_grad_triton("gate_up_bwd_w", _gate_up_bwd_w_kernel, dgate_up_out, hidden, row_token,
+                                            expert_offsets, gate_up_proj, (H, two_i))
     return dhidden, dweights, dgate_up_proj, ddown_proj
