@@ -29,6 +29,9 @@ def run(h):
     moe = h.load_kernel("moe")
     dt = torch.bfloat16 if str(h.dev) != "cpu" else torch.float32  # cpu: smoke runs only
     only = [c for c in os.environ.get("BENCH_MOE_CASES", "").split(",") if c]
+    unknown = sorted(set(only) - {case[0] for case in CASES})
+    if unknown:
+        raise ValueError(f"BENCH_MOE_CASES: unknown case(s) {unknown}; known: {[case[0] for case in CASES]}")
     for label, T, H, E, K, I, peers in CASES:
         if only and label not in only:
             continue
