@@ -90,8 +90,6 @@ def run(slice_name, config, path, top, moe_backward):
           f"(idle {span - busy:.1f}), kernel sum {ksum:.1f}", flush=True)
     for n, (ms, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {ms:8.2f} ms {calls / STEPS:6.0f}x {100 * ms / ksum:5.1f}%  {short(n)}")
-    del model, run_model, opt
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -111,6 +109,7 @@ def main():
     bench.ensure_model(a.slice, path, argparse.Namespace(layers=4, smoke=False), "cuda")
     for config in a.configs:
         run(a.slice, config, path, a.top, a.moe_backward)
+        torch.cuda.empty_cache()  # the config's model and optimizer went with run()'s frame
 
 
 if __name__ == "__main__":
