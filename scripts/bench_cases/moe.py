@@ -7,6 +7,7 @@ grads reset every step like the activations'), so every impl does the same work:
 Floor = fwd+bwd GEMM FLOPs (3 x 2 x T*K x 3*H*I) at the measured bf16 matmul rate (as anchor_bench.py).
 BENCH_MOE_CASES=label[,label] runs only those cases (Liger's fused MoE autotunes for minutes per shape).
 """
+import importlib
 import os
 
 import torch
@@ -27,6 +28,7 @@ def run(h):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     moe = h.load_kernel("moe")
+    tk = importlib.import_module(moe.__name__ + ".triton_kernels")
     dt = torch.bfloat16 if str(h.dev) != "cpu" else torch.float32  # cpu: smoke runs only
     only = [c for c in os.environ.get("BENCH_MOE_CASES", "").split(",") if c]
     unknown = sorted(set(only) - {case[0] for case in CASES})
@@ -75,11 +77,19 @@ def run(h):
 
             impls.append(("liger_fused_moe", liger))
         impls.append(("hubfuse", lambda: moe.moe_experts))
+        # the faster, less lean backward (GPU_CONFIGS["backward"]; the default is grouped_mm_lean)
+        impls.append(("hubfuse (backward grouped_mm)", lambda: moe.moe_experts))
         for impl, make_fn in impls:
             try:
                 fn = make_fn()
             except Exception as e:  # peer missing or failing to build: record through the harness
                 def fn(*a, e=e):
                     raise RuntimeError(f"could not build {impl}: {e}")
-            h.bench(op, impl, fn, mk, floor, note=note)
+            default_backward = tk.GPU_CONFIGS["backward"]
+            if impl == "hubfuse (backward grouped_mm)":
+                tk.GPU_CONFIGS["backward"] = dict(impl="grouped_mm")  # read at call time, by every backward
+            try:
+                h.bench(op, impl, fn, mk, floor, note=note)
+            finally:
+                tk.GPU_CONFIGS["backward"] = default_backward
             torch.cuda.empty_cache()

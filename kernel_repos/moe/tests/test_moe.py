@@ -445,10 +445,12 @@ def test_backward_grouped_mm_gpu(monkeypatch):
             scale = r.float().abs().max().item()
             assert err <= 1e-2 * scale, f"{impl} {name}: max error {err:.3e} vs scale {scale:.3e}"
         assert not got[2][0].any() and not got[2][E - 1].any() and not got[3][0].any() and not got[3][E - 1].any()
-    # the public op with the default grouped_mm vs the fp32 torch path, and for determinism + graph capture
-    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="grouped_mm"))
-    test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
-    test_deterministic_and_cuda_graph_gpu()
+    # the public op with both CUTLASS backwards (grouped_mm_lean: the default) vs the fp32 torch path, and for
+    # determinism + graph capture
+    for impl in ("grouped_mm", "grouped_mm_lean"):
+        monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl))
+        test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
+        test_deterministic_and_cuda_graph_gpu()
 
 
 def test_autocast_fp32_weights():

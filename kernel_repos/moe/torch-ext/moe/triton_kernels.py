@@ -402,8 +402,11 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     # falls back to "triton" where _grouped_mm's fast path does not apply (`_grouped_mm_applies`).
     # Run 10: bwd 3.675 -> 3.037 ms with CUTLASS weight grads (Triton's weight-grad kernels reach ~55% of the
     # matmul rate, CUTLASS's persistent TMA kernel ~80%). Run 11 probe: the M-grouped g_act GEMM 0.368 ms vs
-    # 0.714 ms for the fused Triton _down_bwd_act_kernel
-    "backward": dict(impl="grouped_mm"),
+    # 0.714 ms for the fused Triton _down_bwd_act_kernel.
+    # Default "grouped_mm_lean" (run 12, Qwen3-30B-A3B training step, bench.py): peak 24.63 vs 25.15 GiB for
+    # "grouped_mm" (the step's peak is the first MoE layer's gate_up weight grad, every other grad live) at
+    # 127.6k vs 129.8k tokens/s; "grouped_mm" is the faster choice where memory is not the limit
+    "backward": dict(impl="grouped_mm_lean"),
     "gather_rows": dict(BLOCK_R=8, BLOCK_N=512, num_warps=4),  # the row gathers of the grouped_mm paths
     "swiglu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=256, num_warps=4),
 }
