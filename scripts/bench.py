@@ -19,12 +19,14 @@ Configurations:
            modules are built as Liger's); Liger has no Qwen3.5-MoE entry point: that row is "unsupported"
   ours     hubfuse.KernelConfig(presets.kernel_mapping(family, revision="v1")) + presets.enable_losses
            (local builds through LOCAL_KERNELS, as tests/utils.py)
+  ours_compile  ours + torch.compile of the whole kernelized model (our kernels are custom ops inside the graph;
+           inductor fuses what is left, e.g. transformers' torch fallback of Qwen3.5's gated delta rule)
 
 Every (slice, config) runs in its own subprocess (Liger patches classes globally; a crash, OOM or timeout
 loses one row, not the run). The first subprocess of a slice builds the model from its config (random init,
 on the device) and saves it to a temp dir; every configuration loads it with from_pretrained (our kernels
-need the load path). Runs go config-major (eager, ours, liger, compile over the slices), so when the time
-budget (--budget-s) runs out it is the slowest-to-start configuration (compile) that is cut.
+need the load path). Runs go config-major (eager, ours, liger, compile, ours_compile over the slices), so when
+the time budget (--budget-s) runs out it is the slowest-to-start configurations (the compiled ones) that are cut.
 
 Reported per row: tokens/s (batch*seq / median step time over --steps steps after --warmup steps), step ms
 (median, min, max), peak memory (CUDA: max_memory_allocated over the measured steps, weights + grads +
@@ -33,7 +35,7 @@ the process), the loss of step 1 and of the last step (MoE: includes router_aux_
 Writes $OUT/bench_train.json, $OUT/bench_train.md and $OUT/bench_train_{speed,memory}.png (OUT defaults to
 ./out), after every run (partial results survive a kill).
 
-    python scripts/bench.py                              # GPU: 3 slices x 4 configs (~12 min on an H200:
+    python scripts/bench.py                              # GPU: 3 slices x 5 configs (~16 min on an H200:
                                                          #   two calls of the device tool, e.g. --configs liger
                                                          #   --append for the second)
     python scripts/bench.py --slices qwen3_8b --configs eager ours --steps 20
@@ -60,7 +62,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "torch-ext"))  # hubfuse without `pip install -e .`
 
 REVISION = "v1"
-CONFIGS = ("eager", "ours", "liger", "compile")  # also the run order (compile last: slowest to start)
+CONFIGS = ("eager", "ours", "liger", "compile", "ours_compile")  # also the run order (compiled last: slowest to start)
+OURS = ("ours", "ours_compile")  # our kernels; ours_compile: then torch.compile over the kernelized model
+COMPILED = ("compile", "ours_compile")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text")
 LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
 COMMON = dict(vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=40960,
@@ -91,11 +95,11 @@ SMOKE_DIMS = {
 }
 # For the printed estimate only (H200 guesses, seconds): subprocess start + load (+ compile / Triton JIT) and
 # one training step; the first run of a slice also builds and saves the model.
-EST_SETUP_S = {"eager": 15, "ours": 22, "liger": 20, "compile": 75}
+EST_SETUP_S = {"eager": 15, "ours": 22, "liger": 20, "compile": 75, "ours_compile": 90}
 EST_BUILD_S = {"qwen3_8b": 10, "qwen3_30b_a3b": 12, "qwen3_5_moe": 18}
 EST_STEP_S = {"qwen3_8b": 0.35, "qwen3_30b_a3b": 0.3, "qwen3_5_moe": 0.8}
 # Liger's fused MoE autotunes for ~3.5 min on its first call (run 9: 235 s for the Qwen3-30B-A3B slice)
-TIMEOUT_S = {"eager": 150, "ours": 180, "liger": 300, "compile": 240}
+TIMEOUT_S = {"eager": 150, "ours": 180, "liger": 300, "compile": 240, "ours_compile": 300}
 
 
 def log(msg: str) -> None:
@@ -189,7 +193,7 @@ def load_model(name: str, config: str, path: Path, device: str):
         import liger_kernel.transformers as lt
 
         getattr(lt, LIGER_APPLY[family])()  # class-level patches, before the modules are built
-    if config == "ours":
+    if config in OURS:
         from hubfuse import presets
 
         model = load(path, presets.kernel_mapping(family, revision=REVISION), dtype=torch.bfloat16, device=device,
@@ -260,17 +264,17 @@ def child(args) -> int:
             log(f"{tag} loading (from_pretrained, bf16, {device})")
             model, extra, note = load_model(name, config, path, device)
             row["modules"] = extra
-            if config == "ours" and args.moe_backward:
+            if config in OURS and args.moe_backward:
                 row["note"] = f"moe backward {args.moe_backward}"
                 set_moe_backward(model, args.moe_backward)
-            if config == "ours":
+            if config in OURS:
                 log(f"{tag} kernels bound: {extra}")
                 if not extra:
                     raise RuntimeError("no hubfuse kernel bound to the model")
             elif extra:
                 log(f"{tag} liger modules: {extra}")
             run = model
-            if config == "compile":
+            if config in COMPILED:
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
                 run = torch.compile(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=(device == "cuda"))
@@ -415,14 +419,16 @@ def report(rows, meta, out_dir: Path, plots: bool) -> None:
                      f"{fmt(r.get('loss_step1'), '.4f')} | {(r.get('note') or '')[:160].replace('|', '/')} |")
     lines.append("")
     for s in dict.fromkeys(r["slice"] for r in rows):
-        ours = by.get((s, "ours"), {})
         peers = [by[(s, c)] for c in ("eager", "compile", "liger") if by.get((s, c), {}).get("tokens_per_s")]
-        if ours.get("tokens_per_s") and peers:
+        for config in OURS:
+            ours = by.get((s, config), {})
+            if not (ours.get("tokens_per_s") and peers):
+                continue
             best = max(peers, key=lambda r: r["tokens_per_s"])
             liger = by.get((s, "liger"), {})
             mem = (f"; peak {ours['peak_mem_GiB']:.2f} GiB vs Liger {liger['peak_mem_GiB']:.2f} GiB"
                    if liger.get("peak_mem_GiB") is not None and ours.get("peak_mem_GiB") is not None else "")
-            lines.append(f"- {s}: ours {ours['tokens_per_s'] / best['tokens_per_s']:.2f}x the best peer "
+            lines.append(f"- {s}: {config} {ours['tokens_per_s'] / best['tokens_per_s']:.2f}x the best peer "
                          f"({best['config']}){mem}.")
     (out_dir / "bench_train.md").write_text("\n".join(lines) + "\n")
     if plots:
@@ -537,7 +543,7 @@ def main(argv=None) -> int:
     for config in [c for c in CONFIGS if c in args.configs]:
         for name in args.slices:
             family = SLICES[name]["family"]
-            if args.smoke and config in ("compile", "liger"):
+            if args.smoke and config in ("compile", "liger", "ours_compile"):
                 put(dict(slice=name, config=config, status="skipped",
                          note="CPU smoke: compile/Liger run on the GPU only"))
             elif config == "liger" and family not in LIGER_APPLY:
@@ -597,7 +603,7 @@ def main(argv=None) -> int:
             if not (Path(model_dir) / name / "DONE").exists():
                 timeout += EST_BUILD_S[name] * 4 * args.timeout_scale
             tag = f"({k}/{len(plan)}) {name} / {'+'.join(configs)}"
-            if left < (60 if "compile" in configs else 20):
+            if left < (60 if set(configs) & set(COMPILED) else 20):
                 log(f"{tag}: skipped, time budget spent ({elapsed:.0f} s of {args.budget_s:.0f})")
                 for c in configs:
                     put(dict(slice=name, config=c, status="skipped", note="time budget spent (--budget-s)"))
