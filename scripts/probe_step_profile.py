@@ -48,11 +48,12 @@ def short(name: str, width: int = 110) -> str:
 
 
 def run(slice_name, config, path, top, moe_backward):
-    model, extra, _ = bench.load_model(slice_name, "eager" if config == "compile" else config, path, "cuda")
-    if moe_backward and config == "ours":
+    load_as = {"compile": "eager", "ours_compile": "ours"}.get(config, config)
+    model, extra, _ = bench.load_model(slice_name, load_as, path, "cuda")
+    if moe_backward and load_as == "ours":
         bench.set_moe_backward(model, moe_backward)
     run_model = model
-    if config == "compile":  # as bench.py's child does
+    if config in bench.COMPILED:  # as bench.py's child does
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         run_model = torch.compile(model)
     print(f"\n=== {slice_name} / {config}{' / moe ' + moe_backward if moe_backward else ''}: {extra}", flush=True)
