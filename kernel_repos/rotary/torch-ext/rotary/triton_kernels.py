@@ -60,6 +60,26 @@ def _norm_block(x, rstd, w, ref, NORM: tl.constexpr, ROUND_NORM: tl.constexpr):
 
 
 @triton.jit
+def _load_halves(ptr, off, ch, HALF, m):
+    # the two rotated halves [0, R/2) and [R/2, R) of rows at `off`, columns ch, in fp32 (masked lanes 0)
+    first = tl.load(ptr + off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
+    second = tl.load(ptr + off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+    return first, second
+
+
+@triton.jit
+def _rope_products(x, cos, partner, sin, OUT, ROUND_ROPE: tl.constexpr):
+    # The two products of a RoPE output, x * cos and partner * sin, in fp32; with ROUND_ROPE each is rounded to
+    # OUT's element type first, as HF computes them in the input dtype (q * cos + rotate_half(q) * sin)
+    a = x * cos
+    p = partner * sin
+    if ROUND_ROPE:
+        a = a.to(OUT.dtype.element_ty).to(tl.float32)
+        p = p.to(OUT.dtype.element_ty).to(tl.float32)
+    return a, p
+
+
+@triton.jit
 def _fwd_rows(
     X, O, W, COS, SIN, row_begin, row_end, H, S,
     sx_b, sx_h, sx_s, so_b, so_h, so_s, sc_b, sc_s, eps, D, HALF,
@@ -97,20 +117,11 @@ def _fwd_rows(
             x2 = _norm_block(x2, rstd, w2, x1_raw, NORM, ROUND_NORM)
             if HAS_PASS:
                 xp = _norm_block(xp, rstd, wp, x1_raw, NORM, ROUND_NORM)
-        c1 = tl.load(COS + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(COS + c_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(SIN + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(SIN + c_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        c1, c2 = _load_halves(COS, c_off, ch, HALF, m)
+        s1, s2 = _load_halves(SIN, c_off, ch, HALF, m)
         # y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2 (rotate_half(x) = [-x2, x1])
-        a1 = x1 * c1
-        b1 = x2 * s1
-        a2 = x2 * c2
-        b2 = x1 * s2
-        if ROUND_ROPE:
-            a1 = a1.to(O.dtype.element_ty).to(tl.float32)
-            b1 = b1.to(O.dtype.element_ty).to(tl.float32)
-            a2 = a2.to(O.dtype.element_ty).to(tl.float32)
-            b2 = b2.to(O.dtype.element_ty).to(tl.float32)
+        a1, b1 = _rope_products(x1, c1, x2, s1, O, ROUND_ROPE)
+        a2, b2 = _rope_products(x2, c2, x1, s2, O, ROUND_ROPE)
         tl.store(O + o_off[:, None] + ch[None, :], (a1 - b1).to(O.dtype.element_ty), mask=m)
         tl.store(O + o_off[:, None] + HALF + ch[None, :], (a2 + b2).to(O.dtype.element_ty), mask=m)
         if HAS_PASS:
@@ -164,11 +175,7 @@ def _fwd_rows_tile(
             xq = _norm_block(xq, rstd, wq, x_raw, NORM, ROUND_NORM)
         cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
         sn = tl.load(SIN + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
-        a = x * cs
-        p = xq * sn
-        if ROUND_ROPE:
-            a = a.to(O.dtype.element_ty).to(tl.float32)
-            p = p.to(O.dtype.element_ty).to(tl.float32)
+        a, p = _rope_products(x, cs, xq, sn, O, ROUND_ROPE)
         y = tl.where(first[None, :], a - p, a + p)
         y = tl.where(rot[None, :], y, x)  # the pass-through part [R, D) as is
         tl.store(O + o_off[:, None] + c[None, :], y.to(O.dtype.element_ty), mask=m)
@@ -283,11 +290,7 @@ def _fwd_rows_lean(
             xq = _norm_block(xq, rstd, wq, x_raw, NORM, ROUND_NORM)
         cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
         sn = tl.load(SIN + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
-        a = x * cs
-        p = tl.where(neg, -xq, xq) * sn
-        if ROUND_ROPE:
-            a = a.to(O.dtype.element_ty).to(tl.float32)
-            p = p.to(O.dtype.element_ty).to(tl.float32)
+        a, p = _rope_products(x, cs, tl.where(neg, -xq, xq), sn, O, ROUND_ROPE)
         y = tl.where(rot[None, :], a + p, x)  # the pass-through part [R, D) as is
         tl.store(O + o_off[:, None] + c[None, :], y.to(O.dtype.element_ty), mask=m)
         b, j, i = _coords_step(b, j, i, n_inner, n_mid, step_i, step_j0, step_j1, step_b0, step_b1)
@@ -415,25 +418,15 @@ def _bwd_rows(
         dx_off = b * sdx_b + h * sdx_h + s * sdx_s
         c_off = b * sc_b + s * sc_s
         m = rmask[:, None] & hmask[None, :]
-        dy1 = tl.load(DY + dy_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
-        dy2 = tl.load(DY + dy_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        dy1, dy2 = _load_halves(DY, dy_off, ch, HALF, m)
         if HAS_PASS:
             mp = rmask[:, None] & pmask[None, :]
             dyp = tl.load(DY + dy_off[:, None] + cp[None, :], mask=mp, other=0.0).to(tl.float32)
-        c1 = tl.load(COS + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(COS + c_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(SIN + c_off[:, None] + ch[None, :], mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(SIN + c_off[:, None] + HALF + ch[None, :], mask=m, other=0.0).to(tl.float32)
+        c1, c2 = _load_halves(COS, c_off, ch, HALF, m)
+        s1, s2 = _load_halves(SIN, c_off, ch, HALF, m)
         # inverse rotation: d1 = dy1 c1 + dy2 s2, d2 = dy2 c2 - dy1 s1
-        a1 = dy1 * c1
-        b1 = dy2 * s2
-        a2 = dy2 * c2
-        b2 = dy1 * s1
-        if ROUND_ROPE:
-            a1 = a1.to(DX.dtype.element_ty).to(tl.float32)
-            b1 = b1.to(DX.dtype.element_ty).to(tl.float32)
-            a2 = a2.to(DX.dtype.element_ty).to(tl.float32)
-            b2 = b2.to(DX.dtype.element_ty).to(tl.float32)
+        a1, b1 = _rope_products(dy1, c1, dy2, s2, DX, ROUND_ROPE)
+        a2, b2 = _rope_products(dy2, c2, dy1, s1, DX, ROUND_ROPE)
         d1 = a1 + b1
         d2 = a2 - b2
         if NORM == 0:
@@ -520,11 +513,7 @@ def _bwd_rows_tile(
         dyq = _partner(DY + dy_off[:, None], c[None, :], HALF, mf, ms).to(tl.float32)
         cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
         snq = _partner(SIN + c_off[:, None], c[None, :], HALF, mf, ms).to(tl.float32)
-        a = dy * cs
-        p = dyq * snq
-        if ROUND_ROPE:
-            a = a.to(DX.dtype.element_ty).to(tl.float32)
-            p = p.to(DX.dtype.element_ty).to(tl.float32)
+        a, p = _rope_products(dy, cs, dyq, snq, DX, ROUND_ROPE)
         d = tl.where(first[None, :], a + p, a - p)
         d = tl.where(rot[None, :], d, dy)
         if NORM == 0:
