@@ -207,6 +207,25 @@ def load_model(name: str, config: str, path: Path, device: str):
     return model, extra, note
 
 
+def probe_step(name: str, model, run_model=None, seed: int = 0):
+    """For the probe scripts: a closure running one training step (zero_grad, fwd + bwd, fused AdamW) of a loaded
+    slice model on one fixed random batch of 8 x 2048 tokens (run_model: e.g. its torch.compile wrapper)."""
+    import torch
+
+    cfg = slice_config(name, 4, False)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (8, 2048), generator=g).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    run_model = run_model or model
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        run_model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    return step
+
+
 def set_moe_backward(model, impl: str) -> None:
     """GPU_CONFIGS["backward"] of the moe kernel bound to `model` (a variant of its backward, for comparison)."""
     import importlib

@@ -54,16 +54,7 @@ def main():
     model, extra, _ = bench.load_model(a.slice, "ours", path, "cuda")
     print("kernels bound:", extra, flush=True)
     moe_tk = [m for name, m in sys.modules.items() if name.endswith("triton_kernels") and hasattr(m, "BACKWARD_IMPLS")]
-    cfg = bench.slice_config(a.slice, 4, False)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (8, 2048), generator=g).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-
+    step = bench.probe_step(a.slice, model)
     for _ in range(2):
         step()
     for impl in a.moe_impls if moe_tk else ["-"]:

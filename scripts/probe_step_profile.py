@@ -57,16 +57,7 @@ def run(slice_name, config, path, top, moe_backward):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         run_model = torch.compile(model)
     print(f"\n=== {slice_name} / {config}{' / moe ' + moe_backward if moe_backward else ''}: {extra}", flush=True)
-    cfg = bench.slice_config(slice_name, 4, False)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (8, 2048), generator=g).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        run_model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-
+    step = bench.probe_step(slice_name, model, run_model)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
