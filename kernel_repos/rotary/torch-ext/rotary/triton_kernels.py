@@ -28,18 +28,40 @@ from .reference import NONE, STANDARD
 
 
 @triton.jit
-def _row_offsets(rows, H, S, s_b, s_h, s_s, HEAD_INNER: tl.constexpr):
-    # row index -> (b, h, s); HEAD_INNER: h innermost (rows of a program share s), else s innermost
+def _coords_init(rows, H, S, HEAD_INNER: tl.constexpr):
+    # row index -> (b, j, i) with i the innermost index (h if HEAD_INNER else s), j the middle one; int32.
+    # The lean kernels divide once per program and then step the coordinates with _coords_step.
     if HEAD_INNER:
-        h = rows % H
+        i = rows % H
         t = rows // H
-        s = t % S
+        j = t % S
         b = t // S
     else:
-        s = rows % S
+        i = rows % S
         t = rows // S
-        h = t % H
+        j = t % H
         b = t // H
+    return b, j, i
+
+
+@triton.jit
+def _head_seq(j, i, HEAD_INNER: tl.constexpr):
+    # (h, s) from _coords_init's middle and innermost coordinates
+    if HEAD_INNER:
+        h = i
+        s = j
+    else:
+        h = j
+        s = i
+    return h, s
+
+
+@triton.jit
+def _row_offsets(rows, H, S, s_b, s_h, s_s, HEAD_INNER: tl.constexpr):
+    # row index -> (b, h, s) in int64 and the row's offset; HEAD_INNER: h innermost (rows of a program share s),
+    # else s innermost
+    b, j, i = _coords_init(rows, H, S, HEAD_INNER)
+    h, s = _head_seq(j, i, HEAD_INNER)
     b = b.to(tl.int64)
     h = h.to(tl.int64)
     s = s.to(tl.int64)
@@ -182,23 +204,6 @@ def _fwd_rows_tile(
 
 
 @triton.jit
-def _coords_init(rows, H, S, HEAD_INNER: tl.constexpr):
-    # row index -> (b, j, i) with i the innermost index (h if HEAD_INNER else s), j the middle one; int32.
-    # The lean kernels divide once per program and then step the coordinates with _coords_step.
-    if HEAD_INNER:
-        i = rows % H
-        t = rows // H
-        j = t % S
-        b = t // S
-    else:
-        i = rows % S
-        t = rows // S
-        j = t % H
-        b = t // H
-    return b, j, i
-
-
-@triton.jit
 def _coords_step(b, j, i, n_inner, n_mid, step_i, step_j0, step_j1, step_b0, step_b1):
     # (b, j, i) of the rows BLOCK_M further on, without integer division: the scalars are BLOCK_M % n_inner
     # (step_i), (BLOCK_M // n_inner [+ 1]) % n_mid (step_j0 / step_j1) and its quotient (step_b0 / step_b1),
@@ -216,12 +221,7 @@ def _coords_step(b, j, i, n_inner, n_mid, step_i, step_j0, step_j1, step_b0, ste
 
 @triton.jit
 def _lean_offsets(b, j, i, s_b, s_h, s_s, HEAD_INNER: tl.constexpr, OFF64: tl.constexpr):
-    if HEAD_INNER:
-        h = i
-        s = j
-    else:
-        h = j
-        s = i
+    h, s = _head_seq(j, i, HEAD_INNER)
     if OFF64:
         b = b.to(tl.int64)
         h = h.to(tl.int64)
