@@ -7,8 +7,9 @@
    per-kernel breakdown of one fwd+bwd (CUDA profiler: device time of every launch, torch glue included);
 2. tries a short list of variants, one kernel at a time (`VARIANTS`: overrides of that kernel's
    `GPU_CONFIGS` entry, e.g. TMA weight loads, more stages; for "backward" the implementation: the Triton
-   kernels, or torch._grouped_mm for the weight grads only or also for g_act = dout_rows @ Wd[e]). Each is timed against the current config measured
-   right after it (paired, to cancel clock drift) on the phase that runs the kernel, and its outputs are
+   kernels, or torch._grouped_mm for the weight grads only or also for g_act = dout_rows @ Wd[e]). Each is timed
+   against the current config on the phase that runs the kernel, call by call alternating between the two (medians
+   of `PAIRED_ROUNDS` calls each, so clock drift hits both alike), and its outputs are
    compared with the current implementation's: a variant off by more than `MAX_REL_ERR` is flagged WRONG
    and never chosen; one that fails to compile is reported and skipped;
 3. applies each kernel's fastest correct variant (if > 1% faster), times fwd+bwd again with a breakdown and
@@ -17,6 +18,7 @@ Default shape: Qwen3-30B-A3B (T=8192 E=128 K=8 H=2048 I=768, bf16). Not uploaded
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -41,6 +43,11 @@ FUSED_ACT = {"backward": dict(impl="grouped_mm_wgrad")}  # context of the fused 
 # context: overrides of other entries, applied to the variant and to its paired baseline alike; such a variant is
 # chosen only if the final config keeps that context
 VARIANTS = [
+    # the contiguous sorted-row operand (act, dgate_up_out) through TMA as well as the weight operand
+    ("down_fwd", dict(TMA_A=True)),
+    ("gate_up_bwd_x", dict(TMA_A=True)),
+    ("down_fwd", dict(TMA_A=True, num_stages=4)),
+    ("gate_up_bwd_x", dict(TMA_A=True, num_stages=4)),
     # 64-row tiles for the row-tiled GEMMs: with ~512 rows per expert (uniform routing) 128-row tiles compute 13 %
     # padding rows (each expert's last tile is mostly empty), 64-row tiles 6.4 %
     ("gate_up_fwd", dict(BLOCK_M=64)),
@@ -90,6 +97,7 @@ VARIANTS = [
     ("combine", dict(BLOCK_T=16, num_warps=8)),
 ]
 MAX_REL_ERR = 1e-2  # max |variant - current| / max |current| per output (bf16 accumulation-order noise ~1e-3)
+PAIRED_ROUNDS = 40  # alternating calls per config when a variant is timed against the current config
 MIN_GAIN = 0.01  # a variant must beat the current config by this fraction to be chosen
 
 
@@ -152,6 +160,33 @@ def main():
             fn()
             return (time.perf_counter() - t) * 1e3
         return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+    def paired(phase, name, variant, current, rounds=PAIRED_ROUNDS):
+        """(variant ms, current ms) of phase: medians over calls that alternate between the two configs of kernel
+        `name`, so that both see the same clocks (at its power cap the H200's SM clock wanders by ~10 % within
+        seconds: two back-to-back do_bench runs of one config differ by more than most variants gain)."""
+        cfgs = (variant, current)
+        for cfg in cfgs * 3:  # warm-up (and compile) both
+            tk.GPU_CONFIGS[name] = cfg
+            phase()
+        times = ([], [])
+        for i in range(2 * rounds):
+            tk.GPU_CONFIGS[name] = cfgs[i % 2]
+            if on_gpu:
+                ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev[0].record()
+                phase()
+                ev[1].record()
+                times[i % 2].append(ev)
+            else:
+                t = time.perf_counter()
+                phase()
+                times[i % 2].append((time.perf_counter() - t) * 1e3)
+        tk.GPU_CONFIGS[name] = current
+        if on_gpu:
+            torch.cuda.synchronize()
+            times = tuple([s.elapsed_time(e) for s, e in ev_list] for ev_list in times)
+        return statistics.median(times[0]), statistics.median(times[1])
 
     def total():
         r, f, b = timed(lambda: reference.route(idx, E), 100), timed(fwd, 100), timed(bwd, 100)
@@ -219,7 +254,7 @@ def main():
         v0 = time.time()
         try:
             err = rel_err(phase(), ref)
-            ms = timed(phase)
+            ms, cur_ms = paired(phase, name, tk.GPU_CONFIGS[name], start[name])  # both with the context, if any
         except Exception as e:  # e.g. out of shared memory, or an API this triton lacks
             for k in context:
                 tk.GPU_CONFIGS[k] = start[k]
@@ -227,7 +262,6 @@ def main():
             continue
         finally:
             tk.GPU_CONFIGS[name] = start[name]
-        cur_ms = timed(phase)  # the current config (with the context, if any)
         for k in context:
             tk.GPU_CONFIGS[k] = start[k]
         last_s = time.time() - v0

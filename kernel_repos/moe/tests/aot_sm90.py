@@ -24,6 +24,8 @@ SMEM_LIMIT = 227 * 1024
 # the weight operand of the row-tiled kernels and its TMA block shape (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N)
 TMA_OPERAND = {"gate_up_fwd": ("W", "NK"), "down_fwd": ("D", "NK"), "down_bwd_act": ("D", "KN"),
                "gate_up_bwd_x": ("W", "KN")}
+# the contiguous sorted-row operand that TMA_A reads through a descriptor, block (BLOCK_M, BLOCK_K)
+ROW_OPERAND = {"down_fwd": "ACT", "gate_up_bwd_x": "DGU"}
 
 
 def check_ptx(name, k, tma):
@@ -64,22 +66,32 @@ def main():
         "gate_up_bwd_w": tk._gate_up_bwd_w_kernel, "down_bwd_w": tk._down_bwd_w_kernel,
     }
     for name, kern in kernels.items():
-        # the shipped config, and for the row-tiled kernels also with the other TMA setting
-        for tma in [tk.GPU_CONFIGS[name].get("TMA")] + ([not tk.GPU_CONFIGS[name]["TMA"]] if name in TMA_OPERAND else []):
-            cfg = dict(tk.GPU_CONFIGS[name], **({"TMA": tma} if name in TMA_OPERAND else {}))
+        # the shipped config, and for the row-tiled kernels also with the other TMA setting(s)
+        shipped = tk.GPU_CONFIGS[name]
+        variants = [{}]
+        if name in TMA_OPERAND:
+            variants.append({"TMA": not shipped["TMA"]})
+        if name in ROW_OPERAND:
+            variants.append({"TMA_A": not shipped["TMA_A"]})
+        for over in variants:
+            cfg = dict(shipped, **over)
             warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
             even = {"EVEN_M": True, "EVEN_N": True} if name.endswith("_w") else {"EVEN_N": True, "EVEN_K": True}
-            descs = None
-            if tma:
+            descs = {}
+            if cfg.get("TMA"):
                 arg, order = TMA_OPERAND[name]
                 block = (cfg["BLOCK_N"], cfg["BLOCK_K"]) if order == "NK" else (cfg["BLOCK_K"], cfg["BLOCK_N"])
-                descs = {arg: f"tensordesc<bf16[{block[0]},{block[1]}]>"}
+                descs[arg] = f"tensordesc<bf16[{block[0]},{block[1]}]>"
+            if cfg.get("TMA_A"):
+                descs[ROW_OPERAND[name]] = f"tensordesc<bf16[{cfg['BLOCK_M']},{cfg['BLOCK_K']}]>"
             k = compile_sm90(kern, dict(cfg, PREC="tf32", **even), warps, stages, descs=descs)
-            check_ptx(name, k, tma)
+            check_ptx(name + (" (TMA_A)" if cfg.get("TMA_A") else ""), k, bool(descs))
     # fp32 inputs (IEEE dots) and fp16, odd dims (masked paths), with their configs
     for name, kern in kernels.items():
-        for dtype, prec, cfg in (("fp32", "ieee", dict(tk._FP32_CONFIG, TMA=False)),
-                                 ("fp16", "tf32", dict(tk.GPU_CONFIGS[name], TMA=False))):
+        for dtype, prec, cfg in (("fp32", "ieee", dict(tk._FP32_CONFIG, TMA=False, TMA_A=False)),
+                                 ("fp16", "tf32", dict(tk.GPU_CONFIGS[name], TMA=False, TMA_A=False))):
+            if name not in ROW_OPERAND:
+                cfg.pop("TMA_A")
             warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
             if name.endswith("_w"):
                 cfg.pop("TMA")

@@ -106,6 +106,28 @@ def test_tma_weight_operand(shape, monkeypatch):
     assert used == ([True] * 4 if shape[2] == 64 else [False, False, True, True]), used
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors reach the Triton kernels only under the interpreter")
+@pytest.mark.parametrize("shape", [(37, 64, 64, 8, 2), (13, 48, 40, 6, 3)])
+def test_tma_row_operand(shape, monkeypatch):
+    # the sorted-row operand of down_fwd / gate_up_bwd_x through tensor descriptors: 16-row tiles over experts of
+    # a few rows each read the next expert's rows (and zero-filled rows past the last): the store masks them
+    from moe import triton_kernels as tk
+
+    used = []
+    rows_operand = tk._rows_operand
+
+    def spy(*args):
+        operand, tma = rows_operand(*args)
+        used.append(tma)
+        return operand, tma
+
+    monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA_A", True)
+    monkeypatch.setattr(tk, "_rows_operand", spy)
+    _check(*shape, torch.float32)
+    assert used == [True, True], used
+
+
 def test_skewed_routing_all_tokens_one_expert():
     # K=1, every token to expert 2: one expert gets all rows (several row tiles), the others none
     _check(35, 32, 32, 4, 1, torch.float32, skew=[2])
@@ -281,6 +303,25 @@ def test_bad_inputs():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="is on"):
             f(x.cuda(), idx, w.cuda(), gu.cuda(), dn.cuda())
+
+
+def test_second_backward_through_the_graph_is_refused():
+    # the backward writes the grad of the gate_up output over the saved gate_up_out (Triton path): a second
+    # backward through the same graph must fail loudly, not read the overwritten buffer
+    args = _make(13, 48, 40, 6, 3, torch.float32)
+    x, idx, w, gu, dn, dout = args
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, gu, dn)]
+    out = moe.moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    _, ref_grads = _reference(*args)
+    for g, r in zip(first, ref_grads):
+        _assert_close("grad", g, r, torch.float32)
+    if ops._use_triton(x):
+        with pytest.raises(RuntimeError, match="inplace operation"):
+            torch.autograd.grad(out, leaves, dout)
+    else:  # the reference path keeps gate_up_out: a second backward gives the same grads
+        second = torch.autograd.grad(out, leaves, dout)
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_torch_compile_fullgraph():

@@ -53,19 +53,24 @@ def _(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
     )
 
 
-@torch.library.custom_op(add_op_namespace_prefix("moe_experts_bwd"), mutates_args=())
+@torch.library.custom_op(add_op_namespace_prefix("moe_experts_bwd"), mutates_args=("gate_up_out",))
 def moe_experts_bwd(
     dout: torch.Tensor, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_out: torch.Tensor, sorted_slot: torch.Tensor,
     expert_offsets: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj)."""
+    """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj).
+
+    gate_up_out (saved by the forward, dead once the SwiGLU backward has read it) is overwritten in place with
+    the grad of the gate_up GEMM's output on the Triton path: one (T*K, 2I) buffer less at the backward's peak.
+    The op declares the mutation, so autograd refuses a second backward through the same graph
+    (retain_graph=True) with its "modified by an inplace operation" error instead of reading garbage."""
     args = (dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
             expert_offsets)
     if _use_triton(hidden):
         from .triton_kernels import moe_bwd
 
-        return moe_bwd(*args)
+        return moe_bwd(*args, reuse_gate_up_out=True)
     with torch.autocast(hidden.device.type, enabled=False):
         return moe_bwd_reference(*args)
 

@@ -55,6 +55,7 @@ def _program_tile(TILES_N):
 
 @triton.jit
 def _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M: tl.constexpr):
+    # (expert, the tile's sorted rows, which of them are the expert's)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     row0 = tl.load(OFFSETS + e) + (pid_m - tl.load(TILE_START + e)) * BLOCK_M
     row_end = tl.load(OFFSETS + e + 1)
@@ -118,10 +119,10 @@ def _down_fwd_kernel(
     ACT, D, TILE_EXPERT, TILE_START, OFFSETS, Y,
     H, I, E, TILES_N, stride_act, stride_de, stride_dn, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr,
 ):
     # y = act @ Wd[e]^T for BLOCK_N hidden columns (rows in sorted order)
-    # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_N)
+    # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_N); TMA_A: ACT one over act
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
@@ -130,7 +131,10 @@ def _down_fwd_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = _in_bounds(cols, H, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = ACT + rows[:, None] * stride_act + ks[None, :]
+    if TMA_A:  # rows past the expert's end (the next expert's, or zero-filled past the last) are masked at the store
+        a_row0 = tl.min(rows, axis=0).to(tl.int32)
+    else:
+        a_ptrs = ACT + rows[:, None] * stride_act + ks[None, :]
     if TMA:
         d_row = (e * H + pid_n * BLOCK_N).to(tl.int32)
     else:
@@ -138,14 +142,16 @@ def _down_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, I, EVEN_K)
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if TMA_A:
+            a = ACT.load([a_row0, k0])
+        else:
+            a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if TMA:
             b = D.load([d_row, k0]).T
         else:
             b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             b_ptrs += BLOCK_K
         acc = tl.dot(a, b, acc, input_precision=PREC)
-        a_ptrs += BLOCK_K
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
@@ -266,10 +272,11 @@ def _gate_up_bwd_x_kernel(
     DGU, W, TILE_EXPERT, TILE_START, OFFSETS, DX,
     H, TWO_I, E, TILES_N, stride_dgu, stride_we, stride_wn, stride_dx,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr,
 ):
     # dx_row = dgate_up_row @ Wgu[e]   (rows in sorted order; the combine sums each token's K copies)
-    # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_K)
+    # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_K); TMA_A: DGU one over
+    # dgate_up_out
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
@@ -278,7 +285,10 @@ def _gate_up_bwd_x_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = _in_bounds(cols, H, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = DGU + rows[:, None] * stride_dgu + ks[None, :]
+    if TMA_A:  # rows past the expert's end (the next expert's, or zero-filled past the last) are masked at the store
+        a_row0 = tl.min(rows, axis=0).to(tl.int32)
+    else:
+        a_ptrs = DGU + rows[:, None] * stride_dgu + ks[None, :]
     if TMA:
         w_row = (e * TWO_I).to(tl.int32)
         w_col = pid_n * BLOCK_N
@@ -287,14 +297,16 @@ def _gate_up_bwd_x_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, TWO_I, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, TWO_I, EVEN_K)
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if TMA_A:
+            a = DGU.load([a_row0, k0])
+        else:
+            a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if TMA:  # columns past H are zero-filled by the copy engine
             b = W.load([w_row + k0, w_col])
         else:
             b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             b_ptrs += BLOCK_K * stride_wn
         acc = tl.dot(a, b, acc, input_precision=PREC)
-        a_ptrs += BLOCK_K
     tl.store(DX + rows[:, None] * stride_dx + cols[None, :], acc.to(DX.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
@@ -383,14 +395,14 @@ def _gather_rows_kernel(
 # Tile configs for 16-bit inputs on CUDA (H100/H200 class), one entry per kernel. Row tiles (BLOCK_M) of the
 # grouped kernels drop to 64 when experts get few rows (decode, many experts). TMA: read the (dense, per expert)
 # weight operand through a Hopper tensor descriptor instead of pointer loads (sm_90+, when the tile fits the
-# expert's slice; ignored otherwise). Module-level and read at call time, so that a tuning run
+# expert's slice; ignored otherwise); TMA_A: the same for the contiguous sorted-row operand. Module-level and read at call time, so that a tuning run
 # (benchmarks/tune_moe.py) can sweep them without editing code.
 GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 I=768; logs in docs/gpu_runs/)
     # TMA weight loads: down_fwd 0.505 -> 0.404 ms, gate_up_bwd_x 0.798 -> 0.731 ms (run 6)
     "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
-    "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True),
+    "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=False),
     "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=False),
-    "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True),
+    "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=False),
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
@@ -479,6 +491,16 @@ def _weight_operand(w: torch.Tensor, cfg: dict, block_shape: list, tile_in_exper
 
     E, R, C = w.shape
     return TensorDescriptor(w, [E * R, C], [C, 1], block_shape), True
+
+
+def _rows_operand(a: torch.Tensor, cfg: dict, block_shape: list):
+    """(operand, TMA_A flag): a tensor descriptor over the expert-sorted rows a (S, C) when cfg asks for TMA_A and
+    it applies, else a itself (pointer loads)."""
+    if not (cfg.get("TMA_A") and _tma_ok(a, True)):
+        return a, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(a, list(a.shape), [a.stride(0), 1], block_shape), True
 
 
 def _positions(sorted_slot: torch.Tensor) -> torch.Tensor:
@@ -626,18 +648,21 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     tiles_n = triton.cdiv(H, cfg["BLOCK_N"])
     even_n = H % cfg["BLOCK_N"] == 0
     w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], even_n)
+    a_act, tma_a = _rows_operand(act, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     _down_fwd_kernel[(tiles_n * max_tiles,)](
-        act, w_down, tile_expert, tile_start, expert_offsets, y_rows,
+        a_act, w_down, tile_expert, tile_start, expert_offsets, y_rows,
         H, inter, E, tiles_n, act.stride(0), down_proj.stride(0), down_proj.stride(1), y_rows.stride(0),
-        PREC=prec, EVEN_N=even_n, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, **_launch_opts(cfg),
+        PREC=prec, EVEN_N=even_n, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, TMA_A=tma_a, **_launch_opts(cfg),
     )
     out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
     return out, gate_up_out  # act is not kept: the backward recomputes it from gate_up_out
 
 
 def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-            expert_offsets):
+            expert_offsets, reuse_gate_up_out=False):
     """Backward of moe_fwd. act is not saved: it is recomputed from gate_up_out (bitwise the forward's).
+    reuse_gate_up_out: write dgate_up_out over gate_up_out (each element is read before it is written, by the
+    same program) instead of into a new (S, 2I) buffer; gate_up_out is garbage afterwards.
 
     With g_act = dout[token_r] @ Wd[e] per sorted row r (rounded to the dtype), act_w = w_r * act:
     dweights = <g_act, act>, dgate_up_out = SwiGLU backward of w_r * g_act, dx_r = dgate_up_out_r @ Wgu[e]
@@ -657,7 +682,7 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     impl = backward_impl(hidden, H, inter, E)
     offsets32 = expert_offsets.to(torch.int32) if impl.startswith("grouped_mm") else None  # torch._grouped_mm's offs
     valid = (top_k_index >= 0) & (top_k_index < E)
-    dgate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
+    dgate_up_out = gate_up_out if reuse_gate_up_out else torch.empty((S, two_i), dtype=dtype, device=hidden.device)
     rows_buf = torch.empty((S, H), dtype=dtype, device=hidden.device)  # dout rows, then dx rows, then x rows
 
     # 1. g_act, its SwiGLU backward and the routing-weight grad; act_w for the down-proj weight grad
@@ -699,10 +724,11 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     dx_rows = rows_buf
     even_k = two_i % cfg["BLOCK_K"] == 0
     w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
+    a_dgu, tma_a = _rows_operand(dgate_up_out, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     _gate_up_bwd_x_kernel[(tiles_n * max_tiles,)](
-        dgate_up_out, w_gu, tile_expert, tile_start, expert_offsets, dx_rows,
+        a_dgu, w_gu, tile_expert, tile_start, expert_offsets, dx_rows,
         H, two_i, E, tiles_n, dgate_up_out.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), dx_rows.stride(0),
-        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, **_launch_opts(cfg),
+        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, TMA_A=tma_a, **_launch_opts(cfg),
     )
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
