@@ -43,6 +43,10 @@ FUSED_ACT = {"backward": dict(impl="grouped_mm_wgrad")}  # context of the fused 
 # context: overrides of other entries, applied to the variant and to its paired baseline alike; such a variant is
 # chosen only if the final config keeps that context
 VARIANTS = [
+    # a row tile with at most BLOCK_M / 2 of its expert's rows computes only those (most experts' last tile)
+    ("gate_up_fwd", dict(HALF_TILES=True)),
+    ("down_fwd", dict(HALF_TILES=True)),
+    ("gate_up_bwd_x", dict(HALF_TILES=True)),
     # the contiguous sorted-row operand (act, dgate_up_out) through TMA as well as the weight operand
     ("down_fwd", dict(TMA_A=True)),
     ("gate_up_bwd_x", dict(TMA_A=True)),

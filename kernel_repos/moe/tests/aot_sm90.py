@@ -25,7 +25,8 @@ SMEM_LIMIT = 227 * 1024
 TMA_OPERAND = {"gate_up_fwd": ("W", "NK"), "down_fwd": ("D", "NK"), "down_bwd_act": ("D", "KN"),
                "gate_up_bwd_x": ("W", "KN")}
 # the contiguous sorted-row operand that TMA_A reads through a descriptor, block (BLOCK_M, BLOCK_K)
-ROW_OPERAND = {"down_fwd": "ACT", "gate_up_bwd_x": "DGU"}
+ROW_OPERAND = {"down_fwd": "ACT_ROWS", "gate_up_bwd_x": "DGU_ROWS"}
+HALF_TILE_KERNELS = ("gate_up_fwd", "down_fwd", "gate_up_bwd_x")
 
 
 def check_ptx(name, k, tma):
@@ -73,6 +74,9 @@ def main():
             variants.append({"TMA": not shipped["TMA"]})
         if name in ROW_OPERAND:
             variants.append({"TMA_A": not shipped["TMA_A"]})
+        if name in HALF_TILE_KERNELS:  # the half-row-tile body beside the full one (with TMA_A where it has it)
+            variants.append({"HALF_TILES": not shipped["HALF_TILES"], "TMA_A": True} if name in ROW_OPERAND
+                            else {"HALF_TILES": not shipped["HALF_TILES"]})
         for over in variants:
             cfg = dict(shipped, **over)
             warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
@@ -85,13 +89,17 @@ def main():
             if cfg.get("TMA_A"):
                 descs[ROW_OPERAND[name]] = f"tensordesc<bf16[{cfg['BLOCK_M']},{cfg['BLOCK_K']}]>"
             k = compile_sm90(kern, dict(cfg, PREC="tf32", **even), warps, stages, descs=descs)
-            check_ptx(name + (" (TMA_A)" if cfg.get("TMA_A") else ""), k, bool(descs))
+            check_ptx(name + (" (TMA_A)" if cfg.get("TMA_A") else "") + (" (HALF_TILES)" if cfg.get("HALF_TILES") else ""),
+                      k, bool(descs))
     # fp32 inputs (IEEE dots) and fp16, odd dims (masked paths), with their configs
     for name, kern in kernels.items():
         for dtype, prec, cfg in (("fp32", "ieee", dict(tk._FP32_CONFIG, TMA=False, TMA_A=False)),
                                  ("fp16", "tf32", dict(tk.GPU_CONFIGS[name], TMA=False, TMA_A=False))):
             if name not in ROW_OPERAND:
                 cfg.pop("TMA_A")
+            cfg["HALF_TILES"] = name in HALF_TILE_KERNELS  # the masked paths of both bodies
+            if name not in HALF_TILE_KERNELS:
+                cfg.pop("HALF_TILES")
             warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
             if name.endswith("_w"):
                 cfg.pop("TMA")

@@ -54,13 +54,23 @@ def _program_tile(TILES_N):
 
 
 @triton.jit
-def _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M: tl.constexpr):
-    # (expert, the tile's sorted rows, which of them are the expert's)
-    e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
-    row0 = tl.load(OFFSETS + e) + (pid_m - tl.load(TILE_START + e)) * BLOCK_M
-    row_end = tl.load(OFFSETS + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
-    return e, rows, rows < row_end
+def _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M: tl.constexpr, BM: tl.constexpr):
+    # the first BM sorted rows of row tile pid_m (tiles of TILE_M rows) of expert e, and which are the expert's
+    row0 = tl.load(OFFSETS + e) + (pid_m - tl.load(TILE_START + e)) * TILE_M
+    rows = row0 + tl.arange(0, BM).to(tl.int64)
+    return rows, rows < tl.load(OFFSETS + e + 1)
+
+
+@triton.jit
+def _half_tile(TILE_START, OFFSETS, e, pid_m, TILE_M: tl.constexpr, HALF_TILES: tl.constexpr):
+    # HALF_TILES: whether row tile pid_m holds at most TILE_M / 2 of the expert's rows (the last tile of an
+    # expert, typically); the caller then runs the tile body with half the rows. With ~512 rows per expert and
+    # 128-row tiles, every other expert ends in a nearly empty tile: about a tenth of all the rows computed.
+    if HALF_TILES:
+        row0 = tl.load(OFFSETS + e) + (pid_m - tl.load(TILE_START + e)) * TILE_M
+        return tl.load(OFFSETS + e + 1) - row0 <= TILE_M // 2
+    else:
+        return False
 
 
 @triton.jit
@@ -68,7 +78,7 @@ def _gate_up_fwd_kernel(
     X, W, ROW_TOKEN, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT,
     H, I, E, TILES_N, stride_x, stride_we, stride_wn, stride_gu, stride_act,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TILES: tl.constexpr,
 ):
     # gate = x @ Wg[e]^T, up = x @ Wu[e]^T for BLOCK_N intermediate columns; act = silu(gate) * up
     # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_N)
@@ -76,7 +86,24 @@ def _gate_up_fwd_kernel(
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
-    e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
+    if _half_tile(TILE_START, OFFSETS, e, pid_m, BLOCK_M, HALF_TILES):
+        _gate_up_fwd_tile(X, W, ROW_TOKEN, TILE_START, OFFSETS, GU, ACT, e, pid_n, pid_m, H, I, stride_x, stride_we,
+                          stride_wn, stride_gu, stride_act, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N,
+                          EVEN_K, TMA)
+    else:
+        _gate_up_fwd_tile(X, W, ROW_TOKEN, TILE_START, OFFSETS, GU, ACT, e, pid_n, pid_m, H, I, stride_x, stride_we,
+                          stride_wn, stride_gu, stride_act, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K,
+                          TMA)
+
+
+@triton.jit
+def _gate_up_fwd_tile(
+    X, W, ROW_TOKEN, TILE_START, OFFSETS, GU, ACT, e, pid_n, pid_m, H, I,
+    stride_x, stride_we, stride_wn, stride_gu, stride_act,
+    TILE_M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+):
+    rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
     tok = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = _in_bounds(cols, I, EVEN_N)
@@ -87,8 +114,8 @@ def _gate_up_fwd_kernel(
     else:
         wg_ptrs = W + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
         wu_ptrs = wg_ptrs + I * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, H, EVEN_K)
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -116,18 +143,33 @@ def _gate_up_fwd_kernel(
 
 @triton.jit
 def _down_fwd_kernel(
-    ACT, D, TILE_EXPERT, TILE_START, OFFSETS, Y,
+    ACT, ACT_ROWS, D, TILE_EXPERT, TILE_START, OFFSETS, Y,
     H, I, E, TILES_N, stride_act, stride_de, stride_dn, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, HALF_TILES: tl.constexpr,
 ):
     # y = act @ Wd[e]^T for BLOCK_N hidden columns (rows in sorted order)
-    # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_N); TMA_A: ACT one over act
+    # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_N); TMA_A: ACT_ROWS one over
+    # act with (BLOCK_M, BLOCK_K) blocks (half tiles read ACT through pointers), else ACT_ROWS is ACT
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
-    e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
+    if _half_tile(TILE_START, OFFSETS, e, pid_m, BLOCK_M, HALF_TILES):
+        _down_fwd_tile(ACT, D, TILE_START, OFFSETS, Y, e, pid_n, pid_m, H, I, stride_act, stride_de, stride_dn,
+                       stride_y, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, False)
+    else:
+        _down_fwd_tile(ACT_ROWS, D, TILE_START, OFFSETS, Y, e, pid_n, pid_m, H, I, stride_act, stride_de, stride_dn,
+                       stride_y, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A)
+
+
+@triton.jit
+def _down_fwd_tile(
+    ACT, D, TILE_START, OFFSETS, Y, e, pid_n, pid_m, H, I, stride_act, stride_de, stride_dn, stride_y,
+    TILE_M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr,
+):
+    rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = _in_bounds(cols, H, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
@@ -139,7 +181,7 @@ def _down_fwd_kernel(
         d_row = (e * H + pid_n * BLOCK_N).to(tl.int32)
     else:
         b_ptrs = D + e * stride_de + cols[None, :].to(tl.int64) * stride_dn + ks[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, I, EVEN_K)
         if TMA_A:
@@ -198,7 +240,7 @@ def _down_bwd_act_kernel(
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
-    e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
+    rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, BLOCK_M, BLOCK_M)
     tok = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = _in_bounds(cols, I, EVEN_N)
@@ -269,19 +311,34 @@ def _swiglu_bwd_rows_kernel(
 
 @triton.jit
 def _gate_up_bwd_x_kernel(
-    DGU, W, TILE_EXPERT, TILE_START, OFFSETS, DX,
+    DGU, DGU_ROWS, W, TILE_EXPERT, TILE_START, OFFSETS, DX,
     H, TWO_I, E, TILES_N, stride_dgu, stride_we, stride_wn, stride_dx,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, HALF_TILES: tl.constexpr,
 ):
     # dx_row = dgate_up_row @ Wgu[e]   (rows in sorted order; the combine sums each token's K copies)
-    # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_K); TMA_A: DGU one over
-    # dgate_up_out
+    # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_K); TMA_A: DGU_ROWS one
+    # over dgate_up_out with (BLOCK_M, BLOCK_K) blocks (half tiles read DGU through pointers), else DGU_ROWS is DGU
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
-    e, rows, row_mask = _tile_rows(TILE_EXPERT, TILE_START, OFFSETS, pid_m, BLOCK_M)
+    if _half_tile(TILE_START, OFFSETS, e, pid_m, BLOCK_M, HALF_TILES):
+        _gate_up_bwd_x_tile(DGU, W, TILE_START, OFFSETS, DX, e, pid_n, pid_m, H, TWO_I, stride_dgu, stride_we,
+                            stride_wn, stride_dx, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA,
+                            False)
+    else:
+        _gate_up_bwd_x_tile(DGU_ROWS, W, TILE_START, OFFSETS, DX, e, pid_n, pid_m, H, TWO_I, stride_dgu, stride_we,
+                            stride_wn, stride_dx, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A)
+
+
+@triton.jit
+def _gate_up_bwd_x_tile(
+    DGU, W, TILE_START, OFFSETS, DX, e, pid_n, pid_m, H, TWO_I, stride_dgu, stride_we, stride_wn, stride_dx,
+    TILE_M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr,
+):
+    rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = _in_bounds(cols, H, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
@@ -294,7 +351,7 @@ def _gate_up_bwd_x_kernel(
         w_col = pid_n * BLOCK_N
     else:
         b_ptrs = W + e * stride_we + ks[:, None].to(tl.int64) * stride_wn + cols[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, TWO_I, BLOCK_K):
         k_mask = _in_bounds(k0 + ks, TWO_I, EVEN_K)
         if TMA_A:
@@ -395,14 +452,19 @@ def _gather_rows_kernel(
 # Tile configs for 16-bit inputs on CUDA (H100/H200 class), one entry per kernel. Row tiles (BLOCK_M) of the
 # grouped kernels drop to 64 when experts get few rows (decode, many experts). TMA: read the (dense, per expert)
 # weight operand through a Hopper tensor descriptor instead of pointer loads (sm_90+, when the tile fits the
-# expert's slice; ignored otherwise); TMA_A: the same for the contiguous sorted-row operand. Module-level and read at call time, so that a tuning run
+# expert's slice; ignored otherwise); TMA_A: the same for the contiguous sorted-row operand. HALF_TILES: a row
+# tile holding at most BLOCK_M / 2 of its expert's rows computes only those (`_half_tile`). Module-level and read at call time, so that a tuning run
 # (benchmarks/tune_moe.py) can sweep them without editing code.
 GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 I=768; logs in docs/gpu_runs/)
-    # TMA weight loads: down_fwd 0.505 -> 0.404 ms, gate_up_bwd_x 0.798 -> 0.731 ms (run 6)
-    "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True),
-    "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=False),
+    # TMA weight loads: down_fwd 0.505 -> 0.404 ms, gate_up_bwd_x 0.798 -> 0.731 ms (run 6); TMA_A (run 13, timed
+    # interleaved call by call, null variants within 0.2 %): fwd phase -0.5 %, bwd phase -1.1 %
+    "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True,
+                        HALF_TILES=False),
+    "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
+                     HALF_TILES=False),
     "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=False),
-    "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=False),
+    "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
+                          HALF_TILES=False),
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
@@ -424,7 +486,7 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
 }
 _FP32_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)  # IEEE fp32: no tensor cores
 # interpreter: small tiles, so that the tests cover several row tiles per expert and several column tiles
-_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1, TMA=False)
+_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1, TMA=False, HALF_TILES=True)
 _INTERPRETER_W_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
 
 
@@ -444,6 +506,8 @@ def _config(name: str, t: torch.Tensor, S: int, E: int) -> dict:
     cfg = dict(GPU_CONFIGS[name])
     if not name.endswith("_w") and S < 96 * E:  # few rows per expert: less padding waste per row tile
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
+    if cfg["BLOCK_M"] < 128:  # half tiles of fewer than 64 rows would not fill a Hopper warpgroup MMA
+        cfg["HALF_TILES"] = False
     return cfg
 
 
@@ -640,7 +704,8 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     _gate_up_fwd_kernel[(tiles_n * max_tiles,)](
         hidden, w_gu, row_token, tile_expert, tile_start, expert_offsets, gate_up_out, act,
         H, inter, E, tiles_n, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_out.stride(0),
-        act.stride(0), PREC=prec, EVEN_N=even_n, EVEN_K=H % cfg["BLOCK_K"] == 0, TMA=tma, **_launch_opts(cfg),
+        act.stride(0), PREC=prec, EVEN_N=even_n, EVEN_K=H % cfg["BLOCK_K"] == 0, TMA=tma,
+        HALF_TILES=cfg.get("HALF_TILES", False), **_launch_opts(cfg),
     )
     y_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
     cfg = _config("down_fwd", hidden, S, E)
@@ -650,9 +715,10 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], even_n)
     a_act, tma_a = _rows_operand(act, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     _down_fwd_kernel[(tiles_n * max_tiles,)](
-        a_act, w_down, tile_expert, tile_start, expert_offsets, y_rows,
+        act, a_act, w_down, tile_expert, tile_start, expert_offsets, y_rows,
         H, inter, E, tiles_n, act.stride(0), down_proj.stride(0), down_proj.stride(1), y_rows.stride(0),
-        PREC=prec, EVEN_N=even_n, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, TMA_A=tma_a, **_launch_opts(cfg),
+        PREC=prec, EVEN_N=even_n, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, TMA_A=tma_a,
+        HALF_TILES=cfg.get("HALF_TILES", False), **_launch_opts(cfg),
     )
     out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
     return out, gate_up_out  # act is not kept: the backward recomputes it from gate_up_out
@@ -726,9 +792,10 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     a_dgu, tma_a = _rows_operand(dgate_up_out, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     _gate_up_bwd_x_kernel[(tiles_n * max_tiles,)](
-        a_dgu, w_gu, tile_expert, tile_start, expert_offsets, dx_rows,
+        dgate_up_out, a_dgu, w_gu, tile_expert, tile_start, expert_offsets, dx_rows,
         H, two_i, E, tiles_n, dgate_up_out.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), dx_rows.stride(0),
-        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, TMA_A=tma_a, **_launch_opts(cfg),
+        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, TMA_A=tma_a,
+        HALF_TILES=cfg.get("HALF_TILES", False), **_launch_opts(cfg),
     )
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
