@@ -77,8 +77,8 @@ def run(h):
 
             impls.append(("liger_fused_moe", liger))
         impls.append(("hubfuse", lambda: moe.moe_experts))
-        # the faster, less lean backward (GPU_CONFIGS["backward"]; the default is grouped_mm_lean)
-        impls.append(("hubfuse (backward grouped_mm)", lambda: moe.moe_experts))
+        # the leaner, slower backward (GPU_CONFIGS["backward"]; the default is grouped_mm)
+        impls.append(("hubfuse (backward grouped_mm_lean)", lambda: moe.moe_experts))
         for impl, make_fn in impls:
             try:
                 fn = make_fn()
@@ -86,8 +86,8 @@ def run(h):
                 def fn(*a, e=e):
                     raise RuntimeError(f"could not build {impl}: {e}")
             default_backward = tk.GPU_CONFIGS["backward"]
-            if impl == "hubfuse (backward grouped_mm)":
-                tk.GPU_CONFIGS["backward"] = dict(impl="grouped_mm")  # read at call time, by every backward
+            if impl == "hubfuse (backward grouped_mm_lean)":
+                tk.GPU_CONFIGS["backward"] = dict(impl="grouped_mm_lean")  # read at call time, by every backward
             try:
                 h.bench(op, impl, fn, mk, floor, note=note)
             finally:

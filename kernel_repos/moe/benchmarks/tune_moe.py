@@ -64,11 +64,11 @@ VARIANTS = [
     ("gate_up_bwd_x", dict(BLOCK_M=64)),
     ("gate_up_bwd_x", dict(BLOCK_M=64, num_warps=4)),
     ("gate_up_bwd_x", dict(BLOCK_M=64, num_stages=4)),
-    # backward GEMMs: "grouped_mm" (CUTLASS K-grouped weight grads over gathered sorted rows and the M-grouped
-    # g_act GEMM + its row epilogue), the default "grouped_mm_lean" (the same but the gate_up weight grad in
+    # backward GEMMs: the default "grouped_mm" (CUTLASS K-grouped weight grads over gathered sorted rows and the
+    # M-grouped g_act GEMM + its row epilogue), "grouped_mm_lean" (the same but the gate_up weight grad in
     # Triton: less memory, a little slower), CUTLASS weight grads with the fused Triton g_act kernel, or all Triton
     # (the Triton kernels' configs are timed in those contexts)
-    ("backward", dict(impl="grouped_mm")),
+    ("backward", dict(impl="grouped_mm_lean")),
     ("backward", dict(impl="grouped_mm_wgrad")),
     ("backward", dict(impl="triton")),
     ("swiglu_bwd_rows", dict(BLOCK_R=8, BLOCK_N=256)),

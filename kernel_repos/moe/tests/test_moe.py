@@ -308,7 +308,7 @@ def test_bad_inputs():
 def test_second_backward_through_the_graph_is_refused():
     # the backward writes the grad of the gate_up output over the saved gate_up_out (Triton path): a second
     # backward through the same graph must fail loudly, not read the overwritten buffer
-    args = _make(13, 48, 40, 6, 3, torch.float32)
+    args = _make(13, 48, 40, 6, 3, torch.float32, _device())
     x, idx, w, gu, dn, dout = args
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, gu, dn)]
     out = moe.moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3])
@@ -486,7 +486,7 @@ def test_backward_grouped_mm_gpu(monkeypatch):
             scale = r.float().abs().max().item()
             assert err <= 1e-2 * scale, f"{impl} {name}: max error {err:.3e} vs scale {scale:.3e}"
         assert not got[2][0].any() and not got[2][E - 1].any() and not got[3][0].any() and not got[3][E - 1].any()
-    # the public op with both CUTLASS backwards (grouped_mm_lean: the default) vs the fp32 torch path, and for
+    # the public op with both CUTLASS backwards (grouped_mm: the default) vs the fp32 torch path, and for
     # determinism + graph capture
     for impl in ("grouped_mm", "grouped_mm_lean"):
         monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl))

@@ -457,14 +457,15 @@ def _gather_rows_kernel(
 # (benchmarks/tune_moe.py) can sweep them without editing code.
 GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 I=768; logs in docs/gpu_runs/)
     # TMA weight loads: down_fwd 0.505 -> 0.404 ms, gate_up_bwd_x 0.798 -> 0.731 ms (run 6); TMA_A (run 13, timed
-    # interleaved call by call, null variants within 0.2 %): fwd phase -0.5 %, bwd phase -1.1 %
+    # interleaved call by call, null variants within 0.3 %): fwd phase -0.5 %, bwd phase -1.1 %; HALF_TILES (run 13,
+    # the same way): fwd phase -2.4 % (gate_up_fwd) and -1.0 % (down_fwd), bwd phase -0.7 % (gate_up_bwd_x)
     "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True,
-                        HALF_TILES=False),
+                        HALF_TILES=True),
     "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
-                     HALF_TILES=False),
+                     HALF_TILES=True),
     "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=False),
     "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
-                          HALF_TILES=False),
+                          HALF_TILES=True),
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
@@ -477,10 +478,11 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     # Run 10: bwd 3.675 -> 3.037 ms with CUTLASS weight grads (Triton's weight-grad kernels reach ~55% of the
     # matmul rate, CUTLASS's persistent TMA kernel ~80%). Run 11 probe: the M-grouped g_act GEMM 0.368 ms vs
     # 0.714 ms for the fused Triton _down_bwd_act_kernel.
-    # Default "grouped_mm_lean" (run 12, Qwen3-30B-A3B training step, bench.py): peak 24.63 vs 25.15 GiB for
-    # "grouped_mm" (the step's peak is the first MoE layer's gate_up weight grad, every other grad live) at
-    # 127.6k vs 129.8k tokens/s; "grouped_mm" is the faster choice where memory is not the limit
-    "backward": dict(impl="grouped_mm_lean"),
+    # Default "grouped_mm" (run 13): since the backward writes dgate_up over the saved gate_up_out, its Qwen3-30B-A3B
+    # training-step peak (bench.py; the first MoE layer's gate_up weight grad, every other grad live) fell from
+    # 25.16 to 24.78 GiB, under Liger's; "grouped_mm_lean" saves another (T*K, H) buffer there (24.25 GiB) at
+    # ~3 % of the step's speed (127.6k vs 131.1k tokens/s, same machine)
+    "backward": dict(impl="grouped_mm"),
     "gather_rows": dict(BLOCK_R=8, BLOCK_N=512, num_warps=4),  # the row gathers of the grouped_mm paths
     "swiglu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=256, num_warps=4),
 }
