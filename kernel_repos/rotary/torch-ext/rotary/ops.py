@@ -60,13 +60,8 @@ def _rope_out(x: torch.Tensor, dtype: torch.dtype, full: bool) -> torch.Tensor:
 # ------------------------------------------------------------------ RoPE
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rope_fwd"), mutates_args=())
-def _rope_fwd(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = torch.promote_types(q.dtype, cos.dtype)
-    full = cos.shape[-1] == q.shape[-1]
-    q_out, k_out = _rope_out(q, dtype, full), _rope_out(k, dtype, full)
+def _rope_into(q, k, cos, sin, head_pos, q_out, k_out) -> None:
+    """RoPE of q and k written into q_out / k_out: Triton where it runs, else HF's torch expression."""
     if _use_triton(q):
         from .triton_kernels import qk_rope_fwd
 
@@ -76,6 +71,16 @@ def _rope_fwd(
         qr, kr = apply_rotary_pos_emb_hf(q, k, cos, sin, head_pos)
         q_out.copy_(qr)
         k_out.copy_(kr)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rope_fwd"), mutates_args=())
+def _rope_fwd(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.promote_types(q.dtype, cos.dtype)
+    full = cos.shape[-1] == q.shape[-1]
+    q_out, k_out = _rope_out(q, dtype, full), _rope_out(k, dtype, full)
+    _rope_into(q, k, cos, sin, head_pos, q_out, k_out)
     return q_out, k_out
 
 
@@ -91,15 +96,7 @@ def _rope_fwd_flat(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     dtype = torch.promote_types(q.dtype, cos.dtype)
     flat = q.new_empty(q.numel() + k.numel(), dtype=dtype)
     q_out, k_out = flat[: q.numel()].view(q.shape), flat[q.numel():].view(k.shape)
-    if _use_triton(q):
-        from .triton_kernels import qk_rope_fwd
-
-        qk_rope_fwd(_canon(q, head_pos), _canon(k, head_pos), cos, sin, _canon(q_out, head_pos),
-                    _canon(k_out, head_pos))
-    else:
-        qr, kr = apply_rotary_pos_emb_hf(q, k, cos, sin, head_pos)
-        q_out.copy_(qr)
-        k_out.copy_(kr)
+    _rope_into(q, k, cos, sin, head_pos, q_out, k_out)
     return flat
 
 
