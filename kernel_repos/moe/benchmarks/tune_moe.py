@@ -96,9 +96,15 @@ VARIANTS = [
     ("down_bwd_act", dict(TMA=True, num_stages=5), FUSED_ACT),
     ("gate_up_bwd_x", dict(TMA=True, num_stages=5)),
     ("down_fwd", dict(TMA=True, num_stages=5)),
-    # memory-bound combine (y rows -> tokens), used in fwd and bwd
+    # memory-bound combine (y rows -> tokens), used in fwd and bwd, and the row gathers of the grouped_mm backward
     ("combine", dict(BLOCK_T=4)),
     ("combine", dict(BLOCK_T=16, num_warps=8)),
+    ("combine", dict(BLOCK_T=8, BLOCK_N=512, num_warps=8)),
+    ("combine", dict(BLOCK_T=4, BLOCK_N=1024, num_warps=8)),
+    ("gather_rows", dict(BLOCK_R=4, BLOCK_N=1024)),
+    ("gather_rows", dict(BLOCK_R=16, BLOCK_N=512, num_warps=8)),
+    ("gather_rows", dict(BLOCK_R=4, BLOCK_N=2048, num_warps=8)),
+    ("gather_rows", dict(BLOCK_R=2, BLOCK_N=2048, num_warps=4)),
 ]
 MAX_REL_ERR = 1e-2  # max |variant - current| / max |current| per output (bf16 accumulation-order noise ~1e-3)
 PAIRED_ROUNDS = 40  # alternating calls per config when a variant is timed against the current config
