@@ -128,6 +128,29 @@ def test_tma_row_operand(shape, monkeypatch):
     assert used == [True, True], used
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the tile map is a Triton kernel")
+@pytest.mark.parametrize("E, S, block_m, first", [(6, 39, 16, 0), (8, 300, 16, 5), (1, 17, 16, 0), (128, 4096, 128, 0),
+                                                  (512, 9000, 64, 3)])
+def test_row_tile_map(E, S, block_m, first):
+    # _tile_map_kernel against the torch formulation: tiles per expert, their start, the expert of every tile slot
+    # (E past the last), with empty experts and rows before offsets[0] (slots routed to negative ids)
+    from moe import triton_kernels as tk
+
+    gen = torch.Generator().manual_seed(E + S)
+    cuts = torch.sort(torch.randint(first, S + 1, (E - 1,), generator=gen)).values
+    if E >= 4:
+        cuts[: E // 4] = cuts[0]  # a run of empty experts
+    offsets = torch.cat([torch.tensor([first]), cuts, torch.tensor([S])]).to(_device())
+    tile_expert, tile_start, max_tiles = tk._RowTiles(offsets, S)(block_m)
+    tiles = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    assert max_tiles == max(1, min(-(-S // block_m) + E, S))
+    assert torch.equal(tile_start, tile_end - tiles)
+    assert torch.equal(tile_expert, torch.searchsorted(tile_end, torch.arange(max_tiles, device=offsets.device),
+                                                       right=True))
+
+
 def test_skewed_routing_all_tokens_one_expert():
     # K=1, every token to expert 2: one expert gets all rows (several row tiles), the others none
     _check(35, 32, 32, 4, 1, torch.float32, skew=[2])

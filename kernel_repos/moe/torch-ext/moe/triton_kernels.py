@@ -2,7 +2,7 @@
 
 Layout: the S = T*K token copies are sorted by expert (`reference.route`, on the device); expert `e` owns
 sorted rows `expert_offsets[e]:expert_offsets[e + 1]`. Row tiles of BLOCK_M never straddle two experts: a
-tile map (`_RowTiles`, torch ops on the device, no host sync) gives every M-program its expert and its first
+tile map (`_RowTiles`, one small kernel, no host sync) gives every M-program its expert and its first
 row, and the grid has a static upper bound on the number of tiles (programs past the end exit at once), so
 every launch is CUDA-graph capturable. Activations are gathered by token id inside the kernels (no permuted
 copy of `hidden`), weights are read in the HF v5 layout: gate_up_proj (E, 2I, H), down_proj (E, H, I).
@@ -434,6 +434,24 @@ def _down_bwd_w_kernel(
 
 
 @triton.jit
+def _tile_map_kernel(OFFSETS, TILE_EXPERT, TILE_START, E, MAX_TILES, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                     BLOCK_J: tl.constexpr):
+    # one program: expert e owns ceil(rows_e / BLOCK_M) row tiles, numbered from TILE_START[e] (exclusive prefix
+    # sum); TILE_EXPERT[j] = the expert of tile j = #{e : tiles of e end at or before j} (E past the last tile)
+    es = tl.arange(0, BLOCK_E)
+    e_mask = es < E
+    lo = tl.load(OFFSETS + es, mask=e_mask, other=0)
+    hi = tl.load(OFFSETS + es + 1, mask=e_mask, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    tl.store(TILE_START + es, tile_end - tiles, mask=e_mask)
+    for j0 in range(0, MAX_TILES, BLOCK_J):
+        js = j0 + tl.arange(0, BLOCK_J)
+        ended = (tile_end[None, :] <= js[:, None]) & e_mask[None, :]
+        tl.store(TILE_EXPERT + js, tl.sum(ended.to(tl.int64), axis=1), mask=js < MAX_TILES)
+
+
+@triton.jit
 def _gather_rows_kernel(
     SRC, ROW_TOKEN, DST, S, N, stride_src, stride_dst, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -514,7 +532,8 @@ def _config(name: str, t: torch.Tensor, S: int, E: int) -> dict:
 
 
 class _RowTiles:
-    """Row-tile maps of the sorted rows, one per BLOCK_M in use, built on the device (no host sync)."""
+    """Row-tile maps of the sorted rows, one per BLOCK_M in use, built on the device by `_tile_map_kernel` (one
+    launch, no host sync)."""
 
     def __init__(self, expert_offsets: torch.Tensor, S: int):
         self.expert_offsets, self.S, self._maps = expert_offsets, S, {}
@@ -523,13 +542,13 @@ class _RowTiles:
         if block_m not in self._maps:
             offsets = self.expert_offsets
             E = offsets.numel() - 1
-            counts = offsets[1:] - offsets[:-1]
-            tiles = (counts + block_m - 1) // block_m
-            tile_end = torch.cumsum(tiles, 0)
-            tile_start = tile_end - tiles
             # static bound on the number of row tiles: the grid size never depends on the routing
             max_tiles = max(1, min(triton.cdiv(self.S, block_m) + E, self.S))
-            tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=offsets.device), right=True)
+            tile_expert = torch.empty(max_tiles, dtype=torch.int64, device=offsets.device)
+            tile_start = torch.empty(E, dtype=torch.int64, device=offsets.device)
+            block_e = triton.next_power_of_2(E)
+            _tile_map_kernel[(1,)](offsets, tile_expert, tile_start, E, max_tiles, BLOCK_M=block_m, BLOCK_E=block_e,
+                                   BLOCK_J=max(16, min(1024, 16384 // block_e)), num_warps=4)
             self._maps[block_m] = (tile_expert, tile_start, max_tiles)
         return self._maps[block_m]
 
