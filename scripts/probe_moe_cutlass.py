@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel_repos/moe/b
 from moe import reference, triton_kernels as tk  # noqa: E402
 from tune_moe import make_inputs  # noqa: E402
 
+from probe_moe_overhead import graph_ms  # noqa: E402
+
 
 def bench(fn, rep=100):
     return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
@@ -58,18 +60,7 @@ def main():
         return tk.moe_bwd(dout, x, idx, w, gu, dn, gout, s, o)
 
     eager = bench(step)
-    step()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    graph = bench(g.replay)
+    graph = graph_ms(step)
     flops = 3 * (f_gu + f_dn)
     print(f"  route+fwd+bwd stream {tf(eager, flops)}; CUDA graph replay {tf(graph, flops)}", flush=True)
 

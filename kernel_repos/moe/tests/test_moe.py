@@ -83,6 +83,19 @@ def test_fwd_bwd_fp16():
     _check(21, 64, 32, 5, 2, torch.float16)
 
 
+def _record_tma_flags(monkeypatch, tk, operand_fn):
+    """Wraps tk.<operand_fn> (which returns (operand, uses_tma)) and returns the list of flags its calls return."""
+    used, original = [], getattr(tk, operand_fn)
+
+    def spy(*args):
+        operand, tma = original(*args)
+        used.append(tma)
+        return operand, tma
+
+    monkeypatch.setattr(tk, operand_fn, spy)
+    return used
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors reach the Triton kernels only under the interpreter (on a GPU machine they "
                            "take the torch path); the GPU runs TMA through GPU_CONFIGS in the gpu-marked tests")
@@ -92,16 +105,8 @@ def test_tma_weight_operand(shape, monkeypatch):
     # tiles straddle experts and fall back to pointer loads, the backward ones read past H / I (zero-filled)
     from moe import triton_kernels as tk
 
-    used = []
-    weight_operand = tk._weight_operand
-
-    def spy(*args):
-        operand, tma = weight_operand(*args)
-        used.append(tma)
-        return operand, tma
-
     monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA", True)
-    monkeypatch.setattr(tk, "_weight_operand", spy)
+    used = _record_tma_flags(monkeypatch, tk, "_weight_operand")
     _check(*shape, torch.float32)
     assert used == ([True] * 4 if shape[2] == 64 else [False, False, True, True]), used
 
@@ -114,16 +119,8 @@ def test_tma_row_operand(shape, monkeypatch):
     # a few rows each read the next expert's rows (and zero-filled rows past the last): the store masks them
     from moe import triton_kernels as tk
 
-    used = []
-    rows_operand = tk._rows_operand
-
-    def spy(*args):
-        operand, tma = rows_operand(*args)
-        used.append(tma)
-        return operand, tma
-
     monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA_A", True)
-    monkeypatch.setattr(tk, "_rows_operand", spy)
+    used = _record_tma_flags(monkeypatch, tk, "_rows_operand")
     _check(*shape, torch.float32)
     assert used == [True, True], used
 
