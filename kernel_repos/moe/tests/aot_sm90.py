@@ -64,8 +64,9 @@ def main():
     kernels = {
         "gate_up_fwd": tk._gate_up_fwd_kernel, "down_fwd": tk._down_fwd_kernel,
         "down_bwd_act": tk._down_bwd_act_kernel, "gate_up_bwd_x": tk._gate_up_bwd_x_kernel,
-        "gate_up_bwd_w": tk._gate_up_bwd_w_kernel, "down_bwd_w": tk._down_bwd_w_kernel,
+        "gate_up_bwd_w": tk._weight_grad_kernel, "down_bwd_w": tk._weight_grad_kernel,
     }
+    fixed = {"gate_up_bwd_w": dict(A_BY_TOKEN=False), "down_bwd_w": dict(A_BY_TOKEN=True)}  # per-use constexprs
     for name, kern in kernels.items():
         # the shipped config, and for the row-tiled kernels also with the other TMA setting(s)
         shipped = tk.GPU_CONFIGS[name]
@@ -88,7 +89,7 @@ def main():
                 descs[arg] = f"tensordesc<bf16[{block[0]},{block[1]}]>"
             if cfg.get("TMA_A"):
                 descs[ROW_OPERAND[name]] = f"tensordesc<bf16[{cfg['BLOCK_M']},{cfg['BLOCK_K']}]>"
-            k = compile_sm90(kern, dict(cfg, PREC="tf32", **even), warps, stages, descs=descs)
+            k = compile_sm90(kern, dict(cfg, PREC="tf32", **even, **fixed.get(name, {})), warps, stages, descs=descs)
             check_ptx(name + (" (TMA_A)" if cfg.get("TMA_A") else "") + (" (HALF_TILES)" if cfg.get("HALF_TILES") else ""),
                       k, bool(descs))
     # fp32 inputs (IEEE dots) and fp16, odd dims (masked paths), with their configs
@@ -104,7 +105,7 @@ def main():
             if name.endswith("_w"):
                 cfg.pop("TMA")
             even = {"EVEN_M": False, "EVEN_N": False} if name.endswith("_w") else {"EVEN_N": False, "EVEN_K": False}
-            compile_sm90(kern, dict(cfg, PREC=prec, **even), warps, stages, dtype=dtype)
+            compile_sm90(kern, dict(cfg, PREC=prec, **even, **fixed.get(name, {})), warps, stages, dtype=dtype)
         print(f"{name}: fp32 and fp16 (masked) ok")
     cfg = dict(tk.GPU_CONFIGS["combine"])
     k = compile_sm90(tk._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"]),

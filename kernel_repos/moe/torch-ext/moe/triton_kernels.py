@@ -369,65 +369,41 @@ def _gate_up_bwd_x_tile(
 
 
 @triton.jit
-def _gate_up_bwd_w_kernel(
-    DGU, X, ROW_TOKEN, OFFSETS, DW,
-    H, TWO_I, stride_dgu, stride_x, stride_dwe, stride_dwn,
+def _weight_grad_kernel(
+    A, B, ROW_TOKEN, OFFSETS, DW,
+    M, N, stride_a, stride_b, stride_dwe, stride_dwn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, A_BY_TOKEN: tl.constexpr,
 ):
-    # dWgu[e][m, n] = sum over the expert's rows r of dgate_up[r, m] * x[token_r, n]   (one program per tile)
+    # dW[e][m, n] = sum over the expert's sorted rows r of a_r[m] * b_r[n]   (one program per (tile, expert), the
+    # rows reduced in order: deterministic). The operand indexed by token is read from the token's row:
+    #   gate_up: a_r = dgate_up_out[r], b_r = x[token_r]        (A_BY_TOKEN=False)
+    #   down:    a_r = dout[token_r],   b_r = act_w[r]          (A_BY_TOKEN=True)
     pid = tl.program_id(0)
     e = tl.program_id(1).to(tl.int64)
-    tiles_n = tl.cdiv(H, BLOCK_N)
+    tiles_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // tiles_n
     pid_n = pid % tiles_n
     lo = tl.load(OFFSETS + e)
     hi = tl.load(OFFSETS + e + 1)
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = _in_bounds(ms, TWO_I, EVEN_M)
-    n_mask = _in_bounds(ns, H, EVEN_N)
+    m_mask = _in_bounds(ms, M, EVEN_M)
+    n_mask = _in_bounds(ns, N, EVEN_N)
     ks = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(lo, hi, BLOCK_K):
         rows = r0 + ks
         r_mask = rows < hi
         tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
-        a = tl.load(DGU + rows[None, :] * stride_dgu + ms[:, None], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        b = tl.load(X + tok[:, None] * stride_x + ns[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-    tl.store(DW + e * stride_dwe + ms[:, None].to(tl.int64) * stride_dwn + ns[None, :], acc.to(DW.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _down_bwd_w_kernel(
-    DOUT, ACT_W, ROW_TOKEN, OFFSETS, DW,
-    H, I, stride_dout, stride_act_w, stride_dwe, stride_dwn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-):
-    # dWd[e][h, i] = sum over the expert's rows r of dout[token_r, h] * act_w[r, i]   (act_w = w_r * act)
-    pid = tl.program_id(0)
-    e = tl.program_id(1).to(tl.int64)
-    tiles_n = tl.cdiv(I, BLOCK_N)
-    pid_m = pid // tiles_n
-    pid_n = pid % tiles_n
-    lo = tl.load(OFFSETS + e)
-    hi = tl.load(OFFSETS + e + 1)
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = _in_bounds(ms, H, EVEN_M)
-    n_mask = _in_bounds(ns, I, EVEN_N)
-    ks = tl.arange(0, BLOCK_K).to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(lo, hi, BLOCK_K):
-        rows = r0 + ks
-        r_mask = rows < hi
-        tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
-        a = tl.load(DOUT + tok[None, :] * stride_dout + ms[:, None], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        b = tl.load(ACT_W + rows[:, None] * stride_act_w + ns[None, :], mask=r_mask[:, None] & n_mask[None, :],
-                    other=0.0)
+        if A_BY_TOKEN:
+            a_rows = tok
+            b_rows = rows
+        else:
+            a_rows = rows
+            b_rows = tok
+        a = tl.load(A + a_rows[None, :] * stride_a + ms[:, None], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        b = tl.load(B + b_rows[:, None] * stride_b + ns[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     tl.store(DW + e * stride_dwe + ms[:, None].to(tl.int64) * stride_dwn + ns[None, :], acc.to(DW.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
@@ -689,17 +665,16 @@ def _k_grouped_mm(a_sorted, b_sorted, offsets32):
     return out[1:]  # (E + 1, M, N) contiguous -> the E expert groups, still contiguous
 
 
-def _weight_grad_triton(name, kernel, rows_a, rows_b, row_token, expert_offsets, like, dims):
-    """One of the Triton weight-grad kernels: out[e] (M, N) = sum over expert e's rows of a_r^T b_r, one program
-    per (output tile, expert) reducing over the rows in order. out has the shape of `like` (E, M, N); dims are
-    the kernel's two size arguments."""
+def _weight_grad_triton(name, rows_a, rows_b, row_token, expert_offsets, like, a_by_token):
+    """out[e] (M, N) = sum over expert e's rows r of a_r^T b_r with `_weight_grad_kernel` (its GPU_CONFIGS entry
+    `name`); out has the shape of `like` (E, M, N); a_by_token: rows_a is indexed by token, else rows_b is."""
     E, M, N = like.shape
     cfg = _config(name, rows_a, row_token.numel(), E)
     out = torch.empty_like(like)
-    kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)](
-        rows_a, rows_b, row_token, expert_offsets, out, *dims, rows_a.stride(0), rows_b.stride(0), out.stride(0),
+    _weight_grad_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)](
+        rows_a, rows_b, row_token, expert_offsets, out, M, N, rows_a.stride(0), rows_b.stride(0), out.stride(0),
         out.stride(1), PREC=_prec(rows_a.dtype), EVEN_M=M % cfg["BLOCK_M"] == 0, EVEN_N=N % cfg["BLOCK_N"] == 0,
-        **_launch_opts(cfg),
+        A_BY_TOKEN=a_by_token, **_launch_opts(cfg),
     )
     return out
 
@@ -799,8 +774,8 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
         if impl == "grouped_mm_wgrad":
             ddown_proj = _k_grouped_mm(_gather_rows(dout, row_token, rows_buf), act_w, offsets32)
         else:
-            ddown_proj = _weight_grad_triton("down_bwd_w", _down_bwd_w_kernel, dout, act_w, row_token,
-                                             expert_offsets, down_proj, (H, inter))
+            ddown_proj = _weight_grad_triton("down_bwd_w", dout, act_w, row_token, expert_offsets, down_proj,
+                                             a_by_token=True)
         del act_w
     dweights = torch.where(valid, dw_rows[pos].view(T, K), 0.0).to(top_k_weights.dtype)  # back to slot order
 
@@ -828,6 +803,6 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
         # every name of the (S, H) buffer dropped first: the allocator can hand it to this grad (the peak of a
         # training step is usually here, in the backward of the first MoE layer, with all the other grads live)
         rows_buf = dx_rows = dout_rows = None  # noqa: F841
-        dgate_up_proj = _weight_grad_triton("gate_up_bwd_w", _gate_up_bwd_w_kernel, dgate_up_out, hidden, row_token,
-                                            expert_offsets, gate_up_proj, (H, two_i))
+        dgate_up_proj = _weight_grad_triton("gate_up_bwd_w", dgate_up_out, hidden, row_token, expert_offsets,
+                                            gate_up_proj, a_by_token=False)
     return dhidden, dweights, dgate_up_proj, ddown_proj
