@@ -22,10 +22,10 @@ SMEM_LIMIT = 227 * 1024
 
 
 # the weight operand of the row-tiled kernels and its TMA block shape (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N)
-TMA_OPERAND = {"gate_up_fwd": ("W", "NK"), "down_fwd": ("D", "NK"), "down_bwd_act": ("D", "KN"),
-               "gate_up_bwd_x": ("W", "KN")}
+TMA_OPERAND = {"gate_up_fwd": ("W", "NK"), "down_fwd": ("B", "NK"), "down_bwd_act": ("D", "KN"),
+               "gate_up_bwd_x": ("B", "KN")}
 # the contiguous sorted-row operand that TMA_A reads through a descriptor, block (BLOCK_M, BLOCK_K)
-ROW_OPERAND = {"down_fwd": "ACT_ROWS", "gate_up_bwd_x": "DGU_ROWS"}
+ROW_OPERAND = {"down_fwd": "A_ROWS", "gate_up_bwd_x": "A_ROWS"}
 HALF_TILE_KERNELS = ("gate_up_fwd", "down_fwd", "gate_up_bwd_x")
 
 
@@ -62,11 +62,12 @@ def compile_sm90(kern, constexprs, num_warps, num_stages, dtype="bf16", descs=No
 
 def main():
     kernels = {
-        "gate_up_fwd": tk._gate_up_fwd_kernel, "down_fwd": tk._down_fwd_kernel,
-        "down_bwd_act": tk._down_bwd_act_kernel, "gate_up_bwd_x": tk._gate_up_bwd_x_kernel,
+        "gate_up_fwd": tk._gate_up_fwd_kernel, "down_fwd": tk._rows_gemm_kernel,
+        "down_bwd_act": tk._down_bwd_act_kernel, "gate_up_bwd_x": tk._rows_gemm_kernel,
         "gate_up_bwd_w": tk._weight_grad_kernel, "down_bwd_w": tk._weight_grad_kernel,
     }
-    fixed = {"gate_up_bwd_w": dict(A_BY_TOKEN=False), "down_bwd_w": dict(A_BY_TOKEN=True)}  # per-use constexprs
+    fixed = {"gate_up_bwd_w": dict(A_BY_TOKEN=False), "down_bwd_w": dict(A_BY_TOKEN=True),  # per-use constexprs
+             "down_fwd": dict(B_NK=True), "gate_up_bwd_x": dict(B_NK=False)}
     for name, kern in kernels.items():
         # the shipped config, and for the row-tiled kernels also with the other TMA setting(s)
         shipped = tk.GPU_CONFIGS[name]

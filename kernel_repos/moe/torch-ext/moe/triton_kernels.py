@@ -142,59 +142,75 @@ def _gate_up_fwd_tile(
 
 
 @triton.jit
-def _down_fwd_kernel(
-    ACT, ACT_ROWS, D, TILE_EXPERT, TILE_START, OFFSETS, Y,
-    H, I, E, TILES_N, stride_act, stride_de, stride_dn, stride_y,
+def _rows_gemm_kernel(
+    A, A_ROWS, B, TILE_EXPERT, TILE_START, OFFSETS, C,
+    N, K, E, TILES_N, stride_a, stride_be, stride_b, stride_c,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, HALF_TILES: tl.constexpr,
+    B_NK: tl.constexpr,
 ):
-    # y = act @ Wd[e]^T for BLOCK_N hidden columns (rows in sorted order)
-    # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_N); TMA_A: ACT_ROWS one over
-    # act with (BLOCK_M, BLOCK_K) blocks (half tiles read ACT through pointers), else ACT_ROWS is ACT
+    # c_row = a_row @ B[e] for BLOCK_N output columns; a's rows are contiguous in sorted order:
+    #   down_fwd:      y = act @ Wd[e]^T        B = down_proj (E, N=H, K=I), stride_b its N stride   (B_NK)
+    #   gate_up_bwd_x: dx = dgate_up @ Wgu[e]   B = gate_up_proj (E, K=2I, N=H), stride_b its K stride
+    # TMA: B is a tensor descriptor over the weight viewed as (E * rows, cols); TMA_A: A_ROWS one over A with
+    # (BLOCK_M, BLOCK_K) blocks (half tiles read A through pointers), else A_ROWS is A
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
     if _half_tile(TILE_START, OFFSETS, e, pid_m, BLOCK_M, HALF_TILES):
-        _down_fwd_tile(ACT, D, TILE_START, OFFSETS, Y, e, pid_n, pid_m, H, I, stride_act, stride_de, stride_dn,
-                       stride_y, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, False)
+        _rows_gemm_tile(A, B, TILE_START, OFFSETS, C, e, pid_n, pid_m, N, K, stride_a, stride_be, stride_b, stride_c,
+                        BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, False, B_NK)
     else:
-        _down_fwd_tile(ACT_ROWS, D, TILE_START, OFFSETS, Y, e, pid_n, pid_m, H, I, stride_act, stride_de, stride_dn,
-                       stride_y, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A)
+        _rows_gemm_tile(A_ROWS, B, TILE_START, OFFSETS, C, e, pid_n, pid_m, N, K, stride_a, stride_be, stride_b,
+                        stride_c, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A, B_NK)
 
 
 @triton.jit
-def _down_fwd_tile(
-    ACT, D, TILE_START, OFFSETS, Y, e, pid_n, pid_m, H, I, stride_act, stride_de, stride_dn, stride_y,
+def _rows_gemm_tile(
+    A, B, TILE_START, OFFSETS, C, e, pid_n, pid_m, N, K, stride_a, stride_be, stride_b, stride_c,
     TILE_M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, B_NK: tl.constexpr,
 ):
     rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = _in_bounds(cols, H, EVEN_N)
+    col_mask = _in_bounds(cols, N, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
     if TMA_A:  # rows past the expert's end (the next expert's, or zero-filled past the last) are masked at the store
         a_row0 = tl.min(rows, axis=0).to(tl.int32)
     else:
-        a_ptrs = ACT + rows[:, None] * stride_act + ks[None, :]
-    if TMA:
-        d_row = (e * H + pid_n * BLOCK_N).to(tl.int32)
+        a_ptrs = A + rows[:, None] * stride_a + ks[None, :]
+    if TMA:  # the copy engine zero-fills past the weight's last row / column
+        if B_NK:
+            b_row = (e * N + pid_n * BLOCK_N).to(tl.int32)
+        else:
+            b_row = (e * K).to(tl.int32)
+            b_col = pid_n * BLOCK_N
     else:
-        b_ptrs = D + e * stride_de + cols[None, :].to(tl.int64) * stride_dn + ks[:, None]
+        if B_NK:
+            b_ptrs = B + e * stride_be + cols[None, :].to(tl.int64) * stride_b + ks[:, None]
+        else:
+            b_ptrs = B + e * stride_be + ks[:, None].to(tl.int64) * stride_b + cols[None, :]
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_mask = _in_bounds(k0 + ks, I, EVEN_K)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = _in_bounds(k0 + ks, K, EVEN_K)
         if TMA_A:
-            a = ACT.load([a_row0, k0])
+            a = A.load([a_row0, k0])
         else:
             a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if TMA:
-            b = D.load([d_row, k0]).T
+            if B_NK:
+                b = B.load([b_row, k0]).T
+            else:
+                b = B.load([b_row + k0, b_col])
         else:
             b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            b_ptrs += BLOCK_K
+            if B_NK:
+                b_ptrs += BLOCK_K
+            else:
+                b_ptrs += BLOCK_K * stride_b
         acc = tl.dot(a, b, acc, input_precision=PREC)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty),
+    tl.store(C + rows[:, None] * stride_c + cols[None, :], acc.to(C.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
 
@@ -307,65 +323,6 @@ def _swiglu_bwd_rows_kernel(
         tl.store(dgu_ptrs + I, du.to(DGU.dtype.element_ty), mask=mask)
         tl.store(g_ptrs, (act * w[:, None]).to(G_ACT.dtype.element_ty), mask=mask)
     tl.store(DW_ROWS + rows, dw, mask=r_mask)
-
-
-@triton.jit
-def _gate_up_bwd_x_kernel(
-    DGU, DGU_ROWS, W, TILE_EXPERT, TILE_START, OFFSETS, DX,
-    H, TWO_I, E, TILES_N, stride_dgu, stride_we, stride_wn, stride_dx,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, HALF_TILES: tl.constexpr,
-):
-    # dx_row = dgate_up_row @ Wgu[e]   (rows in sorted order; the combine sums each token's K copies)
-    # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_K); TMA_A: DGU_ROWS one
-    # over dgate_up_out with (BLOCK_M, BLOCK_K) blocks (half tiles read DGU through pointers), else DGU_ROWS is DGU
-    pid_n, pid_m = _program_tile(TILES_N)
-    e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
-    if e >= E:
-        return
-    if _half_tile(TILE_START, OFFSETS, e, pid_m, BLOCK_M, HALF_TILES):
-        _gate_up_bwd_x_tile(DGU, W, TILE_START, OFFSETS, DX, e, pid_n, pid_m, H, TWO_I, stride_dgu, stride_we,
-                            stride_wn, stride_dx, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA,
-                            False)
-    else:
-        _gate_up_bwd_x_tile(DGU_ROWS, W, TILE_START, OFFSETS, DX, e, pid_n, pid_m, H, TWO_I, stride_dgu, stride_we,
-                            stride_wn, stride_dx, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A)
-
-
-@triton.jit
-def _gate_up_bwd_x_tile(
-    DGU, W, TILE_START, OFFSETS, DX, e, pid_n, pid_m, H, TWO_I, stride_dgu, stride_we, stride_wn, stride_dx,
-    TILE_M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr,
-):
-    rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = _in_bounds(cols, H, EVEN_N)
-    ks = tl.arange(0, BLOCK_K)
-    if TMA_A:  # rows past the expert's end (the next expert's, or zero-filled past the last) are masked at the store
-        a_row0 = tl.min(rows, axis=0).to(tl.int32)
-    else:
-        a_ptrs = DGU + rows[:, None] * stride_dgu + ks[None, :]
-    if TMA:
-        w_row = (e * TWO_I).to(tl.int32)
-        w_col = pid_n * BLOCK_N
-    else:
-        b_ptrs = W + e * stride_we + ks[:, None].to(tl.int64) * stride_wn + cols[None, :]
-    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, TWO_I, BLOCK_K):
-        k_mask = _in_bounds(k0 + ks, TWO_I, EVEN_K)
-        if TMA_A:
-            a = DGU.load([a_row0, k0])
-        else:
-            a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if TMA:  # columns past H are zero-filled by the copy engine
-            b = W.load([w_row + k0, w_col])
-        else:
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            b_ptrs += BLOCK_K * stride_wn
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], acc.to(DX.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -710,11 +667,11 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     even_n = H % cfg["BLOCK_N"] == 0
     w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], even_n)
     a_act, tma_a = _rows_operand(act, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    _down_fwd_kernel[(tiles_n * max_tiles,)](
+    _rows_gemm_kernel[(tiles_n * max_tiles,)](
         act, a_act, w_down, tile_expert, tile_start, expert_offsets, y_rows,
         H, inter, E, tiles_n, act.stride(0), down_proj.stride(0), down_proj.stride(1), y_rows.stride(0),
         PREC=prec, EVEN_N=even_n, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, TMA_A=tma_a,
-        HALF_TILES=cfg.get("HALF_TILES", False), **_launch_opts(cfg),
+        HALF_TILES=cfg.get("HALF_TILES", False), B_NK=True, **_launch_opts(cfg),
     )
     out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
     return out, gate_up_out  # act is not kept: the backward recomputes it from gate_up_out
@@ -787,11 +744,11 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     even_k = two_i % cfg["BLOCK_K"] == 0
     w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     a_dgu, tma_a = _rows_operand(dgate_up_out, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    _gate_up_bwd_x_kernel[(tiles_n * max_tiles,)](
+    _rows_gemm_kernel[(tiles_n * max_tiles,)](
         dgate_up_out, a_dgu, w_gu, tile_expert, tile_start, expert_offsets, dx_rows,
         H, two_i, E, tiles_n, dgate_up_out.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), dx_rows.stride(0),
         PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, TMA_A=tma_a,
-        HALF_TILES=cfg.get("HALF_TILES", False), **_launch_opts(cfg),
+        HALF_TILES=cfg.get("HALF_TILES", False), B_NK=False, **_launch_opts(cfg),
     )
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
