@@ -91,8 +91,8 @@ def main():
             if cfg.get("TMA_A"):
                 descs[ROW_OPERAND[name]] = f"tensordesc<bf16[{cfg['BLOCK_M']},{cfg['BLOCK_K']}]>"
             k = compile_sm90(kern, dict(cfg, PREC="tf32", **even, **fixed.get(name, {})), warps, stages, descs=descs)
-            check_ptx(name + (" (TMA_A)" if cfg.get("TMA_A") else "") + (" (HALF_TILES)" if cfg.get("HALF_TILES") else ""),
-                      k, bool(descs))
+            flags = "".join(f" ({flag})" for flag in ("TMA_A", "HALF_TILES") if cfg.get(flag))
+            check_ptx(name + flags, k, bool(descs))
     # fp32 inputs (IEEE dots) and fp16, odd dims (masked paths), with their configs
     for name, kern in kernels.items():
         for dtype, prec, cfg in (("fp32", "ieee", dict(tk._FP32_CONFIG, TMA=False, TMA_A=False)),

@@ -404,8 +404,8 @@ def _gather_rows_kernel(
 # grouped kernels drop to 64 when experts get few rows (decode, many experts). TMA: read the (dense, per expert)
 # weight operand through a Hopper tensor descriptor instead of pointer loads (sm_90+, when the tile fits the
 # expert's slice; ignored otherwise); TMA_A: the same for the contiguous sorted-row operand. HALF_TILES: a row
-# tile holding at most BLOCK_M / 2 of its expert's rows computes only those (`_half_tile`). Module-level and read at call time, so that a tuning run
-# (benchmarks/tune_moe.py) can sweep them without editing code.
+# tile holding at most BLOCK_M / 2 of its expert's rows computes only those (`_half_tile`). Module-level and read
+# at call time, so that a tuning run (benchmarks/tune_moe.py) can sweep them without editing code.
 GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 I=768; logs in docs/gpu_runs/)
     # TMA weight loads: down_fwd 0.505 -> 0.404 ms, gate_up_bwd_x 0.798 -> 0.731 ms (run 6); TMA_A (run 13, timed
     # interleaved call by call, null variants within 0.3 %): fwd phase -0.5 %, bwd phase -1.1 %; HALF_TILES (run 13,
@@ -636,6 +636,29 @@ def _weight_grad_triton(name, rows_a, rows_b, row_token, expert_offsets, like, a
     return out
 
 
+def _rows_gemm(name, a, w, row_tiles, expert_offsets, out):
+    """out[r] = a[r] @ W[e] over the expert-sorted rows with `_rows_gemm_kernel` (its GPU_CONFIGS entry `name`):
+    "down_fwd" (w = down_proj (E, N, K), used transposed) or "gate_up_bwd_x" (w = gate_up_proj (E, K, N))."""
+    b_nk = name == "down_fwd"
+    E = w.shape[0]
+    N, K = (w.shape[1], w.shape[2]) if b_nk else (w.shape[2], w.shape[1])
+    cfg = _config(name, a, a.shape[0], E)
+    tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
+    tiles_n = triton.cdiv(N, cfg["BLOCK_N"])
+    # a TMA weight tile must not straddle two experts' slices of the 2-D view: along N for (E, N, K), along K else
+    in_expert = (N if b_nk else K) % (cfg["BLOCK_N"] if b_nk else cfg["BLOCK_K"]) == 0
+    block = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
+    w_op, tma = _weight_operand(w, cfg, block, in_expert)
+    a_op, tma_a = _rows_operand(a, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+    _rows_gemm_kernel[(tiles_n * max_tiles,)](
+        a, a_op, w_op, tile_expert, tile_start, expert_offsets, out,
+        N, K, E, tiles_n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        PREC=_prec(a.dtype), EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, TMA=tma, TMA_A=tma_a,
+        HALF_TILES=cfg.get("HALF_TILES", False), B_NK=b_nk, **_launch_opts(cfg),
+    )
+    return out
+
+
 def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_slot, expert_offsets):
     T, H = hidden.shape
     K = top_k_index.shape[1]
@@ -660,19 +683,8 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
         act.stride(0), PREC=prec, EVEN_N=even_n, EVEN_K=H % cfg["BLOCK_K"] == 0, TMA=tma,
         HALF_TILES=cfg.get("HALF_TILES", False), **_launch_opts(cfg),
     )
-    y_rows = torch.empty((S, H), dtype=dtype, device=hidden.device)
-    cfg = _config("down_fwd", hidden, S, E)
-    tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-    tiles_n = triton.cdiv(H, cfg["BLOCK_N"])
-    even_n = H % cfg["BLOCK_N"] == 0
-    w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], even_n)
-    a_act, tma_a = _rows_operand(act, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    _rows_gemm_kernel[(tiles_n * max_tiles,)](
-        act, a_act, w_down, tile_expert, tile_start, expert_offsets, y_rows,
-        H, inter, E, tiles_n, act.stride(0), down_proj.stride(0), down_proj.stride(1), y_rows.stride(0),
-        PREC=prec, EVEN_N=even_n, EVEN_K=inter % cfg["BLOCK_K"] == 0, TMA=tma, TMA_A=tma_a,
-        HALF_TILES=cfg.get("HALF_TILES", False), B_NK=True, **_launch_opts(cfg),
-    )
+    y_rows = _rows_gemm("down_fwd", act, down_proj, row_tiles, expert_offsets, torch.empty((S, H), dtype=dtype,
+                                                                                       device=hidden.device))
     out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
     return out, gate_up_out  # act is not kept: the backward recomputes it from gate_up_out
 
@@ -737,19 +749,7 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     dweights = torch.where(valid, dw_rows[pos].view(T, K), 0.0).to(top_k_weights.dtype)  # back to slot order
 
     # 2. grad of hidden: per-row dx (stream order: after the last reader of rows_buf), then each token's K copies
-    cfg = _config("gate_up_bwd_x", hidden, S, E)
-    tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-    tiles_n = triton.cdiv(H, cfg["BLOCK_N"])
-    dx_rows = rows_buf
-    even_k = two_i % cfg["BLOCK_K"] == 0
-    w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
-    a_dgu, tma_a = _rows_operand(dgate_up_out, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    _rows_gemm_kernel[(tiles_n * max_tiles,)](
-        dgate_up_out, a_dgu, w_gu, tile_expert, tile_start, expert_offsets, dx_rows,
-        H, two_i, E, tiles_n, dgate_up_out.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), dx_rows.stride(0),
-        PREC=prec, EVEN_N=H % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, TMA_A=tma_a,
-        HALF_TILES=cfg.get("HALF_TILES", False), B_NK=False, **_launch_opts(cfg),
-    )
+    dx_rows = _rows_gemm("gate_up_bwd_x", dgate_up_out, gate_up_proj, row_tiles, expert_offsets, rows_buf)
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
 
     # 3. gate_up weight grad
