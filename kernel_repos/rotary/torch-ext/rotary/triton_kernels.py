@@ -352,6 +352,26 @@ def _bwd_rows_lean(
 
 
 @triton.jit
+def _fwd_variant(
+    X, XO, W, COS, SIN, row_begin, row_end, H, S, sx_b, sx_h, sx_s, so_b, so_h, so_s, sc_b, sc_s, eps, D, HALF,
+    NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER: tl.constexpr,
+    HAS_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr, LEAN: tl.constexpr, OFF64: tl.constexpr,
+):
+    # rows [row_begin, row_end) of one tensor (q or k) through the row variant the launcher picked
+    if LEAN:
+        _fwd_rows_lean(X, XO, W, COS, SIN, row_begin, row_end, H, S, sx_b, sx_h, sx_s, so_b, so_h, so_s,
+                       sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER, BLOCK_M, ROW_BLOCK, OFF64)
+    elif ROW_TILE:
+        _fwd_rows_tile(X, XO, W, COS, SIN, row_begin, row_end, H, S, sx_b, sx_h, sx_s, so_b, so_h, so_s,
+                       sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER, BLOCK_M, ROW_BLOCK)
+    else:
+        _fwd_rows(X, XO, W, COS, SIN, row_begin, row_end, H, S, sx_b, sx_h, sx_s, so_b, so_h, so_s,
+                  sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER, HAS_PASS,
+                  BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, QO, KO, WQ, WK, COS, SIN, Mq, Mk, rows_per_prog_q, rows_per_prog_k, n_prog_q, H_q, H_k, S,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sqo_b, sqo_h, sqo_s, sko_b, sko_h, sko_s, sc_b, sc_s, eps, D, HALF,
@@ -360,35 +380,20 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr, LEAN: tl.constexpr = False, OFF64: tl.constexpr = True,
 ):
+    # programs [0, n_prog_q) take q's rows, the rest k's
     pid = tl.program_id(0)
     if pid < n_prog_q:
         row_begin = pid * rows_per_prog_q
         row_end = tl.minimum(row_begin + rows_per_prog_q, Mq)
-        if LEAN:
-            _fwd_rows_lean(Q, QO, WQ, COS, SIN, row_begin, row_end, H_q, S, sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
-                           sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_Q, BLOCK_M, ROW_BLOCK,
-                           OFF64)
-        elif ROW_TILE:
-            _fwd_rows_tile(Q, QO, WQ, COS, SIN, row_begin, row_end, H_q, S, sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
-                           sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_Q, BLOCK_M, ROW_BLOCK)
-        else:
-            _fwd_rows(Q, QO, WQ, COS, SIN, row_begin, row_end, H_q, S, sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
-                      sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS,
-                      BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+        _fwd_variant(Q, QO, WQ, COS, SIN, row_begin, row_end, H_q, S, sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
+                     sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS, BLOCK_M,
+                     HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK, LEAN, OFF64)
     else:
         row_begin = (pid - n_prog_q) * rows_per_prog_k
         row_end = tl.minimum(row_begin + rows_per_prog_k, Mk)
-        if LEAN:
-            _fwd_rows_lean(K, KO, WK, COS, SIN, row_begin, row_end, H_k, S, sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
-                           sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_K, BLOCK_M, ROW_BLOCK,
-                           OFF64)
-        elif ROW_TILE:
-            _fwd_rows_tile(K, KO, WK, COS, SIN, row_begin, row_end, H_k, S, sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
-                           sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_K, BLOCK_M, ROW_BLOCK)
-        else:
-            _fwd_rows(K, KO, WK, COS, SIN, row_begin, row_end, H_k, S, sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
-                      sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS,
-                      BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+        _fwd_variant(K, KO, WK, COS, SIN, row_begin, row_end, H_k, S, sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
+                     sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS, BLOCK_M,
+                     HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK, LEAN, OFF64)
 
 
 @triton.jit
@@ -538,6 +543,29 @@ def _bwd_rows_tile(
 
 
 @triton.jit
+def _bwd_variant(
+    DXO, X, DX, W, DW, COS, SIN, row_begin, row_end, H, S, sdo_b, sdo_h, sdo_s, sx_b, sx_h, sx_s,
+    sg_b, sg_h, sg_s, sc_b, sc_s, eps, D, HALF,
+    NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER: tl.constexpr, HAS_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, ROW_TILE: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, LEAN: tl.constexpr, OFF64: tl.constexpr, DW_ROWS: tl.constexpr,
+):
+    # rows [row_begin, row_end) of one tensor's grads (q or k) through the row variant the launcher picked
+    if LEAN:
+        _bwd_rows_lean(DXO, X, DX, W, DW, COS, SIN, row_begin, row_end, H, S,
+                       sdo_b, sdo_h, sdo_s, sx_b, sx_h, sx_s, sg_b, sg_h, sg_s, sc_b, sc_s, eps, D, HALF,
+                       NORM, HEAD_INNER, BLOCK_M, ROW_BLOCK, OFF64, DW_ROWS)
+    elif ROW_TILE:
+        _bwd_rows_tile(DXO, X, DX, W, DW, COS, SIN, row_begin, row_end, H, S,
+                       sdo_b, sdo_h, sdo_s, sx_b, sx_h, sx_s, sg_b, sg_h, sg_s, sc_b, sc_s, eps, D, HALF,
+                       NORM, ROUND_ROPE, HEAD_INNER, BLOCK_M, ROW_BLOCK)
+    else:
+        _bwd_rows(DXO, X, DX, W, DW, COS, SIN, row_begin, row_end, H, S,
+                  sdo_b, sdo_h, sdo_s, sx_b, sx_h, sx_s, sg_b, sg_h, sg_s, sc_b, sc_s, eps, D, HALF,
+                  NORM, ROUND_ROPE, HEAD_INNER, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+
+
+@triton.jit
 def _bwd_kernel(
     DQO, DKO, Q, K, DQ, DK, WQ, WK, DWQ, DWK, COS, SIN,
     Mq, Mk, rows_per_prog_q, rows_per_prog_k, n_prog_q, H_q, H_k, S,
@@ -548,38 +576,23 @@ def _bwd_kernel(
     ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr, LEAN: tl.constexpr = False, OFF64: tl.constexpr = True,
     DW_ROWS: tl.constexpr = 1,
 ):
+    # programs [0, n_prog_q) take q's rows, the rest k's; each writes its own row of the weight-grad partials
     pid = tl.program_id(0)
     if pid < n_prog_q:
         row_begin = pid * rows_per_prog_q
         row_end = tl.minimum(row_begin + rows_per_prog_q, Mq)
-        if LEAN:
-            _bwd_rows_lean(DQO, Q, DQ, WQ, DWQ + pid * D, COS, SIN, row_begin, row_end, H_q, S,
-                           sdq_b, sdq_h, sdq_s, sq_b, sq_h, sq_s, sgq_b, sgq_h, sgq_s, sc_b, sc_s, eps, D, HALF,
-                           NORM, HEAD_INNER_Q, BLOCK_M, ROW_BLOCK, OFF64, DW_ROWS)
-        elif ROW_TILE:
-            _bwd_rows_tile(DQO, Q, DQ, WQ, DWQ + pid * D, COS, SIN, row_begin, row_end, H_q, S,
-                           sdq_b, sdq_h, sdq_s, sq_b, sq_h, sq_s, sgq_b, sgq_h, sgq_s, sc_b, sc_s, eps, D, HALF,
-                           NORM, ROUND_ROPE, HEAD_INNER_Q, BLOCK_M, ROW_BLOCK)
-        else:
-            _bwd_rows(DQO, Q, DQ, WQ, DWQ + pid * D, COS, SIN, row_begin, row_end, H_q, S,
-                      sdq_b, sdq_h, sdq_s, sq_b, sq_h, sq_s, sgq_b, sgq_h, sgq_s, sc_b, sc_s, eps, D, HALF,
-                      NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+        _bwd_variant(DQO, Q, DQ, WQ, DWQ + pid * D, COS, SIN, row_begin, row_end, H_q, S,
+                     sdq_b, sdq_h, sdq_s, sq_b, sq_h, sq_s, sgq_b, sgq_h, sgq_s, sc_b, sc_s, eps, D, HALF,
+                     NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK,
+                     LEAN, OFF64, DW_ROWS)
     else:
         kp = pid - n_prog_q
         row_begin = kp * rows_per_prog_k
         row_end = tl.minimum(row_begin + rows_per_prog_k, Mk)
-        if LEAN:
-            _bwd_rows_lean(DKO, K, DK, WK, DWK + kp * D, COS, SIN, row_begin, row_end, H_k, S,
-                           sdk_b, sdk_h, sdk_s, sk_b, sk_h, sk_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
-                           NORM, HEAD_INNER_K, BLOCK_M, ROW_BLOCK, OFF64, DW_ROWS)
-        elif ROW_TILE:
-            _bwd_rows_tile(DKO, K, DK, WK, DWK + kp * D, COS, SIN, row_begin, row_end, H_k, S,
-                           sdk_b, sdk_h, sdk_s, sk_b, sk_h, sk_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
-                           NORM, ROUND_ROPE, HEAD_INNER_K, BLOCK_M, ROW_BLOCK)
-        else:
-            _bwd_rows(DKO, K, DK, WK, DWK + kp * D, COS, SIN, row_begin, row_end, H_k, S,
-                      sdk_b, sdk_h, sdk_s, sk_b, sk_h, sk_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
-                      NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK)
+        _bwd_variant(DKO, K, DK, WK, DWK + kp * D, COS, SIN, row_begin, row_end, H_k, S,
+                     sdk_b, sdk_h, sdk_s, sk_b, sk_h, sk_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
+                     NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK,
+                     LEAN, OFF64, DW_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------------------
