@@ -20,6 +20,18 @@ def _tanh(u):
 
 
 @triton.jit
+def _load_logits(row_ptr, cols, V, softcap, sum_vec, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+    # one block of a row's logits in fp32 (soft-capped), -inf past V; their sum added to sum_vec (label smoothing)
+    mask = cols < V
+    x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        x = softcap * _tanh(x / softcap)
+    if HAS_SMOOTHING:
+        sum_vec += tl.where(mask, x, 0.0)
+    return tl.where(mask, x, float("-inf")), sum_vec
+
+
+@triton.jit
 def _ce_rows_kernel(
     LOGITS, stride_row, LABELS, SCALE, scale_stride, LOSS, ZLOSS, V,
     ignore_index, label_smoothing, z_loss_weight, softcap,
@@ -49,14 +61,7 @@ def _ce_rows_kernel(
         s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
         sum_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, V, BLOCK_V):
-            cols = start + cols0
-            mask = cols < V
-            x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                x = softcap * _tanh(x / softcap)
-            if HAS_SMOOTHING:
-                sum_vec += tl.where(mask, x, 0.0)
-            x = tl.where(mask, x, float("-inf"))
+            x, sum_vec = _load_logits(row_ptr, start + cols0, V, softcap, sum_vec, HAS_SOFTCAP, HAS_SMOOTHING)
             m_new = tl.maximum(m_vec, x)
             # lanes where both are -inf (masked tail, or -inf logits so far) add nothing
             e = tl.where(m_new == float("-inf"), 0.0, tl.exp(tl.minimum(x, m_vec) - m_new))
@@ -71,14 +76,7 @@ def _ce_rows_kernel(
         s = 0.0
         sum_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
         for start in range(0, V, BLOCK_V):
-            cols = start + cols0
-            mask = cols < V
-            x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                x = softcap * _tanh(x / softcap)
-            if HAS_SMOOTHING:
-                sum_vec += tl.where(mask, x, 0.0)
-            x = tl.where(mask, x, float("-inf"))
+            x, sum_vec = _load_logits(row_ptr, start + cols0, V, softcap, sum_vec, HAS_SOFTCAP, HAS_SMOOTHING)
             m_new = tl.maximum(m, tl.max(x, axis=0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: add nothing, not nan
             s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref), axis=0)
