@@ -13,7 +13,8 @@ Backward: g_act = (dout @ Wd) with the routing-weight grad and the SwiGLU backwa
           dx rows (dgate_up @ Wgu) -> combine; per-expert weight grads reduce over the expert's rows
           inside one program (fixed order, no atomics: deterministic). On sm_90/sm_100 bf16 (GPU_CONFIGS
           ["backward"], the default there) the weight grads and g_act are torch._grouped_mm (CUTLASS) GEMMs over
-          gathered expert-sorted rows instead (deterministic too), g_act's epilogue a separate row pass.
+          gathered expert-sorted rows instead (deterministic too), g_act's epilogue a separate row pass. The
+          grad of the gate_up output is written over gate_up_out when the caller allows it (the custom op does).
 All products accumulate in fp32; operands are the input dtype (bf16/fp16 tensor cores, fp32 in IEEE).
 This module imports triton: import it lazily.
 """
