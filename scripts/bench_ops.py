@@ -98,6 +98,26 @@ def bench(op, impl, fn, make_inputs, floor_ms, note="", kernels=None):
     print(row, flush=True)
 
 
+def wall_and_profile(step, steps: int, warmup: int):
+    """(wall ms per step over `steps` calls after `warmup` ones, the torch.profiler of `steps` more calls): what a
+    step costs on the clock next to what its kernels cost (profile_ops.py, probe_step_profile.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return wall, prof
+
+
 def gpu_ms(step, steps: int = 10, kernels=None) -> float:
     """Device time of one step: the sum of its kernels' (and copies') durations, from torch.profiler.
 

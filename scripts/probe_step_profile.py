@@ -10,7 +10,6 @@ process-clean (liger patches classes), so liger, if asked for, runs last.
 """
 import argparse
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import bench  # noqa: E402
+import bench_ops  # noqa: E402
 
 STEPS = 3
 
@@ -58,18 +57,7 @@ def run(slice_name, config, path, top, moe_backward):
         run_model = torch.compile(model)
     print(f"\n=== {slice_name} / {config}{' / moe ' + moe_backward if moe_backward else ''}: {extra}", flush=True)
     step = bench.probe_step(slice_name, model, run_model)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(STEPS):
-        step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / STEPS
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step()
-        torch.cuda.synchronize()
+    wall_ms, prof = bench_ops.wall_and_profile(step, STEPS, warmup=3)
     iv = kernel_intervals(prof)
     busy = union_us(iv) / 1e3 / STEPS
     span = (iv[-1][1] - iv[0][0]) / 1e3 / STEPS if iv else 0.0

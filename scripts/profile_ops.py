@@ -5,10 +5,8 @@
 Prints, per impl: wall ms/step (CPU-bound if much larger than GPU), GPU ms/step, and the top kernels.
 """
 import sys
-import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 import bench_ops as h  # noqa: E402
@@ -23,18 +21,7 @@ def profile_step(name, fn, make_inputs, steps=20):
         o = fn(*inputs)
         o.backward(g) if g is not None else o.backward()
 
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / steps * 1e3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+    wall, prof = h.wall_and_profile(step, steps, warmup=5)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     gpu = sum(e.self_device_time_total for e in events) / steps / 1e3
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:4]
