@@ -79,6 +79,8 @@ def main():
         if name in HALF_TILE_KERNELS:  # the half-row-tile body beside the full one (with TMA_A where it has it)
             variants.append({"HALF_TILES": not shipped["HALF_TILES"], "TMA_A": True} if name in ROW_OPERAND
                             else {"HALF_TILES": not shipped["HALF_TILES"]})
+        if name in HALF_TILE_KERNELS:  # the persistent launch (flattened tile loop)
+            variants.append({"PERSISTENT": not shipped.get("PERSISTENT", False)})
         for over in variants:
             cfg = dict(shipped, **over)
             warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
@@ -91,7 +93,7 @@ def main():
             if cfg.get("TMA_A"):
                 descs[ROW_OPERAND[name]] = f"tensordesc<bf16[{cfg['BLOCK_M']},{cfg['BLOCK_K']}]>"
             k = compile_sm90(kern, dict(cfg, PREC="tf32", **even, **fixed.get(name, {})), warps, stages, descs=descs)
-            flags = "".join(f" ({flag})" for flag in ("TMA_A", "HALF_TILES") if cfg.get(flag))
+            flags = "".join(f" ({flag})" for flag in ("TMA_A", "HALF_TILES", "PERSISTENT") if cfg.get(flag))
             check_ptx(name + flags, k, bool(descs))
     # fp32 inputs (IEEE dots) and fp16, odd dims (masked paths), with their configs
     for name, kern in kernels.items():
@@ -102,6 +104,8 @@ def main():
             cfg["HALF_TILES"] = name in HALF_TILE_KERNELS  # the masked paths of both bodies
             if name not in HALF_TILE_KERNELS:
                 cfg.pop("HALF_TILES")
+            else:
+                cfg["PERSISTENT"] = False
             warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
             if name.endswith("_w"):
                 cfg.pop("TMA")

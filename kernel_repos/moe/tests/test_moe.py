@@ -125,6 +125,24 @@ def test_tma_row_operand(shape, monkeypatch):
     assert used == [True, True], used
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors reach the Triton kernels only under the interpreter")
+@pytest.mark.parametrize("tma_a", [False, True])
+@pytest.mark.parametrize("shape", [(37, 64, 64, 8, 2), (35, 32, 32, 4, 1), (5, 32, 48, 8, 1)])
+def test_persistent_row_gemms(shape, tma_a, monkeypatch):
+    # the row-tiled GEMMs as persistent launches: 3 programs loop over every tile (many per program at 16-row
+    # tiles), stopping at the tile count from the tile map; with skewed routing and mostly empty experts
+    from moe import triton_kernels as tk
+
+    monkeypatch.setitem(tk._INTERPRETER_CONFIG, "PERSISTENT", True)
+    monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA_A", tma_a)
+    grids = []
+    original = tk._persistent_grid
+    monkeypatch.setattr(tk, "_persistent_grid", lambda *a: grids.append(original(*a)) or grids[-1])
+    _check(*shape, torch.float32, skew=[2] if shape[4] == 1 and shape[0] == 35 else None)
+    assert grids and all(g == 3 for g in grids), grids  # gate_up fwd, down fwd, gate_up dX
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the tile map is a Triton kernel")
 @pytest.mark.parametrize("E, S, block_m, first", [(6, 39, 16, 0), (8, 300, 16, 5), (1, 17, 16, 0), (128, 4096, 128, 0),
@@ -143,7 +161,8 @@ def test_row_tile_map(E, S, block_m, first):
     tiles = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
     assert max_tiles == max(1, min(-(-S // block_m) + E, S))
-    assert torch.equal(tile_start, tile_end - tiles)
+    assert torch.equal(tile_start[:E], tile_end - tiles)
+    assert tile_start[E].item() == tiles.sum().item()  # the tile count, where persistent launches stop
     assert torch.equal(tile_expert, torch.searchsorted(tile_end, torch.arange(max_tiles, device=offsets.device),
                                                        right=True))
 
@@ -512,6 +531,32 @@ def test_backward_grouped_mm_gpu(monkeypatch):
         monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl))
         test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
         test_deterministic_and_cuda_graph_gpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 2048, 768, 128, 8), (1023, 1024, 512, 512, 16), (333, 2048, 768, 128, 1)])
+def test_persistent_row_gemms_gpu(shape, monkeypatch):
+    # the persistent launches of the three row-tiled GEMMs (one program per SM looping over the tiles) run the same
+    # tile body in the same K order as one program per tile: bitwise equal outputs and grads, also under a CUDA
+    # graph with new routing at replay
+    from moe import triton_kernels as tk
+
+    T, H, I, E, K = shape
+    args = _make(T, H, I, E, K, torch.bfloat16, "cuda", seed=4)
+    names = ("gate_up_fwd", "down_fwd", "gate_up_bwd_x")
+    results = {}
+    for persistent in (False, True):
+        for name in names:
+            monkeypatch.setitem(tk.GPU_CONFIGS, name, dict(tk.GPU_CONFIGS[name], PERSISTENT=persistent))
+        results[persistent] = _run(moe.moe_experts, *args)
+    (out0, g0), (out1, g1) = results[False], results[True]
+    assert torch.isfinite(out1).all() and out1.abs().max() > 0
+    assert torch.equal(out0, out1), (out0.float() - out1.float()).abs().max()
+    for name, a, b in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), g0, g1):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+    if shape[0] == 4096:  # PERSISTENT still on: capture + replay with new routing, vs the fp32 torch path
+        test_deterministic_and_cuda_graph_gpu()
+        test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
 
 
 def test_autocast_fp32_weights():

@@ -80,9 +80,18 @@ def _gate_up_fwd_kernel(
     H, I, E, TILES_N, stride_x, stride_we, stride_wn, stride_gu, stride_act,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TILES: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     # gate = x @ Wg[e]^T, up = x @ Wu[e]^T for BLOCK_N intermediate columns; act = silu(gate) * up
     # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_N)
+    if PERSISTENT:  # a program per SM walks the tiles, full-size bodies only (see _persistent_grid)
+        for t in tl.range(tl.program_id(0), (tl.load(TILE_START + E) * TILES_N).to(tl.int32), tl.num_programs(0),
+                          flatten=True):
+            pid_n, pid_m = t % TILES_N, t // TILES_N
+            _gate_up_fwd_tile(X, W, ROW_TOKEN, TILE_START, OFFSETS, GU, ACT, tl.load(TILE_EXPERT + pid_m).to(tl.int64),
+                              pid_n, pid_m, H, I, stride_x, stride_we, stride_wn, stride_gu, stride_act, BLOCK_M,
+                              BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA)
+        return
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
@@ -148,13 +157,21 @@ def _rows_gemm_kernel(
     N, K, E, TILES_N, stride_a, stride_be, stride_b, stride_c,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, HALF_TILES: tl.constexpr,
-    B_NK: tl.constexpr,
+    B_NK: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     # c_row = a_row @ B[e] for BLOCK_N output columns; a's rows are contiguous in sorted order:
     #   down_fwd:      y = act @ Wd[e]^T        B = down_proj (E, N=H, K=I), stride_b its N stride   (B_NK)
     #   gate_up_bwd_x: dx = dgate_up @ Wgu[e]   B = gate_up_proj (E, K=2I, N=H), stride_b its K stride
     # TMA: B is a tensor descriptor over the weight viewed as (E * rows, cols); TMA_A: A_ROWS one over A with
     # (BLOCK_M, BLOCK_K) blocks (half tiles read A through pointers), else A_ROWS is A
+    if PERSISTENT:  # a program per SM walks the tiles, full-size bodies only (see _persistent_grid)
+        for t in tl.range(tl.program_id(0), (tl.load(TILE_START + E) * TILES_N).to(tl.int32), tl.num_programs(0),
+                          flatten=True):
+            pid_n, pid_m = t % TILES_N, t // TILES_N
+            _rows_gemm_tile(A_ROWS, B, TILE_START, OFFSETS, C, tl.load(TILE_EXPERT + pid_m).to(tl.int64), pid_n,
+                            pid_m, N, K, stride_a, stride_be, stride_b, stride_c, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
+                            PREC, EVEN_N, EVEN_K, TMA, TMA_A, B_NK)
+        return
     pid_n, pid_m = _program_tile(TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
@@ -370,19 +387,22 @@ def _weight_grad_kernel(
 @triton.jit
 def _tile_map_kernel(OFFSETS, TILE_EXPERT, TILE_START, E, MAX_TILES, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                      BLOCK_J: tl.constexpr):
-    # one program: expert e owns ceil(rows_e / BLOCK_M) row tiles, numbered from TILE_START[e] (exclusive prefix
-    # sum); TILE_EXPERT[j] = the expert of tile j = #{e : tiles of e end at or before j} (E past the last tile)
+    # expert e owns ceil(rows_e / BLOCK_M) row tiles, numbered from TILE_START[e] (exclusive prefix sum), and
+    # TILE_START[E] is the tile count (program 0 writes those); TILE_EXPERT[j] = the expert of tile j
+    # = #{e : tiles of e end at or before j} (E past the last tile), BLOCK_J slots per program (each program
+    # recomputes the E-long prefix sum: cheaper than a second launch)
     es = tl.arange(0, BLOCK_E)
     e_mask = es < E
     lo = tl.load(OFFSETS + es, mask=e_mask, other=0)
     hi = tl.load(OFFSETS + es + 1, mask=e_mask, other=0)
     tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
-    tl.store(TILE_START + es, tile_end - tiles, mask=e_mask)
-    for j0 in range(0, MAX_TILES, BLOCK_J):
-        js = j0 + tl.arange(0, BLOCK_J)
-        ended = (tile_end[None, :] <= js[:, None]) & e_mask[None, :]
-        tl.store(TILE_EXPERT + js, tl.sum(ended.to(tl.int64), axis=1), mask=js < MAX_TILES)
+    if tl.program_id(0) == 0:
+        tl.store(TILE_START + es, tile_end - tiles, mask=e_mask)
+        tl.store(TILE_START + E, tl.sum(tiles, 0))  # the tile count (persistent launches loop up to it)
+    js = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    ended = (tile_end[None, :] <= js[:, None]) & e_mask[None, :]
+    tl.store(TILE_EXPERT + js, tl.sum(ended.to(tl.int64), axis=1), mask=js < MAX_TILES)
 
 
 @triton.jit
@@ -405,19 +425,22 @@ def _gather_rows_kernel(
 # grouped kernels drop to 64 when experts get few rows (decode, many experts). TMA: read the (dense, per expert)
 # weight operand through a Hopper tensor descriptor instead of pointer loads (sm_90+, when the tile fits the
 # expert's slice; ignored otherwise); TMA_A: the same for the contiguous sorted-row operand. HALF_TILES: a row
-# tile holding at most BLOCK_M / 2 of its expert's rows computes only those (`_half_tile`). Module-level and read
+# tile holding at most BLOCK_M / 2 of its expert's rows computes only those (`_half_tile`; not in persistent
+# launches). PERSISTENT: one program per SM loops over the tiles (`_persistent_grid`). Module-level and read
 # at call time, so that a tuning run (benchmarks/tune_moe.py) can sweep them without editing code.
 GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 I=768; logs in docs/gpu_runs/)
     # TMA weight loads: down_fwd 0.505 -> 0.404 ms, gate_up_bwd_x 0.798 -> 0.731 ms (run 6); TMA_A (run 13, timed
     # interleaved call by call, null variants within 0.3 %): fwd phase -0.5 %, bwd phase -1.1 %; HALF_TILES (run 13,
-    # the same way): fwd phase -2.4 % (gate_up_fwd) and -1.0 % (down_fwd), bwd phase -0.7 % (gate_up_bwd_x)
+    # the same way): fwd phase -2.4 % (gate_up_fwd) and -1.0 % (down_fwd), bwd phase -0.7 % (gate_up_bwd_x);
+    # PERSISTENT (run 14, the same way, both directions): down_fwd fwd phase -2.7 % / +2.4 % when turned off again,
+    # gate_up_bwd_x (4 stages) bwd phase -1.0 % / +0.9 %; gate_up_fwd +13-14 % slower (off)
     "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True,
-                        HALF_TILES=True),
+                        HALF_TILES=True, PERSISTENT=False),
     "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
-                     HALF_TILES=True),
+                     HALF_TILES=True, PERSISTENT=True),
     "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=False),
-    "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
-                          HALF_TILES=True),
+    "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, TMA_A=True,
+                          HALF_TILES=True, PERSISTENT=True),
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
@@ -440,7 +463,8 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
 }
 _FP32_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)  # IEEE fp32: no tensor cores
 # interpreter: small tiles, so that the tests cover several row tiles per expert and several column tiles
-_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1, TMA=False, HALF_TILES=True)
+_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1, TMA=False, HALF_TILES=True,
+                          PERSISTENT=False)
 _INTERPRETER_W_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
 
 
@@ -479,12 +503,27 @@ class _RowTiles:
             # static bound on the number of row tiles: the grid size never depends on the routing
             max_tiles = max(1, min(triton.cdiv(self.S, block_m) + E, self.S))
             tile_expert = torch.empty(max_tiles, dtype=torch.int64, device=offsets.device)
-            tile_start = torch.empty(E, dtype=torch.int64, device=offsets.device)
+            tile_start = torch.empty(E + 1, dtype=torch.int64, device=offsets.device)  # [E]: the tile count
             block_e = triton.next_power_of_2(E)
-            _tile_map_kernel[(1,)](offsets, tile_expert, tile_start, E, max_tiles, BLOCK_M=block_m, BLOCK_E=block_e,
-                                   BLOCK_J=max(16, min(1024, 16384 // block_e)), num_warps=4)
+            block_j = max(16, min(1024, 16384 // block_e))  # a (BLOCK_J, BLOCK_E) comparison per program
+            _tile_map_kernel[(triton.cdiv(max_tiles, block_j),)](offsets, tile_expert, tile_start, E, max_tiles,
+                                                                 BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_J=block_j,
+                                                                 num_warps=4)
             self._maps[block_m] = (tile_expert, tile_start, max_tiles)
         return self._maps[block_m]
+
+
+def _persistent_grid(cfg: dict, n_programs: int, device: torch.device) -> int:
+    """Programs of a row-tiled GEMM launch: one per tile slot (n_programs, those past the routing's tiles exit at
+    once), or with cfg["PERSISTENT"] one per SM (PROGRAMS_PER_SM each), each looping over every num_programs-th
+    tile up to the tile count the tile map wrote on the device. The loop is flattened (`tl.range(flatten=True)`):
+    one software pipeline across the tiles, so a tile's first operand loads overlap the previous tile's epilogue."""
+    if not cfg.get("PERSISTENT"):
+        return n_programs
+    if device.type == "cpu":  # interpreter: a few programs, so that each loops over several tiles
+        return min(n_programs, 3)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(n_programs, sms * cfg.get("PROGRAMS_PER_SM", 1))
 
 
 def _launch_opts(cfg: dict) -> dict:
@@ -651,11 +690,12 @@ def _rows_gemm(name, a, w, row_tiles, expert_offsets, out):
     block = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
     w_op, tma = _weight_operand(w, cfg, block, in_expert)
     a_op, tma_a = _rows_operand(a, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    _rows_gemm_kernel[(tiles_n * max_tiles,)](
+    _rows_gemm_kernel[(_persistent_grid(cfg, tiles_n * max_tiles, a.device),)](
         a, a_op, w_op, tile_expert, tile_start, expert_offsets, out,
         N, K, E, tiles_n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         PREC=_prec(a.dtype), EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, TMA=tma, TMA_A=tma_a,
-        HALF_TILES=cfg.get("HALF_TILES", False), B_NK=b_nk, **_launch_opts(cfg),
+        HALF_TILES=cfg.get("HALF_TILES", False), B_NK=b_nk, PERSISTENT=cfg.get("PERSISTENT", False),
+        **_launch_opts(cfg),
     )
     return out
 
@@ -678,11 +718,11 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     tiles_n = triton.cdiv(inter, cfg["BLOCK_N"])
     even_n = inter % cfg["BLOCK_N"] == 0
     w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], even_n)
-    _gate_up_fwd_kernel[(tiles_n * max_tiles,)](
+    _gate_up_fwd_kernel[(_persistent_grid(cfg, tiles_n * max_tiles, hidden.device),)](
         hidden, w_gu, row_token, tile_expert, tile_start, expert_offsets, gate_up_out, act,
         H, inter, E, tiles_n, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_out.stride(0),
         act.stride(0), PREC=prec, EVEN_N=even_n, EVEN_K=H % cfg["BLOCK_K"] == 0, TMA=tma,
-        HALF_TILES=cfg.get("HALF_TILES", False), **_launch_opts(cfg),
+        HALF_TILES=cfg.get("HALF_TILES", False), PERSISTENT=cfg.get("PERSISTENT", False), **_launch_opts(cfg),
     )
     y_rows = _rows_gemm("down_fwd", act, down_proj, row_tiles, expert_offsets, torch.empty((S, H), dtype=dtype,
                                                                                        device=hidden.device))
