@@ -486,6 +486,8 @@ def _config(name: str, t: torch.Tensor, S: int, E: int) -> dict:
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
     if cfg["BLOCK_M"] < 128:  # half tiles of fewer than 64 rows would not fill a Hopper warpgroup MMA
         cfg["HALF_TILES"] = False
+    if t.device.type != "cuda":  # persistent grids are sized from torch.cuda's SM count (CUDA and ROCm builds)
+        cfg["PERSISTENT"] = False
     return cfg
 
 
