@@ -45,7 +45,9 @@ FUSED_ACT = {"backward": dict(impl="grouped_mm_wgrad")}  # context of the fused 
 VARIANTS = [
     # persistent launches: a program per SM loops over the tiles in one flattened software pipeline, so the next
     # tile's first loads overlap this tile's epilogue (full-size tile bodies only: no HALF_TILES)
-    # (run 14: gate_up_fwd -13 %, down_fwd +2.7 %, gate_up_bwd_x +0.7 % / +1.0 % with 4 stages; the last two on)
+    # (run 14: gate_up_fwd -13 %, down_fwd +2.7 %, gate_up_bwd_x +0.7 % / +1.0 % with 4 stages; the last two on.
+    # Persistent Triton weight grads were slower too: -20 % / -11 % on the lean / triton backward, so that
+    # option was removed; docs/gpu_runs/run14/tune_persistent_wgrad.log)
     ("gate_up_fwd", dict(PERSISTENT=True)),
     ("down_fwd", dict(PERSISTENT=False)),
     ("gate_up_bwd_x", dict(PERSISTENT=False, num_stages=3)),
