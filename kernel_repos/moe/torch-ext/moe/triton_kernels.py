@@ -47,11 +47,17 @@ def _swiglu_bwd(dact, g, u):
 
 
 @triton.jit
-def _program_tile(TILES_N):
-    # 1-D grid, column tiles fastest: the programs of one row tile run together and share its
-    # (gathered) activation rows in L2; consecutive row tiles mostly belong to the same expert.
-    pid = tl.program_id(0)
-    return pid % TILES_N, pid // TILES_N
+def _tile_coords(t, TILES_N):
+    # (column tile, row tile) of tile t, column tiles fastest: the programs of one row tile run together and share
+    # its (gathered) activation rows in L2; consecutive row tiles mostly belong to the same expert.
+    return t % TILES_N, t // TILES_N
+
+
+@triton.jit
+def _tile_count(TILE_START, E, TILES_N):
+    # the routing's tiles (row tiles, counted by the tile map on the device, x column tiles): where a persistent
+    # program's loop stops
+    return (tl.load(TILE_START + E) * TILES_N).to(tl.int32)
 
 
 @triton.jit
@@ -85,14 +91,13 @@ def _gate_up_fwd_kernel(
     # gate = x @ Wg[e]^T, up = x @ Wu[e]^T for BLOCK_N intermediate columns; act = silu(gate) * up
     # TMA: W is a tensor descriptor over gate_up_proj viewed as (E * 2I, H) (needs EVEN_N)
     if PERSISTENT:  # a program per SM walks the tiles, full-size bodies only (see _persistent_grid)
-        for t in tl.range(tl.program_id(0), (tl.load(TILE_START + E) * TILES_N).to(tl.int32), tl.num_programs(0),
-                          flatten=True):
-            pid_n, pid_m = t % TILES_N, t // TILES_N
+        for t in tl.range(tl.program_id(0), _tile_count(TILE_START, E, TILES_N), tl.num_programs(0), flatten=True):
+            pid_n, pid_m = _tile_coords(t, TILES_N)
             _gate_up_fwd_tile(X, W, ROW_TOKEN, TILE_START, OFFSETS, GU, ACT, tl.load(TILE_EXPERT + pid_m).to(tl.int64),
                               pid_n, pid_m, H, I, stride_x, stride_we, stride_wn, stride_gu, stride_act, BLOCK_M,
                               BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA)
         return
-    pid_n, pid_m = _program_tile(TILES_N)
+    pid_n, pid_m = _tile_coords(tl.program_id(0), TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
@@ -165,14 +170,13 @@ def _rows_gemm_kernel(
     # TMA: B is a tensor descriptor over the weight viewed as (E * rows, cols); TMA_A: A_ROWS one over A with
     # (BLOCK_M, BLOCK_K) blocks (half tiles read A through pointers), else A_ROWS is A
     if PERSISTENT:  # a program per SM walks the tiles, full-size bodies only (see _persistent_grid)
-        for t in tl.range(tl.program_id(0), (tl.load(TILE_START + E) * TILES_N).to(tl.int32), tl.num_programs(0),
-                          flatten=True):
-            pid_n, pid_m = t % TILES_N, t // TILES_N
+        for t in tl.range(tl.program_id(0), _tile_count(TILE_START, E, TILES_N), tl.num_programs(0), flatten=True):
+            pid_n, pid_m = _tile_coords(t, TILES_N)
             _rows_gemm_tile(A_ROWS, B, TILE_START, OFFSETS, C, tl.load(TILE_EXPERT + pid_m).to(tl.int64), pid_n,
                             pid_m, N, K, stride_a, stride_be, stride_b, stride_c, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
                             PREC, EVEN_N, EVEN_K, TMA, TMA_A, B_NK)
         return
-    pid_n, pid_m = _program_tile(TILES_N)
+    pid_n, pid_m = _tile_coords(tl.program_id(0), TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
@@ -270,7 +274,7 @@ def _down_bwd_act_kernel(
     # epilogue: act recomputed from gate_up_out (not saved by the forward); dweight partial = sum_i g_act * act;
     # dact = w * g_act; SwiGLU backward -> dgate, dup; act_w = w * act (operand of the down-proj weight grad)
     # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_K)
-    pid_n, pid_m = _program_tile(TILES_N)
+    pid_n, pid_m = _tile_coords(tl.program_id(0), TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
@@ -517,15 +521,14 @@ class _RowTiles:
 
 def _persistent_grid(cfg: dict, n_programs: int, device: torch.device) -> int:
     """Programs of a row-tiled GEMM launch: one per tile slot (n_programs, those past the routing's tiles exit at
-    once), or with cfg["PERSISTENT"] one per SM (PROGRAMS_PER_SM each), each looping over every num_programs-th
-    tile up to the tile count the tile map wrote on the device. The loop is flattened (`tl.range(flatten=True)`):
+    once), or with cfg["PERSISTENT"] one per SM (more do not fit: the kernels take most of its shared memory),
+    each looping over every num_programs-th tile up to the tile count the tile map wrote on the device. The loop is flattened (`tl.range(flatten=True)`):
     one software pipeline across the tiles, so a tile's first operand loads overlap the previous tile's epilogue."""
     if not cfg.get("PERSISTENT"):
         return n_programs
     if device.type == "cpu":  # interpreter: a few programs, so that each loops over several tiles
         return min(n_programs, 3)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(n_programs, sms * cfg.get("PROGRAMS_PER_SM", 1))
+    return min(n_programs, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _launch_opts(cfg: dict) -> dict:
