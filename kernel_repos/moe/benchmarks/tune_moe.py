@@ -42,7 +42,23 @@ FUSED_ACT = {"backward": dict(impl="grouped_mm_wgrad")}  # context of the fused 
 # (kernel, overrides of its GPU_CONFIGS entry[, context]), most promising first (the budget may cut the tail).
 # context: overrides of other entries, applied to the variant and to its paired baseline alike; such a variant is
 # chosen only if the final config keeps that context
+# the fused Triton g_act kernel (SwiGLU backward in its epilogue) on the gathered dout rows: configs it was never
+# tuned in (run 11: 0.714 ms, 128x128 tiles, dout read by token, pointer loads, vs 0.368 + 0.144 ms for CUTLASS's
+# M-grouped GEMM and the separate row epilogue)
+FUSED_ACT_CONFIGS = [
+    dict(TMA=True, TMA_A=True, BLOCK_N=256, num_stages=3, PERSISTENT=True),
+    dict(TMA=True, TMA_A=True, BLOCK_N=256, num_stages=3, HALF_TILES=True),
+    dict(TMA=True, TMA_A=True, PERSISTENT=True),
+]
 VARIANTS = [
+    # the fused g_act backward against the default (CUTLASS g_act + row epilogue), in its best-guess configs, then
+    # the fused kernel's own variants
+    *[("backward", dict(impl="grouped_mm_wgrad"), {"down_bwd_act": cfg}) for cfg in FUSED_ACT_CONFIGS],
+    ("down_bwd_act", dict(TMA=True, TMA_A=True), FUSED_ACT),
+    *[("down_bwd_act", cfg, FUSED_ACT) for cfg in FUSED_ACT_CONFIGS],
+    ("down_bwd_act", dict(TMA=True, TMA_A=True, BLOCK_N=256, num_stages=4, PERSISTENT=True), FUSED_ACT),
+    ("down_bwd_act", dict(TMA=True, TMA_A=True, HALF_TILES=True), FUSED_ACT),
+    ("down_bwd_act", dict(TMA=True, TMA_A=True, BLOCK_N=256, num_stages=3), FUSED_ACT),
     # persistent launches: a program per SM loops over the tiles in one flattened software pipeline, so the next
     # tile's first loads overlap this tile's epilogue (full-size tile bodies only: no HALF_TILES)
     # (run 14: gate_up_fwd -13 %, down_fwd +2.7 %, gate_up_bwd_x +0.7 % / +1.0 % with 4 stages; the last two on.

@@ -25,8 +25,8 @@ SMEM_LIMIT = 227 * 1024
 TMA_OPERAND = {"gate_up_fwd": ("W", "NK"), "down_fwd": ("B", "NK"), "down_bwd_act": ("D", "KN"),
                "gate_up_bwd_x": ("B", "KN")}
 # the contiguous sorted-row operand that TMA_A reads through a descriptor, block (BLOCK_M, BLOCK_K)
-ROW_OPERAND = {"down_fwd": "A_ROWS", "gate_up_bwd_x": "A_ROWS"}
-HALF_TILE_KERNELS = ("gate_up_fwd", "down_fwd", "gate_up_bwd_x")
+ROW_OPERAND = {"down_fwd": "A_ROWS", "gate_up_bwd_x": "A_ROWS", "down_bwd_act": "DOUT_OP"}
+HALF_TILE_KERNELS = ("gate_up_fwd", "down_fwd", "gate_up_bwd_x", "down_bwd_act")
 
 
 def check_ptx(name, k, tma):
@@ -67,7 +67,8 @@ def main():
         "gate_up_bwd_w": tk._weight_grad_kernel, "down_bwd_w": tk._weight_grad_kernel,
     }
     fixed = {"gate_up_bwd_w": dict(A_BY_TOKEN=False), "down_bwd_w": dict(A_BY_TOKEN=True),  # per-use constexprs
-             "down_fwd": dict(B_NK=True), "gate_up_bwd_x": dict(B_NK=False)}
+             "down_fwd": dict(B_NK=True), "gate_up_bwd_x": dict(B_NK=False),
+             "down_bwd_act": dict(DOUT_SORTED=True)}  # dout gathered (grouped_mm_wgrad); by token: the fp32/fp16 pass
     for name, kern in kernels.items():
         # the shipped config, and for the row-tiled kernels also with the other TMA setting(s)
         shipped = tk.GPU_CONFIGS[name]
@@ -110,7 +111,8 @@ def main():
             if name.endswith("_w"):
                 cfg.pop("TMA")
             even = {"EVEN_M": False, "EVEN_N": False} if name.endswith("_w") else {"EVEN_N": False, "EVEN_K": False}
-            compile_sm90(kern, dict(cfg, PREC=prec, **even, **fixed.get(name, {})), warps, stages, dtype=dtype)
+            per_use = dict(fixed.get(name, {}), **({"DOUT_SORTED": False} if name == "down_bwd_act" else {}))
+            compile_sm90(kern, dict(cfg, PREC=prec, **even, **per_use), warps, stages, dtype=dtype)
         print(f"{name}: fp32 and fp16 (masked) ok")
     cfg = dict(tk.GPU_CONFIGS["combine"])
     k = compile_sm90(tk._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"]),

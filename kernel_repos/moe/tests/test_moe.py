@@ -140,7 +140,7 @@ def test_persistent_row_gemms(shape, tma_a, monkeypatch):
     original = tk._persistent_grid
     monkeypatch.setattr(tk, "_persistent_grid", lambda *a: grids.append(original(*a)) or grids[-1])
     _check(*shape, torch.float32, skew=[2] if shape[4] == 1 and shape[0] == 35 else None)
-    assert grids and all(g == 3 for g in grids), grids  # gate_up fwd, down fwd, gate_up dX
+    assert grids and all(g == 3 for g in grids), grids  # gate_up fwd, down fwd, g_act, gate_up dX
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -283,6 +283,31 @@ def test_backward_grouped_mm_glue(standin, impl, monkeypatch):
 
     # and through the public op against the float64 reference
     _check(13, 48, 40, 6, 3, torch.float32)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU glue test under the interpreter")
+@pytest.mark.parametrize("tma_a, persistent", [(False, False), (True, False), (True, True), (False, True)])
+def test_fused_act_on_gathered_rows(tma_a, persistent, monkeypatch):
+    # grouped_mm_wgrad: the fused g_act kernel reads the gathered (expert-sorted, contiguous) dout rows, through
+    # TMA_A (16-row tiles read the next expert's rows: masked) and/or as a persistent launch (3 programs), half
+    # tiles otherwise; against the float64 reference through the public op, with skewed routing and empty experts
+    from moe import triton_kernels as tk
+
+    monkeypatch.setattr(torch, "_grouped_mm", _grouped_mm_loop, raising=False)
+    monkeypatch.setattr(tk, "_grouped_mm_applies", lambda *a: True)
+    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="grouped_mm_wgrad"))
+    monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA_A", tma_a)
+    monkeypatch.setitem(tk._INTERPRETER_CONFIG, "PERSISTENT", persistent)
+    sorted_rows = []
+    original = tk._down_bwd_act
+    monkeypatch.setattr(tk, "_down_bwd_act", lambda dout, dout_sorted, *a: sorted_rows.append(dout_sorted) or
+                        original(dout, dout_sorted, *a))
+    used = _record_tma_flags(monkeypatch, tk, "_rows_operand")
+    _check(37, 64, 64, 8, 2, torch.float32)
+    _check(35, 32, 32, 4, 1, torch.float32, skew=[2])
+    _check(13, 48, 40, 6, 3, torch.float32)
+    assert sorted_rows == [True] * 3
+    assert used == [tma_a] * 9, used  # per call: down fwd, g_act, gate_up dX
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the torch path")
@@ -555,6 +580,42 @@ def test_persistent_row_gemms_gpu(shape, monkeypatch):
     for name, a, b in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), g0, g1):
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
     if shape[0] == 4096:  # PERSISTENT still on: capture + replay with new routing, vs the fp32 torch path
+        test_deterministic_and_cuda_graph_gpu()
+        test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 2048, 768, 128, 8), (1023, 1024, 512, 512, 16)])
+def test_fused_act_backward_gpu(shape, monkeypatch):
+    # grouped_mm_wgrad: the fused Triton g_act kernel on the gathered dout rows (TMA_A), as tuned, vs the default
+    # CUTLASS backward (close: the same products, fp32 sums in another order); its persistent launch vs one program
+    # per tile of the same tile config (bitwise); then capture + replay with new routing
+    from moe import triton_kernels as tk
+
+    T, H, I, E, K = shape
+    args = _make(T, H, I, E, K, torch.bfloat16, "cuda", seed=5)
+    if not tk._grouped_mm_applies(args[0], H, I, E):
+        pytest.skip("torch._grouped_mm fast path unavailable here")
+    ref = _bwd_direct(*args)  # the default backward
+    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="grouped_mm_wgrad"))
+    shipped = dict(tk.GPU_CONFIGS["down_bwd_act"])
+    got = {}
+    for persistent in (False, True):
+        monkeypatch.setitem(tk.GPU_CONFIGS, "down_bwd_act", dict(shipped, TMA=True, TMA_A=True, BLOCK_N=256,
+                                                                 num_stages=3, HALF_TILES=False, PERSISTENT=persistent))
+        got[persistent] = _bwd_direct(*args)
+    for name, a, b, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got[False], got[True], ref):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+        assert torch.isfinite(a).all() and a.abs().max() > 0, name
+        err = (a.float() - r.float()).abs().max().item()
+        assert err <= 1e-2 * r.float().abs().max().item(), f"{name}: max error {err:.3e}"
+    if shape[3] == 128:
+        monkeypatch.setitem(tk.GPU_CONFIGS, "down_bwd_act", dict(shipped, TMA=True, TMA_A=True, HALF_TILES=True))
+        for name, a, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), _bwd_direct(*args), ref):
+            err = (a.float() - r.float()).abs().max().item()
+            assert err <= 1e-2 * r.float().abs().max().item(), f"half tiles {name}: max error {err:.3e}"
+        monkeypatch.setitem(tk.GPU_CONFIGS, "down_bwd_act", dict(shipped, TMA=True, TMA_A=True, BLOCK_N=256,
+                                                                 num_stages=3, PERSISTENT=True))
         test_deterministic_and_cuda_graph_gpu()
         test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
 

@@ -195,13 +195,30 @@ def _rows_gemm_tile(
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, B_NK: tl.constexpr,
 ):
     rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
+    acc = _rows_acc(A, B, e, rows, row_mask, pid_n, N, K, stride_a, stride_be, stride_b, BM, BLOCK_N, BLOCK_K, PREC,
+                    EVEN_N, EVEN_K, TMA, TMA_A, B_NK)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(C + rows[:, None] * stride_c + cols[None, :], acc.to(C.dtype.element_ty),
+             mask=row_mask[:, None] & _in_bounds(cols, N, EVEN_N)[None, :])
+
+
+@triton.jit
+def _rows_acc(
+    A, B, e, a_rows, row_mask, pid_n, N, K, stride_a, stride_be, stride_b,
+    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, B_NK: tl.constexpr,
+):
+    # fp32 (BM, BLOCK_N) = A[a_rows] @ B[e] for output columns tile pid_n, B[e] (K, N) or with B_NK (N, K)
+    # TMA: B is a tensor descriptor over the weight viewed as (E * rows, cols); TMA_A: A is one over contiguous
+    # rows with (BM, BLOCK_K) blocks, starting at the tile's first row (rows past the expert's end are the next
+    # expert's, or zero-filled past the last: the caller masks them at the store)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = _in_bounds(cols, N, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
-    if TMA_A:  # rows past the expert's end (the next expert's, or zero-filled past the last) are masked at the store
-        a_row0 = tl.min(rows, axis=0).to(tl.int32)
+    if TMA_A:
+        a_row0 = tl.min(a_rows, axis=0).to(tl.int32)
     else:
-        a_ptrs = A + rows[:, None] * stride_a + ks[None, :]
+        a_ptrs = A + a_rows[:, None] * stride_a + ks[None, :]
     if TMA:  # the copy engine zero-fills past the weight's last row / column
         if B_NK:
             b_row = (e * N + pid_n * BLOCK_N).to(tl.int32)
@@ -232,8 +249,7 @@ def _rows_gemm_tile(
             else:
                 b_ptrs += BLOCK_K * stride_b
         acc = tl.dot(a, b, acc, input_precision=PREC)
-    tl.store(C + rows[:, None] * stride_c + cols[None, :], acc.to(C.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    return acc
 
 
 @triton.jit
@@ -264,44 +280,69 @@ def _combine_kernel(
 
 @triton.jit
 def _down_bwd_act_kernel(
-    DOUT, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART,
+    DOUT, DOUT_OP, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART,
     H, I, E, TILES_N, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, HALF_TILES: tl.constexpr,
+    DOUT_SORTED: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    # g_act = dout[token] @ Wd[e]   (unweighted grad of act, BLOCK_N intermediate columns; rounded to the input
-    # dtype like the M-grouped GEMM of the grouped_mm path and F.linear's backward)
-    # epilogue: act recomputed from gate_up_out (not saved by the forward); dweight partial = sum_i g_act * act;
-    # dact = w * g_act; SwiGLU backward -> dgate, dup; act_w = w * act (operand of the down-proj weight grad)
-    # TMA: D is a tensor descriptor over down_proj viewed as (E * H, I) (needs EVEN_K)
+    # g_act = dout_row @ Wd[e]   (unweighted grad of act, BLOCK_N intermediate columns; rounded to the input
+    # dtype like the M-grouped GEMM of the grouped_mm path and F.linear's backward), the SwiGLU backward in the
+    # epilogue (`_act_bwd_epilogue`). DOUT_SORTED: DOUT holds the expert-sorted rows (dout gathered once, also the
+    # operand of the down-proj weight grad), else DOUT is (T, H), read by token. D = down_proj (E, K=H, N=I);
+    # TMA: D is a descriptor over it viewed as (E * H, I); TMA_A (with DOUT_SORTED): DOUT_OP is one over DOUT.
+    if PERSISTENT:  # a program per SM walks the tiles, full-size bodies only (see _persistent_grid)
+        for t in tl.range(tl.program_id(0), _tile_count(TILE_START, E, TILES_N), tl.num_programs(0), flatten=True):
+            pid_n, pid_m = _tile_coords(t, TILES_N)
+            _down_bwd_act_tile(DOUT_OP, D, ROW_TOKEN, ROW_W, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART,
+                               tl.load(TILE_EXPERT + pid_m).to(tl.int64), pid_n, pid_m, H, I, stride_dout, stride_de,
+                               stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part, BLOCK_M, BLOCK_M, BLOCK_N,
+                               BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A, DOUT_SORTED)
+        return
     pid_n, pid_m = _tile_coords(tl.program_id(0), TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
-    rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, BLOCK_M, BLOCK_M)
-    tok = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = _in_bounds(cols, I, EVEN_N)
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = DOUT + tok[:, None] * stride_dout + ks[None, :]
-    if TMA:
-        d_row = (e * H).to(tl.int32)
-        d_col = pid_n * BLOCK_N
+    if _half_tile(TILE_START, OFFSETS, e, pid_m, BLOCK_M, HALF_TILES):
+        _down_bwd_act_tile(DOUT, D, ROW_TOKEN, ROW_W, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART, e, pid_n, pid_m,
+                           H, I, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part,
+                           BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, False, DOUT_SORTED)
     else:
-        b_ptrs = D + e * stride_de + ks[:, None].to(tl.int64) * stride_dn + cols[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_mask = _in_bounds(k0 + ks, H, EVEN_K)
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if TMA:  # columns past I are zero-filled by the copy engine
-            b = D.load([d_row + k0, d_col])
-        else:
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            b_ptrs += BLOCK_K * stride_dn
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-        a_ptrs += BLOCK_K
+        _down_bwd_act_tile(DOUT_OP, D, ROW_TOKEN, ROW_W, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART, e, pid_n,
+                           pid_m, H, I, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w,
+                           stride_part, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A,
+                           DOUT_SORTED)
+
+
+@triton.jit
+def _down_bwd_act_tile(
+    DOUT, D, ROW_TOKEN, ROW_W, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART, e, pid_n, pid_m, H, I,
+    stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part,
+    TILE_M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, DOUT_SORTED: tl.constexpr,
+):
+    rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
+    if DOUT_SORTED:
+        a_rows = rows
+    else:
+        a_rows = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
+    acc = _rows_acc(DOUT, D, e, a_rows, row_mask, pid_n, I, H, stride_dout, stride_de, stride_dn, BM, BLOCK_N,
+                    BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A, False)
+    _act_bwd_epilogue(acc, rows, row_mask, pid_n, I, ROW_W, GU, DGU, ACT_W, DW_PART, stride_gu, stride_dgu,
+                      stride_act_w, stride_part, BLOCK_N, EVEN_N)
+
+
+@triton.jit
+def _act_bwd_epilogue(
+    acc, rows, row_mask, pid_n, I, ROW_W, GU, DGU, ACT_W, DW_PART, stride_gu, stride_dgu, stride_act_w, stride_part,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    # act recomputed from gate_up_out (not saved by the forward); dweight partial = sum_i g_act * act (one per
+    # column tile, summed in order by the caller); dact = w * g_act; SwiGLU backward -> dgate, dup;
+    # act_w = w * act (operand of the down-proj weight grad)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = row_mask[:, None] & _in_bounds(cols, I, EVEN_N)[None, :]
     g_act = acc.to(DGU.dtype.element_ty).to(tl.float32)
-    mask = row_mask[:, None] & col_mask[None, :]
     gu_ptrs = GU + rows[:, None] * stride_gu + cols[None, :]
     g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
@@ -442,7 +483,8 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
                         HALF_TILES=True, PERSISTENT=False),
     "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
                      HALF_TILES=True, PERSISTENT=True),
-    "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=False),
+    "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=False, TMA_A=False,
+                         HALF_TILES=False, PERSISTENT=False),
     "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, TMA_A=True,
                           HALF_TILES=True, PERSISTENT=True),
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
@@ -681,6 +723,32 @@ def _weight_grad_triton(name, rows_a, rows_b, row_token, expert_offsets, like, a
     return out
 
 
+def _down_bwd_act(dout, dout_sorted, down_proj, row_token, row_w, row_tiles, expert_offsets, gate_up_out,
+                  dgate_up_out):
+    """g_act = dout_r @ Wd[e] per sorted row r with the SwiGLU backward in its epilogue (`_down_bwd_act_kernel`):
+    writes dgate_up_out, returns (act_w (S, I), dw_rows (S,) fp32). dout is (T, H), read by token, or with
+    dout_sorted the gathered expert-sorted rows (S, H) (then readable through TMA, cfg["TMA_A"])."""
+    S = row_token.numel()
+    E, H, inter = down_proj.shape
+    cfg = _config("down_bwd_act", dout, S, E)
+    tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
+    tiles_i = triton.cdiv(inter, cfg["BLOCK_N"])
+    act_w = torch.empty((S, inter), dtype=dout.dtype, device=dout.device)
+    dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=dout.device)
+    even_k = H % cfg["BLOCK_K"] == 0
+    w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
+    a_op, tma_a = _rows_operand(dout, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]]) if dout_sorted else (dout, False)
+    _down_bwd_act_kernel[(_persistent_grid(cfg, tiles_i * max_tiles, dout.device),)](
+        dout, a_op, w_down, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, dgate_up_out,
+        act_w, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
+        gate_up_out.stride(0), dgate_up_out.stride(0), act_w.stride(0), dw_part.stride(0),
+        PREC=_prec(dout.dtype), EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, TMA_A=tma_a,
+        HALF_TILES=cfg.get("HALF_TILES", False), DOUT_SORTED=dout_sorted, PERSISTENT=cfg.get("PERSISTENT", False),
+        **_launch_opts(cfg),
+    )
+    return act_w, dw_part.sum(1)  # fixed-order sum of the per-column-tile partials
+
+
 def _rows_gemm(name, a, w, row_tiles, expert_offsets, out):
     """out[r] = a[r] @ W[e] over the expert-sorted rows with `_rows_gemm_kernel` (its GPU_CONFIGS entry `name`):
     "down_fwd" (w = down_proj (E, N, K), used transposed) or "gate_up_bwd_x" (w = gate_up_proj (E, K, N))."""
@@ -771,23 +839,13 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
         _swiglu_bwd_rows(act_w, gate_up_out, row_w, expert_offsets, dgate_up_out, dw_rows)
         ddown_proj = _k_grouped_mm(dout_rows, act_w, offsets32)
         del act_w
-    else:
-        cfg = _config("down_bwd_act", hidden, S, E)
-        tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-        tiles_i = triton.cdiv(inter, cfg["BLOCK_N"])
-        act_w = torch.empty((S, inter), dtype=dtype, device=hidden.device)
-        dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=hidden.device)
-        even_k = H % cfg["BLOCK_K"] == 0
-        w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
-        _down_bwd_act_kernel[(tiles_i * max_tiles,)](
-            dout, w_down, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, dgate_up_out,
-            act_w, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
-            gate_up_out.stride(0), dgate_up_out.stride(0), act_w.stride(0), dw_part.stride(0),
-            PREC=prec, EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, **_launch_opts(cfg),
-        )
-        dw_rows = dw_part.sum(1)  # fixed-order sum of the per-column-tile partials
+    else:  # g_act and its SwiGLU backward in one Triton kernel, reading the gathered dout rows where they exist
         if impl == "grouped_mm_wgrad":
-            ddown_proj = _k_grouped_mm(_gather_rows(dout, row_token, rows_buf), act_w, offsets32)
+            dout_rows = _gather_rows(dout, row_token, rows_buf)
+        act_w, dw_rows = _down_bwd_act(dout if dout_rows is None else dout_rows, dout_rows is not None, down_proj,
+                                       row_token, row_w, row_tiles, expert_offsets, gate_up_out, dgate_up_out)
+        if impl == "grouped_mm_wgrad":
+            ddown_proj = _k_grouped_mm(dout_rows, act_w, offsets32)
         else:
             ddown_proj = _weight_grad_triton("down_bwd_w", dout, act_w, row_token, expert_offsets, down_proj,
                                              a_by_token=True)
