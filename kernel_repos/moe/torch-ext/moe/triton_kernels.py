@@ -18,6 +18,8 @@ Backward: g_act = (dout @ Wd) with the routing-weight grad and the SwiGLU backwa
 All products accumulate in fp32; operands are the input dtype (bf16/fp16 tensor cores, fp32 in IEEE).
 This module imports triton: import it lazily.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -483,8 +485,12 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
                         HALF_TILES=True, PERSISTENT=False),
     "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
                      HALF_TILES=True, PERSISTENT=True),
-    "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=False, TMA_A=False,
-                         HALF_TILES=False, PERSISTENT=False),
+    # the fused g_act kernel (impls "triton", "grouped_mm_wgrad"; run 15, grouped_mm_wgrad timed call by call): TMA
+    # weights + TMA_A dout rows + half tiles +1.8 % on the bwd phase; persistent -3.4 %; 256-column tiles -24..-33 %
+    # (the epilogue's fp32 temporaries beside a 128x256 accumulator). Even tuned, grouped_mm_wgrad stays 10-14 %
+    # slower than the default: the SwiGLU epilogue is not overlapped with the MMAs, a separate pass runs at bandwidth
+    "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, TMA_A=True,
+                         HALF_TILES=True, PERSISTENT=False),
     "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, TMA_A=True,
                           HALF_TILES=True, PERSISTENT=True),
     "gate_up_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
@@ -498,7 +504,8 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     # falls back to "triton" where _grouped_mm's fast path does not apply (`_grouped_mm_applies`).
     # Run 10: bwd 3.675 -> 3.037 ms with CUTLASS weight grads (Triton's weight-grad kernels reach ~55% of the
     # matmul rate, CUTLASS's persistent TMA kernel ~80%). Run 11 probe: the M-grouped g_act GEMM 0.368 ms vs
-    # 0.714 ms for the fused Triton _down_bwd_act_kernel.
+    # 0.714 ms for the fused Triton _down_bwd_act_kernel; run 15: grouped_mm_wgrad with that kernel tuned (reading the
+    # gathered dout rows) still 10-14 % slower on the bwd phase than "grouped_mm".
     # Default "grouped_mm" (run 13): since the backward writes dgate_up over the saved gate_up_out, its Qwen3-30B-A3B
     # training-step peak (bench.py; the first MoE layer's gate_up weight grad, every other grad live) fell from
     # 25.16 to 24.78 GiB, under Liger's; "grouped_mm_lean" saves another (T*K, H) buffer there (24.25 GiB) at
@@ -570,7 +577,12 @@ def _persistent_grid(cfg: dict, n_programs: int, device: torch.device) -> int:
         return n_programs
     if device.type == "cpu":  # interpreter: a few programs, so that each loops over several tiles
         return min(n_programs, 3)
-    return min(n_programs, torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n_programs, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _launch_opts(cfg: dict) -> dict:
