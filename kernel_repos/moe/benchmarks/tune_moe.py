@@ -51,7 +51,15 @@ FUSED_ACT_CONFIGS = [
     dict(TMA=True, TMA_A=True, BLOCK_N=256, num_stages=3, HALF_TILES=True),
     dict(TMA=True, TMA_A=True, PERSISTENT=True),
 ]
+TRITON_G = {"backward": dict(g_act="triton")}  # context of the Triton g_act row GEMM's variants
+
 VARIANTS = [
+    # g_act = dout_rows @ Wd[e] through the Triton row GEMM (persistent, TMA, half tiles in the per-tile launch)
+    # instead of CUTLASS's M-grouped GEMM, which pads every expert's last row tile to the full tile
+    ("backward", dict(g_act="triton")),
+    ("down_bwd_g", dict(PERSISTENT=False), TRITON_G),
+    ("down_bwd_g", dict(num_stages=3), TRITON_G),
+    ("down_bwd_g", dict(BLOCK_N=128, PERSISTENT=False), TRITON_G),
     # the fused g_act backward against the default (CUTLASS g_act + row epilogue), in its best-guess configs, then
     # the fused kernel's own variants
     *[("backward", dict(impl="grouped_mm_wgrad"), {"down_bwd_act": cfg}) for cfg in FUSED_ACT_CONFIGS],
@@ -281,7 +289,7 @@ def main():
         tk.GPU_CONFIGS[name] = dict(start[name], **over)
         ctx = ", ".join(f"{k}={v}" for o in context.values() for k, v in o.items())
         label = f"{name:19s} {str(over):40s}" + (f" [{ctx}]" if context else "")
-        impls = {n: o["impl"] for n, o in [(name, over)] + list(context.items()) if n == "backward"}
+        impls = {n: tk.GPU_CONFIGS[n]["impl"] for n in [name, *context] if n == "backward"}
         if impls and tk.backward_impl(x, H, I, E) != impls["backward"]:
             for k in [name, *context]:
                 tk.GPU_CONFIGS[k] = start[k]

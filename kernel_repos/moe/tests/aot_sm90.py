@@ -23,10 +23,10 @@ SMEM_LIMIT = 227 * 1024
 
 # the weight operand of the row-tiled kernels and its TMA block shape (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N)
 TMA_OPERAND = {"gate_up_fwd": ("W", "NK"), "down_fwd": ("B", "NK"), "down_bwd_act": ("D", "KN"),
-               "gate_up_bwd_x": ("B", "KN")}
+               "gate_up_bwd_x": ("B", "KN"), "down_bwd_g": ("B", "KN")}
 # the contiguous sorted-row operand that TMA_A reads through a descriptor, block (BLOCK_M, BLOCK_K)
-ROW_OPERAND = {"down_fwd": "A_ROWS", "gate_up_bwd_x": "A_ROWS", "down_bwd_act": "DOUT_OP"}
-HALF_TILE_KERNELS = ("gate_up_fwd", "down_fwd", "gate_up_bwd_x", "down_bwd_act")
+ROW_OPERAND = {"down_fwd": "A_ROWS", "gate_up_bwd_x": "A_ROWS", "down_bwd_act": "DOUT_OP", "down_bwd_g": "A_ROWS"}
+HALF_TILE_KERNELS = ("gate_up_fwd", "down_fwd", "gate_up_bwd_x", "down_bwd_act", "down_bwd_g")
 
 
 def check_ptx(name, k, tma):
@@ -64,10 +64,11 @@ def main():
     kernels = {
         "gate_up_fwd": tk._gate_up_fwd_kernel, "down_fwd": tk._rows_gemm_kernel,
         "down_bwd_act": tk._down_bwd_act_kernel, "gate_up_bwd_x": tk._rows_gemm_kernel,
+        "down_bwd_g": tk._rows_gemm_kernel,
         "gate_up_bwd_w": tk._weight_grad_kernel, "down_bwd_w": tk._weight_grad_kernel,
     }
     fixed = {"gate_up_bwd_w": dict(A_BY_TOKEN=False), "down_bwd_w": dict(A_BY_TOKEN=True),  # per-use constexprs
-             "down_fwd": dict(B_NK=True), "gate_up_bwd_x": dict(B_NK=False),
+             "down_fwd": dict(B_NK=True), "gate_up_bwd_x": dict(B_NK=False), "down_bwd_g": dict(B_NK=False),
              "down_bwd_act": dict(DOUT_SORTED=True)}  # dout gathered (grouped_mm_wgrad); by token: the fp32/fp16 pass
     for name, kern in kernels.items():
         # the shipped config, and for the row-tiled kernels also with the other TMA setting(s)

@@ -245,8 +245,9 @@ def _bwd_direct(x, idx, w, gu, dn, dout):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU glue test under the interpreter")
 @pytest.mark.parametrize("standin", ["torch_cpu", "loop"])
-@pytest.mark.parametrize("impl", ["grouped_mm", "grouped_mm_lean", "grouped_mm_wgrad"])
-def test_backward_grouped_mm_glue(standin, impl, monkeypatch):
+@pytest.mark.parametrize("impl, g_act", [("grouped_mm", "cutlass"), ("grouped_mm", "triton"),
+                                         ("grouped_mm_lean", "cutlass"), ("grouped_mm_wgrad", "cutlass")])
+def test_backward_grouped_mm_glue(standin, impl, g_act, monkeypatch):
     # the torch._grouped_mm backward paths (GPU_CONFIGS["backward"]) against the Triton one, on CPU: with
     # torch's own CPU _grouped_mm (same offs semantics as CUDA) or a python loop over experts. Routing with
     # empty experts (first and last), negative ids (rows before expert 0) and the sentinel E (rows at the end).
@@ -271,9 +272,10 @@ def test_backward_grouped_mm_glue(standin, impl, monkeypatch):
 
     monkeypatch.setattr(torch, "_grouped_mm", spy, raising=False)
     monkeypatch.setattr(tk, "_grouped_mm_applies", lambda *a: True)
-    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl))
+    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl, g_act=g_act))
     got = _bwd_direct(x, idx, w, gu, dn, dout)
-    assert len(calls) == (3 if impl == "grouped_mm" else 2), calls  # lean: M-grouped g_act + K-grouped ddown
+    # the two K-grouped weight grads (lean: only ddown) and, unless in Triton, the M-grouped g_act
+    assert len(calls) == (1 if impl == "grouped_mm_lean" else 2) + (g_act == "cutlass" and impl != "grouped_mm_wgrad"), calls
     for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got, ref):
         assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous(), name
         assert torch.isfinite(g).all(), name
@@ -540,20 +542,22 @@ def test_backward_grouped_mm_gpu(monkeypatch):
     args = (x, idx, w, gu, dn, dout)
     monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="triton"))
     ref = _bwd_direct(*args)
-    for impl in ("grouped_mm", "grouped_mm_lean", "grouped_mm_wgrad"):
-        monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl))
+    for impl, g_act in (("grouped_mm", "cutlass"), ("grouped_mm", "triton"), ("grouped_mm_lean", "cutlass"),
+                        ("grouped_mm_wgrad", "cutlass")):
+        impl_name = impl + ("" if g_act == "cutlass" else " g_act=triton")
+        monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl, g_act=g_act))
         got = _bwd_direct(*args)
         for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got, ref):
-            assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous(), (impl, name)
-            assert torch.isfinite(g).all(), (impl, name)
+            assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous(), (impl_name, name)
+            assert torch.isfinite(g).all(), (impl_name, name)
             err = (g.float() - r.float()).abs().max().item()
             scale = r.float().abs().max().item()
-            assert err <= 1e-2 * scale, f"{impl} {name}: max error {err:.3e} vs scale {scale:.3e}"
+            assert err <= 1e-2 * scale, f"{impl_name} {name}: max error {err:.3e} vs scale {scale:.3e}"
         assert not got[2][0].any() and not got[2][E - 1].any() and not got[3][0].any() and not got[3][E - 1].any()
     # the public op with both CUTLASS backwards (grouped_mm: the default) vs the fp32 torch path, and for
     # determinism + graph capture
-    for impl in ("grouped_mm", "grouped_mm_lean"):
-        monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl))
+    for impl, g_act in (("grouped_mm", "cutlass"), ("grouped_mm", "triton"), ("grouped_mm_lean", "cutlass")):
+        monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl, g_act=g_act))
         test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
         test_deterministic_and_cuda_graph_gpu()
 

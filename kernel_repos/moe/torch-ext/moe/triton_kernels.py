@@ -13,7 +13,8 @@ Backward: g_act = (dout @ Wd) with the routing-weight grad and the SwiGLU backwa
           dx rows (dgate_up @ Wgu) -> combine; per-expert weight grads reduce over the expert's rows
           inside one program (fixed order, no atomics: deterministic). On sm_90/sm_100 bf16 (GPU_CONFIGS
           ["backward"], the default there) the weight grads and g_act are torch._grouped_mm (CUTLASS) GEMMs over
-          gathered expert-sorted rows instead (deterministic too), g_act's epilogue a separate row pass. The
+          gathered expert-sorted rows instead (deterministic too; g_act optionally the Triton row GEMM on those
+          rows, GPU_CONFIGS["backward"]["g_act"]), g_act's epilogue a separate row pass. The
           grad of the gate_up output is written over gate_up_out when the caller allows it (the custom op does).
 All products accumulate in fp32; operands are the input dtype (bf16/fp16 tensor cores, fp32 in IEEE).
 This module imports triton: import it lazily.
@@ -510,7 +511,11 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     # training-step peak (bench.py; the first MoE layer's gate_up weight grad, every other grad live) fell from
     # 25.16 to 24.78 GiB, under Liger's; "grouped_mm_lean" saves another (T*K, H) buffer there (24.25 GiB) at
     # ~3 % of the step's speed (127.6k vs 131.1k tokens/s, same machine)
-    "backward": dict(impl="grouped_mm"),
+    # g_act (impls "grouped_mm", "grouped_mm_lean"): "cutlass" (torch._grouped_mm, M-grouped) or "triton" (the row
+    # GEMM kernel on the gathered dout rows, GPU_CONFIGS["down_bwd_g"]); the SwiGLU epilogue is its own pass either way
+    "backward": dict(impl="grouped_mm", g_act="cutlass"),
+    "down_bwd_g": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, TMA_A=True,
+                       HALF_TILES=True, PERSISTENT=True),
     "gather_rows": dict(BLOCK_R=8, BLOCK_N=512, num_warps=4),  # the row gathers of the grouped_mm paths
     "swiglu_bwd_rows": dict(BLOCK_R=4, BLOCK_N=256, num_warps=4),
 }
@@ -763,7 +768,8 @@ def _down_bwd_act(dout, dout_sorted, down_proj, row_token, row_w, row_tiles, exp
 
 def _rows_gemm(name, a, w, row_tiles, expert_offsets, out):
     """out[r] = a[r] @ W[e] over the expert-sorted rows with `_rows_gemm_kernel` (its GPU_CONFIGS entry `name`):
-    "down_fwd" (w = down_proj (E, N, K), used transposed) or "gate_up_bwd_x" (w = gate_up_proj (E, K, N))."""
+    "down_fwd" (w = down_proj (E, N, K), used transposed), "gate_up_bwd_x" (w = gate_up_proj (E, K, N)) or
+    "down_bwd_g" (g_act: w = down_proj (E, K=H, N=I))."""
     b_nk = name == "down_fwd"
     E = w.shape[0]
     N, K = (w.shape[1], w.shape[2]) if b_nk else (w.shape[2], w.shape[1])
@@ -846,7 +852,11 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     dout_rows = None
     if impl in ("grouped_mm", "grouped_mm_lean"):
         dout_rows = _gather_rows(dout, row_token, rows_buf)
-        act_w = _m_grouped_mm(dout_rows, down_proj, offsets32)  # g_act, overwritten with act_w
+        if GPU_CONFIGS["backward"].get("g_act", "cutlass") == "triton":
+            act_w = _rows_gemm("down_bwd_g", dout_rows, down_proj, row_tiles, expert_offsets,
+                               torch.empty((S, inter), dtype=dtype, device=hidden.device))
+        else:
+            act_w = _m_grouped_mm(dout_rows, down_proj, offsets32)  # g_act, overwritten with act_w
         dw_rows = torch.empty((S,), dtype=torch.float32, device=hidden.device)
         _swiglu_bwd_rows(act_w, gate_up_out, row_w, expert_offsets, dgate_up_out, dw_rows)
         ddown_proj = _k_grouped_mm(dout_rows, act_w, offsets32)
