@@ -241,7 +241,7 @@ def set_moe_backward(model, impl: str) -> None:
         tk = importlib.import_module(pkg + ".triton_kernels")
         if impl not in tk.BACKWARD_IMPLS:
             raise ValueError(f"--moe-backward {impl}: not one of {tk.BACKWARD_IMPLS}")
-        tk.GPU_CONFIGS["backward"] = dict(impl=impl)
+        tk.GPU_CONFIGS["backward"] = dict(tk.GPU_CONFIGS["backward"], impl=impl)
 
 
 def child(args) -> int:

@@ -77,7 +77,7 @@ def main():
     a = p.parse_args()
     T, E, K, H, I = a.shape
     if a.impl:
-        tk.GPU_CONFIGS["backward"] = dict(impl=a.impl)
+        tk.GPU_CONFIGS["backward"] = dict(tk.GPU_CONFIGS["backward"], impl=a.impl)
     x, idx, w, gu, dn, dout = make_inputs(T, E, K, H, I, "cuda", torch.bfloat16)
     leaves = [t.requires_grad_() for t in (x, w, gu, dn)]
     print(f"T={T} E={E} K={K} H={H} I={I}; backward impl {tk.backward_impl(x, H, I, E)}", flush=True)

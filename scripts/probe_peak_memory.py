@@ -59,7 +59,7 @@ def main():
         step()
     for impl in a.moe_impls if moe_tk else ["-"]:
         for m in moe_tk:
-            m.GPU_CONFIGS["backward"] = dict(impl=impl)
+            m.GPU_CONFIGS["backward"] = dict(m.GPU_CONFIGS["backward"], impl=impl)
         step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -87,7 +87,7 @@ def run(h):
                     raise RuntimeError(f"could not build {impl}: {e}")
             default_backward = tk.GPU_CONFIGS["backward"]
             if impl == "hubfuse (backward grouped_mm_lean)":
-                tk.GPU_CONFIGS["backward"] = dict(impl="grouped_mm_lean")  # read at call time, by every backward
+                tk.GPU_CONFIGS["backward"] = dict(default_backward, impl="grouped_mm_lean")  # read at call time, by every backward
             try:
                 h.bench(op, impl, fn, mk, floor, note=note)
             finally:

@@ -854,7 +854,7 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     dout_rows = None
     if impl in ("grouped_mm", "grouped_mm_lean"):
         dout_rows = _gather_rows(dout, row_token, rows_buf)
-        if GPU_CONFIGS["backward"].get("g_act", "cutlass") == "triton":
+        if GPU_CONFIGS["backward"].get("g_act", "triton") == "triton":
             act_w = _rows_gemm("down_bwd_g", dout_rows, down_proj, row_tiles, expert_offsets,
                                torch.empty((S, inter), dtype=dtype, device=hidden.device))
         else:
