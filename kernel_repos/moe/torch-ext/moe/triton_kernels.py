@@ -170,6 +170,7 @@ def _rows_gemm_kernel(
     # c_row = a_row @ B[e] for BLOCK_N output columns; a's rows are contiguous in sorted order:
     #   down_fwd:      y = act @ Wd[e]^T        B = down_proj (E, N=H, K=I), stride_b its N stride   (B_NK)
     #   gate_up_bwd_x: dx = dgate_up @ Wgu[e]   B = gate_up_proj (E, K=2I, N=H), stride_b its K stride
+    #   down_bwd_g:    g_act = dout @ Wd[e]     B = down_proj (E, K=H, N=I), stride_b its K stride
     # TMA: B is a tensor descriptor over the weight viewed as (E * rows, cols); TMA_A: A_ROWS one over A with
     # (BLOCK_M, BLOCK_K) blocks (half tiles read A through pointers), else A_ROWS is A
     if PERSISTENT:  # a program per SM walks the tiles, full-size bodies only (see _persistent_grid)
@@ -578,8 +579,9 @@ class _RowTiles:
 def _persistent_grid(cfg: dict, n_programs: int, device: torch.device) -> int:
     """Programs of a row-tiled GEMM launch: one per tile slot (n_programs, those past the routing's tiles exit at
     once), or with cfg["PERSISTENT"] one per SM (more do not fit: the kernels take most of its shared memory),
-    each looping over every num_programs-th tile up to the tile count the tile map wrote on the device. The loop is flattened (`tl.range(flatten=True)`):
-    one software pipeline across the tiles, so a tile's first operand loads overlap the previous tile's epilogue."""
+    each looping over every num_programs-th tile up to the tile count the tile map wrote on the device. The loop is
+    flattened (`tl.range(flatten=True)`): one software pipeline across the tiles, so a tile's first operand loads
+    overlap the previous tile's epilogue."""
     if not cfg.get("PERSISTENT"):
         return n_programs
     if device.type == "cpu":  # interpreter: a few programs, so that each loops over several tiles
@@ -603,7 +605,8 @@ def _tma_ok(w: torch.Tensor, tile_in_expert: bool) -> bool:
         return False
     if w.device.type == "cpu":
         return True
-    return w.device.type == "cuda" and torch.version.cuda is not None and torch.cuda.get_device_capability(w.device)[0] >= 9
+    return (w.device.type == "cuda" and torch.version.cuda is not None
+            and torch.cuda.get_device_capability(w.device)[0] >= 9)
 
 
 def _weight_operand(w: torch.Tensor, cfg: dict, block_shape: list, tile_in_expert: bool):
@@ -698,7 +701,8 @@ def _m_grouped_mm(a_sorted, w, offsets32):
     """out[rows_e] = a_sorted[rows_e] @ w[e] for every expert e, one torch._grouped_mm call ("M-grouped", 2d x 3d).
 
     a_sorted (S, K) in expert-sorted order, w (E, K, N), offsets32 = expert_offsets as int32; returns (S, N).
-    offs = the E group ends, the first group starting at row 0: rows before offsets[0] (slots routed to negative ids) are computed with expert 0's weight
+    offs = the E group ends, the first group starting at row 0: rows before offsets[0] (slots routed to negative
+    ids) are computed with expert 0's weight
     and rows past offsets[E] (the sentinel E) are left unwritten; no consumer reads either (they fall outside
     every expert's range)."""
     return torch._grouped_mm(a_sorted, w, offs=offsets32[1:])
@@ -839,7 +843,6 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     inter = two_i // 2
     S = T * K
     dtype = hidden.dtype
-    prec = _prec(dtype)
     row_token = sorted_slot // K
     row_w = top_k_weights.reshape(-1)[sorted_slot].float()
     pos = _positions(sorted_slot)
