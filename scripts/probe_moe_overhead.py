@@ -89,11 +89,11 @@ def main():
 
     with torch.no_grad():
         s, o = reference.route(idx, E)
-        out, gout = tk.moe_fwd(x, idx, w, gu, dn, s, o)
+        out, gout, pos = tk.moe_fwd(x, idx, w, gu, dn, s, o)
     parts = {
         "route": lambda: reference.route(idx, E),
         "moe_fwd (direct)": lambda: tk.moe_fwd(x, idx, w, gu, dn, s, o),
-        "moe_bwd (direct)": lambda: tk.moe_bwd(dout, x, idx, w, gu, dn, gout, s, o),
+        "moe_bwd (direct)": lambda: tk.moe_bwd(dout, x, idx, w, gu, dn, gout, s, o, pos),
         "forward only (public op, no grad)": lambda: moe.moe_experts(x.detach(), idx, w.detach(), gu.detach(),
                                                                      dn.detach()),
         "step (public op fwd + bwd)": step,

@@ -66,8 +66,8 @@ def main():
 
     def step():
         s, o = reference.route(idx, E)
-        out, gout = tk.moe_fwd(x, idx, w, gu, dn, s, o)
-        return tk.moe_bwd(dout, x, idx, w, gu, dn, gout, s, o)
+        out, gout, pos = tk.moe_fwd(x, idx, w, gu, dn, s, o)
+        return tk.moe_bwd(dout, x, idx, w, gu, dn, gout, s, o, pos)
 
     for _ in range(5):
         step()

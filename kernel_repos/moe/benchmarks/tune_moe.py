@@ -54,6 +54,18 @@ FUSED_ACT_CONFIGS = [
 TRITON_G = {"backward": dict(g_act="triton")}  # context of the Triton g_act row GEMM's variants
 
 VARIANTS = [
+    # two CTAs per SM (<= 113 KB of shared memory each), so that one's epilogue overlaps the other's main loop: the
+    # gathered gate_up forward with 64 gate + 64 up columns per tile (3 stages: the default since run 16, +1.5 % on
+    # the fwd phase over the one-CTA config in the first line; docs/gpu_runs/run16/tune_2cta.log), the other row
+    # GEMMs with 128-column tiles (run 16: -1.0 to -1.7 %, kept persistent)
+    ("gate_up_fwd", dict(BLOCK_N=128, num_stages=4)),
+    ("gate_up_fwd", dict(BLOCK_N=64, num_stages=4)),
+    ("gate_up_fwd", dict(BLOCK_N=64, num_stages=3, num_warps=4)),
+    ("gate_up_fwd", dict(BLOCK_N=64, BLOCK_K=32, num_stages=6)),
+    ("gate_up_fwd", dict(BLOCK_N=128, num_stages=3)),
+    ("down_fwd", dict(BLOCK_N=128, PERSISTENT=False)),
+    ("down_fwd", dict(BLOCK_N=128, num_warps=4, PERSISTENT=False)),
+    ("gate_up_bwd_x", dict(BLOCK_N=128, num_stages=3, PERSISTENT=False)),
     # g_act = dout_rows @ Wd[e] through the Triton row GEMM (persistent, TMA, half tiles in the per-tile launch)
     # instead of CUTLASS's M-grouped GEMM, which pads every expert's last row tile to the full tile
     # (run 15: +2.4 % on the bwd phase, so it became the default; the reverse check times CUTLASS against it)
@@ -195,7 +207,7 @@ def main():
     saved = fwd()
 
     def bwd():
-        return tk.moe_bwd(dout, x, idx, w, gu, dn, saved[1], slot, offs)
+        return tk.moe_bwd(dout, x, idx, w, gu, dn, saved[1], slot, offs, saved[2])
 
     def fwd_bwd():
         return fwd() + bwd()

@@ -15,9 +15,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from moe import triton_kernels as tk  # noqa: E402
 
-INTS = {"H", "I", "E", "T", "K", "TWO_I", "TILES_N", "S", "M", "N", "MAX_TILES"}
-PTR_TYPES = {"ROW_TOKEN": "*i64", "TILE_EXPERT": "*i64", "TILE_START": "*i64", "OFFSETS": "*i64", "POS": "*i64",
-             "IDX": "*i64", "DW_PART": "*fp32", "DW_ROWS": "*fp32", "ROW_W": "*fp32"}
+INTS = {"H", "I", "E", "T", "K", "TOP_K", "TWO_I", "TILES_N", "S", "M", "N", "MAX_TILES"}
+PTR_TYPES = {"SORTED_SLOT": "*i64", "TILE_EXPERT": "*i64", "TILE_START": "*i64", "OFFSETS": "*i32", "POS": "*i64",
+             "IDX": "*i64", "DW_PART": "*fp32"}
 SMEM_LIMIT = 227 * 1024
 
 
@@ -116,7 +116,7 @@ def main():
             compile_sm90(kern, dict(cfg, PREC=prec, **even, **per_use), warps, stages, dtype=dtype)
         print(f"{name}: fp32 and fp16 (masked) ok")
     cfg = dict(tk.GPU_CONFIGS["combine"])
-    k = compile_sm90(tk._combine_kernel, dict(HAS_WEIGHT=True, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"]),
+    k = compile_sm90(tk._combine_kernel, dict(K=8, HAS_WEIGHT=True, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"]),
                      cfg["num_warps"], 1)
     print(f"combine: shared={k.metadata.shared}")
     cfg = dict(tk.GPU_CONFIGS["gather_rows"])  # the grouped_mm backward's row gather

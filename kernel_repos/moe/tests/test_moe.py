@@ -156,7 +156,7 @@ def test_row_tile_map(E, S, block_m, first):
     cuts = torch.sort(torch.randint(first, S + 1, (E - 1,), generator=gen)).values
     if E >= 4:
         cuts[: E // 4] = cuts[0]  # a run of empty experts
-    offsets = torch.cat([torch.tensor([first]), cuts, torch.tensor([S])]).to(_device())
+    offsets = torch.cat([torch.tensor([first]), cuts, torch.tensor([S])]).to(_device(), torch.int32)  # as route's
     tile_expert, tile_start, max_tiles = tk._RowTiles(offsets, S)(block_m)
     tiles = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
@@ -165,6 +165,26 @@ def test_row_tile_map(E, S, block_m, first):
     assert tile_start[E].item() == tiles.sum().item()  # the tile count, where persistent launches stop
     assert torch.equal(tile_expert, torch.searchsorted(tile_end, torch.arange(max_tiles, device=offsets.device),
                                                        right=True))
+
+
+def test_route_offsets_and_positions():
+    # route: a stable sort of the slots by expert, int32 offsets (torch._grouped_mm's offs as they are), ids outside
+    # [0, E) before / after every expert's rows; the forward's positions invert the sort (the backward reuses them)
+    from moe import reference, triton_kernels as tk
+
+    E, K = 5, 3
+    idx = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(17)])
+    idx[::4, 0] = -1
+    idx[1::5, 2] = E
+    slot, offs = reference.route(idx, E)
+    flat = idx.reshape(-1)
+    assert offs.dtype == torch.int32 and offs.tolist() == [int((flat < e).sum()) for e in range(E + 1)]
+    keys = flat.clamp(-1, E)[slot]
+    assert torch.equal(keys, torch.sort(keys).values)
+    for e in range(-1, E + 1):  # stable: each expert's slots (so its tokens) in increasing order
+        run = slot[keys == e]
+        assert torch.equal(run, torch.sort(run).values)
+    assert torch.equal(slot[tk._positions(slot)], torch.arange(flat.numel()))
 
 
 def test_skewed_routing_all_tokens_one_expert():
@@ -239,8 +259,8 @@ def _bwd_direct(x, idx, w, gu, dn, dout):
     from moe import reference, triton_kernels as tk
 
     slot, offs = reference.route(idx, gu.shape[0])
-    _, gate_up_out = tk.moe_fwd(x, idx, w, gu, dn, slot, offs)
-    return tk.moe_bwd(dout, x, idx, w, gu, dn, gate_up_out, slot, offs)
+    _, gate_up_out, pos = tk.moe_fwd(x, idx, w, gu, dn, slot, offs)
+    return tk.moe_bwd(dout, x, idx, w, gu, dn, gate_up_out, slot, offs, pos)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU glue test under the interpreter")

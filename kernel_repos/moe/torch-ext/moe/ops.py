@@ -27,16 +27,16 @@ def _use_triton(t: torch.Tensor) -> bool:
 def moe_experts_fwd(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (out, gate_up_out, sorted_slot, expert_offsets); the last three are saved for backward (the
-    activation is recomputed there from gate_up_out)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out, gate_up_out, sorted_slot, expert_offsets, pos); the last four are saved for backward (the
+    activation is recomputed there from gate_up_out; pos[slot] = the slot's row in expert-sorted order)."""
     if _use_triton(hidden):
         from .triton_kernels import moe_fwd
 
         sorted_slot, expert_offsets = route(top_k_index, gate_up_proj.shape[0])
-        out, gate_up_out = moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_slot,
-                                   expert_offsets)
-        return out, gate_up_out, sorted_slot, expert_offsets
+        out, gate_up_out, pos = moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_slot,
+                                        expert_offsets)
+        return out, gate_up_out, sorted_slot, expert_offsets, pos
     with torch.autocast(hidden.device.type, enabled=False):  # the reference keeps the op's own precision
         return moe_fwd_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
@@ -49,7 +49,8 @@ def _(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
         hidden.new_empty(hidden.shape),
         hidden.new_empty((S, two_i)),
         hidden.new_empty((S,), dtype=torch.int64),
-        hidden.new_empty((E + 1,), dtype=torch.int64),
+        hidden.new_empty((E + 1,), dtype=torch.int32),
+        hidden.new_empty((S,), dtype=torch.int64),
     )
 
 
@@ -57,7 +58,7 @@ def _(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
 def moe_experts_bwd(
     dout: torch.Tensor, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_out: torch.Tensor, sorted_slot: torch.Tensor,
-    expert_offsets: torch.Tensor,
+    expert_offsets: torch.Tensor, pos: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj).
 
@@ -66,7 +67,7 @@ def moe_experts_bwd(
     The op declares the mutation, so autograd refuses a second backward through the same graph
     (retain_graph=True) with its "modified by an inplace operation" error instead of reading garbage."""
     args = (dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-            expert_offsets)
+            expert_offsets, pos)
     if _use_triton(hidden):
         from .triton_kernels import moe_bwd
 
@@ -76,24 +77,25 @@ def moe_experts_bwd(
 
 
 @moe_experts_bwd.register_fake
-def _(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot, expert_offsets):
+def _(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot, expert_offsets,
+      pos):
     return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(gate_up_proj),
             torch.empty_like(down_proj))
 
 
 def _setup_context(ctx, inputs, output):
     hidden, top_k_index, top_k_weights, gate_up_proj, down_proj = inputs
-    _, gate_up_out, sorted_slot, expert_offsets = output
+    _, gate_up_out, sorted_slot, expert_offsets, pos = output
     ctx.save_for_backward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-                          expert_offsets)
+                          expert_offsets, pos)
 
 
 def _backward(ctx, dout, *_unused):
-    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot, expert_offsets = (
+    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot, expert_offsets, pos = (
         ctx.saved_tensors)
     dhidden, dweights, dgate_up, ddown = moe_experts_bwd(
         dout.to(hidden.dtype).contiguous(), hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
-        gate_up_out, sorted_slot, expert_offsets)
+        gate_up_out, sorted_slot, expert_offsets, pos)
     return dhidden, None, dweights, dgate_up, ddown
 
 

@@ -35,7 +35,8 @@ def route(top_k_index: torch.Tensor, num_experts: int):
     """Sort the T*K token copies by expert, on the device, without a host sync.
 
     Returns `sorted_slot` (S,) int64: flat slot `t * K + k` of each sorted row (stable: ties keep token
-    order, so the result is deterministic), and `expert_offsets` (E + 1,) int64: rows of expert `e` are
+    order, so the result is deterministic), and `expert_offsets` (E + 1,) int32 (torch._grouped_mm's `offs`
+    dtype, so the grouped_mm backward uses it as it is): rows of expert `e` are
     `expert_offsets[e]:expert_offsets[e + 1]`. Slots with an index outside [0, E) fall outside every range
     (negative ones sort first, `E` and above last) and contribute nothing.
     """
@@ -44,7 +45,7 @@ def route(top_k_index: torch.Tensor, num_experts: int):
     keys = top_k_index.reshape(-1).clamp(-1, num_experts).to(torch.int16 if num_experts < 2 ** 15 else torch.int32)
     sorted_ids, sorted_slot = torch.sort(keys, stable=True)
     bounds = torch.arange(num_experts + 1, device=keys.device, dtype=sorted_ids.dtype)
-    expert_offsets = torch.searchsorted(sorted_ids, bounds)
+    expert_offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
     return sorted_slot, expert_offsets
 
 
@@ -59,8 +60,8 @@ def _valid_slots(top_k_index, num_experts):
 
 
 def moe_fwd_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    """Returns (out (T, H), gate_up_out (S, 2I) pre-activation, sorted_slot, expert_offsets); the S rows are in
-    sorted (by expert) order. Same cast points as the Triton path."""
+    """Returns (out (T, H), gate_up_out (S, 2I) pre-activation, sorted_slot, expert_offsets, pos); the S rows are
+    in sorted (by expert) order, pos[slot] = its sorted row. Same cast points as the Triton path."""
     T, H = hidden.shape
     K = top_k_index.shape[1]
     E, two_i, _ = gate_up_proj.shape
@@ -85,11 +86,11 @@ def moe_fwd_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_pro
     y_slot = torch.where(valid, y_sorted[pos].float(), 0.0)  # (S, H) in slot order
     w = torch.where(valid, top_k_weights.reshape(-1, 1).float(), 0.0)
     out = (y_slot * w).view(T, K, H).sum(1).to(dtype)
-    return out, gate_up_out, sorted_slot, expert_offsets
+    return out, gate_up_out, sorted_slot, expert_offsets, pos
 
 
 def moe_bwd_reference(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-                      expert_offsets):
+                      expert_offsets, pos):
     """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj) in fp32 math, cast to the input dtypes.
     act is recomputed from gate_up_out, as the kernels do."""
     T, H = hidden.shape
@@ -124,8 +125,6 @@ def moe_bwd_reference(dout, hidden, top_k_index, top_k_weights, gate_up_proj, do
         dgate_up_proj[e] = dgu.t() @ x_rows[lo:hi]
         act_w = (a * w_rows[lo:hi, None]).to(dtype).float()
         ddown_proj[e] = dout_rows[lo:hi].t() @ act_w
-    pos = torch.empty_like(sorted_slot)
-    pos[sorted_slot] = torch.arange(sorted_slot.numel(), device=hidden.device)
     valid_slot = _valid_slots(top_k_index, E).reshape(-1, 1)
     dhidden = torch.where(valid_slot, dx_rows[pos], 0.0).view(T, K, H).sum(1).to(dtype)
     dweights = torch.where(valid_slot[:, 0], dw_rows[pos], 0.0).view(T, K).to(top_k_weights.dtype)

@@ -85,8 +85,8 @@ def _half_tile(TILE_START, OFFSETS, e, pid_m, TILE_M: tl.constexpr, HALF_TILES: 
 
 @triton.jit
 def _gate_up_fwd_kernel(
-    X, W, ROW_TOKEN, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT,
-    H, I, E, TILES_N, stride_x, stride_we, stride_wn, stride_gu, stride_act,
+    X, W, SORTED_SLOT, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT,
+    H, I, E, TOP_K, TILES_N, stride_x, stride_we, stride_wn, stride_gu, stride_act,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, HALF_TILES: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -96,33 +96,34 @@ def _gate_up_fwd_kernel(
     if PERSISTENT:  # a program per SM walks the tiles, full-size bodies only (see _persistent_grid)
         for t in tl.range(tl.program_id(0), _tile_count(TILE_START, E, TILES_N), tl.num_programs(0), flatten=True):
             pid_n, pid_m = _tile_coords(t, TILES_N)
-            _gate_up_fwd_tile(X, W, ROW_TOKEN, TILE_START, OFFSETS, GU, ACT, tl.load(TILE_EXPERT + pid_m).to(tl.int64),
-                              pid_n, pid_m, H, I, stride_x, stride_we, stride_wn, stride_gu, stride_act, BLOCK_M,
-                              BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA)
+            _gate_up_fwd_tile(X, W, SORTED_SLOT, TILE_START, OFFSETS, GU, ACT,
+                              tl.load(TILE_EXPERT + pid_m).to(tl.int64), pid_n, pid_m, H, I, TOP_K, stride_x,
+                              stride_we, stride_wn, stride_gu, stride_act, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC,
+                              EVEN_N, EVEN_K, TMA)
         return
     pid_n, pid_m = _tile_coords(tl.program_id(0), TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
     if _half_tile(TILE_START, OFFSETS, e, pid_m, BLOCK_M, HALF_TILES):
-        _gate_up_fwd_tile(X, W, ROW_TOKEN, TILE_START, OFFSETS, GU, ACT, e, pid_n, pid_m, H, I, stride_x, stride_we,
-                          stride_wn, stride_gu, stride_act, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N,
-                          EVEN_K, TMA)
+        _gate_up_fwd_tile(X, W, SORTED_SLOT, TILE_START, OFFSETS, GU, ACT, e, pid_n, pid_m, H, I, TOP_K, stride_x,
+                          stride_we, stride_wn, stride_gu, stride_act, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC,
+                          EVEN_N, EVEN_K, TMA)
     else:
-        _gate_up_fwd_tile(X, W, ROW_TOKEN, TILE_START, OFFSETS, GU, ACT, e, pid_n, pid_m, H, I, stride_x, stride_we,
-                          stride_wn, stride_gu, stride_act, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K,
-                          TMA)
+        _gate_up_fwd_tile(X, W, SORTED_SLOT, TILE_START, OFFSETS, GU, ACT, e, pid_n, pid_m, H, I, TOP_K, stride_x,
+                          stride_we, stride_wn, stride_gu, stride_act, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N,
+                          EVEN_K, TMA)
 
 
 @triton.jit
 def _gate_up_fwd_tile(
-    X, W, ROW_TOKEN, TILE_START, OFFSETS, GU, ACT, e, pid_n, pid_m, H, I,
+    X, W, SORTED_SLOT, TILE_START, OFFSETS, GU, ACT, e, pid_n, pid_m, H, I, TOP_K,
     stride_x, stride_we, stride_wn, stride_gu, stride_act,
     TILE_M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
 ):
     rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
-    tok = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
+    tok = tl.load(SORTED_SLOT + rows, mask=row_mask, other=0).to(tl.int64) // TOP_K  # slot t * K + k: token t
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = _in_bounds(cols, I, EVEN_N)
     ks = tl.arange(0, BLOCK_K)
@@ -258,16 +259,17 @@ def _rows_acc(
 
 @triton.jit
 def _combine_kernel(
-    Y, POS, IDX, WT, OUT, T, H, K, E, stride_y, stride_out,
-    HAS_WEIGHT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    Y, POS, IDX, WT, OUT, T, H, E, stride_y, stride_out,
+    K: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # out[t] = sum_k w[t, k] * y[pos[t, k]] in fp32, fixed k order; slots routed outside [0, E) add nothing
+    # out[t] = sum_k w[t, k] * y[pos[t, k]] in fp32, fixed k order; slots routed outside [0, E) add nothing.
+    # K unrolled: the K row loads of a token are independent, so they are all in flight at once
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tok_mask = toks < T
     col_mask = cols < H
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K):
+    for k in tl.static_range(K):
         slot = toks.to(tl.int64) * K + k
         e = tl.load(IDX + slot, mask=tok_mask, other=-1)
         valid = tok_mask & (e >= 0) & (e < E)
@@ -284,8 +286,8 @@ def _combine_kernel(
 
 @triton.jit
 def _down_bwd_act_kernel(
-    DOUT, DOUT_OP, D, ROW_TOKEN, ROW_W, TILE_EXPERT, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART,
-    H, I, E, TILES_N, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part,
+    DOUT, DOUT_OP, D, SORTED_SLOT, WT, TILE_EXPERT, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART,
+    H, I, E, TOP_K, TILES_N, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, HALF_TILES: tl.constexpr,
     DOUT_SORTED: tl.constexpr, PERSISTENT: tl.constexpr,
@@ -295,54 +297,59 @@ def _down_bwd_act_kernel(
     # epilogue (`_act_bwd_epilogue`). DOUT_SORTED: DOUT holds the expert-sorted rows (dout gathered once, also the
     # operand of the down-proj weight grad), else DOUT is (T, H), read by token. D = down_proj (E, K=H, N=I);
     # TMA: D is a descriptor over it viewed as (E * H, I); TMA_A (with DOUT_SORTED): DOUT_OP is one over DOUT.
+    # WT: the routing weights (T * K,) in slot order.
     if PERSISTENT:  # a program per SM walks the tiles, full-size bodies only (see _persistent_grid)
         for t in tl.range(tl.program_id(0), _tile_count(TILE_START, E, TILES_N), tl.num_programs(0), flatten=True):
             pid_n, pid_m = _tile_coords(t, TILES_N)
-            _down_bwd_act_tile(DOUT_OP, D, ROW_TOKEN, ROW_W, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART,
-                               tl.load(TILE_EXPERT + pid_m).to(tl.int64), pid_n, pid_m, H, I, stride_dout, stride_de,
-                               stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part, BLOCK_M, BLOCK_M, BLOCK_N,
-                               BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A, DOUT_SORTED)
+            _down_bwd_act_tile(DOUT_OP, D, SORTED_SLOT, WT, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART,
+                               tl.load(TILE_EXPERT + pid_m).to(tl.int64), pid_n, pid_m, H, I, TOP_K, stride_dout,
+                               stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part, BLOCK_M,
+                               BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A, DOUT_SORTED)
         return
     pid_n, pid_m = _tile_coords(tl.program_id(0), TILES_N)
     e = tl.load(TILE_EXPERT + pid_m).to(tl.int64)
     if e >= E:
         return
     if _half_tile(TILE_START, OFFSETS, e, pid_m, BLOCK_M, HALF_TILES):
-        _down_bwd_act_tile(DOUT, D, ROW_TOKEN, ROW_W, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART, e, pid_n, pid_m,
-                           H, I, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part,
-                           BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, False, DOUT_SORTED)
+        _down_bwd_act_tile(DOUT, D, SORTED_SLOT, WT, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART, e, pid_n, pid_m,
+                           H, I, TOP_K, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w,
+                           stride_part, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, False,
+                           DOUT_SORTED)
     else:
-        _down_bwd_act_tile(DOUT_OP, D, ROW_TOKEN, ROW_W, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART, e, pid_n,
-                           pid_m, H, I, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w,
+        _down_bwd_act_tile(DOUT_OP, D, SORTED_SLOT, WT, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART, e, pid_n,
+                           pid_m, H, I, TOP_K, stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w,
                            stride_part, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A,
                            DOUT_SORTED)
 
 
 @triton.jit
 def _down_bwd_act_tile(
-    DOUT, D, ROW_TOKEN, ROW_W, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART, e, pid_n, pid_m, H, I,
+    DOUT, D, SORTED_SLOT, WT, TILE_START, OFFSETS, GU, DGU, ACT_W, DW_PART, e, pid_n, pid_m, H, I, TOP_K,
     stride_dout, stride_de, stride_dn, stride_gu, stride_dgu, stride_act_w, stride_part,
     TILE_M: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, TMA_A: tl.constexpr, DOUT_SORTED: tl.constexpr,
 ):
     rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
+    slots = tl.load(SORTED_SLOT + rows, mask=row_mask, other=0)
     if DOUT_SORTED:
         a_rows = rows
     else:
-        a_rows = tl.load(ROW_TOKEN + rows, mask=row_mask, other=0).to(tl.int64)
+        a_rows = slots.to(tl.int64) // TOP_K  # the row's token
     acc = _rows_acc(DOUT, D, e, a_rows, row_mask, pid_n, I, H, stride_dout, stride_de, stride_dn, BM, BLOCK_N,
                     BLOCK_K, PREC, EVEN_N, EVEN_K, TMA, TMA_A, False)
-    _act_bwd_epilogue(acc, rows, row_mask, pid_n, I, ROW_W, GU, DGU, ACT_W, DW_PART, stride_gu, stride_dgu,
+    w = tl.load(WT + slots, mask=row_mask, other=0.0).to(tl.float32)
+    _act_bwd_epilogue(acc, rows, row_mask, w, pid_n, I, GU, DGU, ACT_W, DW_PART, stride_gu, stride_dgu,
                       stride_act_w, stride_part, BLOCK_N, EVEN_N)
 
 
 @triton.jit
 def _act_bwd_epilogue(
-    acc, rows, row_mask, pid_n, I, ROW_W, GU, DGU, ACT_W, DW_PART, stride_gu, stride_dgu, stride_act_w, stride_part,
+    acc, rows, row_mask, w, pid_n, I, GU, DGU, ACT_W, DW_PART, stride_gu, stride_dgu, stride_act_w, stride_part,
     BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     # act recomputed from gate_up_out (not saved by the forward); dweight partial = sum_i g_act * act (one per
-    # column tile, summed in order by the caller); dact = w * g_act; SwiGLU backward -> dgate, dup;
+    # column tile, summed in order by the caller); dact = w * g_act (w: the rows' routing weights, fp32); SwiGLU
+    # backward -> dgate, dup;
     # act_w = w * act (operand of the down-proj weight grad)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = row_mask[:, None] & _in_bounds(cols, I, EVEN_N)[None, :]
@@ -352,7 +359,6 @@ def _act_bwd_epilogue(
     u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
     act = _swiglu(g, u).to(ACT_W.dtype.element_ty).to(tl.float32)
     tl.store(DW_PART + rows * stride_part + pid_n, tl.sum(g_act * act, axis=1), mask=row_mask)
-    w = tl.load(ROW_W + rows, mask=row_mask, other=0.0).to(tl.float32)
     dg, du = _swiglu_bwd(g_act * w[:, None], g, u)
     dgu_ptrs = DGU + rows[:, None] * stride_dgu + cols[None, :]
     tl.store(dgu_ptrs, dg.to(DGU.dtype.element_ty), mask=mask)
@@ -363,16 +369,18 @@ def _act_bwd_epilogue(
 
 @triton.jit
 def _swiglu_bwd_rows_kernel(
-    G_ACT, GU, ROW_W, OFFSETS, DGU, DW_ROWS, I, E, stride_g, stride_gu, stride_dgu,
+    G_ACT, GU, SORTED_SLOT, WT, OFFSETS, DGU, DWEIGHTS, S, I, E, stride_g, stride_gu, stride_dgu,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # the epilogue of _down_bwd_act_kernel as its own pass, after the M-grouped GEMM g_act = dout_rows @ Wd[e]
-    # (grouped_mm path): act recomputed from gate_up_out; dw_rows[r] = <g_act, act> (whole row: no partials);
+    # the epilogue of _down_bwd_act_kernel as its own pass, after the GEMM g_act = dout_rows @ Wd[e] (grouped_mm
+    # paths): act recomputed from gate_up_out; the routing-weight grad <g_act, act> (whole row: no partials) goes
+    # straight to the row's slot of DWEIGHTS ((T * K,), slot order, the weights' dtype; WT: the weights, slot order);
     # dact = w * g_act -> dgate, dup; G_ACT overwritten in place with w * act. Rows outside the experts' range
-    # [offsets[0], offsets[E]) (slots routed outside [0, E)) are skipped.
+    # [offsets[0], offsets[E]) (slots routed outside [0, E)) compute nothing: their slots get a zero grad.
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    slots = tl.load(SORTED_SLOT + rows, mask=rows < S, other=0)
     r_mask = (rows >= tl.load(OFFSETS)) & (rows < tl.load(OFFSETS + E))
-    w = tl.load(ROW_W + rows, mask=r_mask, other=0.0).to(tl.float32)
+    w = tl.load(WT + slots, mask=r_mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, I, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
@@ -389,13 +397,13 @@ def _swiglu_bwd_rows_kernel(
         tl.store(dgu_ptrs, dg.to(DGU.dtype.element_ty), mask=mask)
         tl.store(dgu_ptrs + I, du.to(DGU.dtype.element_ty), mask=mask)
         tl.store(g_ptrs, (act * w[:, None]).to(G_ACT.dtype.element_ty), mask=mask)
-    tl.store(DW_ROWS + rows, dw, mask=r_mask)
+    tl.store(DWEIGHTS + slots, dw.to(DWEIGHTS.dtype.element_ty), mask=rows < S)
 
 
 @triton.jit
 def _weight_grad_kernel(
-    A, B, ROW_TOKEN, OFFSETS, DW,
-    M, N, stride_a, stride_b, stride_dwe, stride_dwn,
+    A, B, SORTED_SLOT, OFFSETS, DW,
+    M, N, TOP_K, stride_a, stride_b, stride_dwe, stride_dwn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, A_BY_TOKEN: tl.constexpr,
 ):
@@ -419,7 +427,7 @@ def _weight_grad_kernel(
     for r0 in range(lo, hi, BLOCK_K):
         rows = r0 + ks
         r_mask = rows < hi
-        tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
+        tok = tl.load(SORTED_SLOT + rows, mask=r_mask, other=0).to(tl.int64) // TOP_K
         if A_BY_TOKEN:
             a_rows = tok
             b_rows = rows
@@ -456,14 +464,14 @@ def _tile_map_kernel(OFFSETS, TILE_EXPERT, TILE_START, E, MAX_TILES, BLOCK_M: tl
 
 @triton.jit
 def _gather_rows_kernel(
-    SRC, ROW_TOKEN, DST, S, N, stride_src, stride_dst, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    SRC, SORTED_SLOT, DST, S, N, TOP_K, stride_src, stride_dst, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # dst[r] = src[token_r]: expert-sorted rows for torch._grouped_mm
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < S
     mask = r_mask[:, None] & (cols < N)[None, :]
-    tok = tl.load(ROW_TOKEN + rows, mask=r_mask, other=0).to(tl.int64)
+    tok = tl.load(SORTED_SLOT + rows, mask=r_mask, other=0).to(tl.int64) // TOP_K
     v = tl.load(SRC + tok[:, None] * stride_src + cols[None, :], mask=mask, other=0.0)
     tl.store(DST + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], v, mask=mask)
 
@@ -482,8 +490,11 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     # interleaved call by call, null variants within 0.3 %): fwd phase -0.5 %, bwd phase -1.1 %; HALF_TILES (run 13,
     # the same way): fwd phase -2.4 % (gate_up_fwd) and -1.0 % (down_fwd), bwd phase -0.7 % (gate_up_bwd_x);
     # PERSISTENT (run 14, the same way, both directions): down_fwd fwd phase -2.7 % / +2.4 % when turned off again,
-    # gate_up_bwd_x (4 stages) bwd phase -1.0 % / +0.9 %; gate_up_fwd +13-14 % slower (off)
-    "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True,
+    # gate_up_bwd_x (4 stages) bwd phase -1.0 % / +0.9 %; gate_up_fwd +13-14 % slower (off). gate_up_fwd with 64
+    # gate + 64 up columns per tile and 3 stages (run 16: 96 KB of shared memory, so two CTAs per SM, one's epilogue
+    # overlapping the other's main loop) +1.5 % on the fwd phase over 128 + 128 columns and 4 stages (one CTA per
+    # SM); 64 columns with 4 stages (one CTA per SM again) -24 %
+    "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True,
                         HALF_TILES=True, PERSISTENT=False),
     "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
                      HALF_TILES=True, PERSISTENT=True),
@@ -643,33 +654,37 @@ def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype):
     block_t, block_n = cfg["BLOCK_T"], min(cfg["BLOCK_N"], triton.next_power_of_2(H))
     grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_n))
     _combine_kernel[grid](
-        y_rows, pos, top_k_index, weights if weights is not None else y_rows, out, T, H, K, E,
-        y_rows.stride(0), out.stride(0), HAS_WEIGHT=weights is not None, BLOCK_T=block_t, BLOCK_N=block_n,
+        y_rows, pos, top_k_index, weights if weights is not None else y_rows, out, T, H, E,
+        y_rows.stride(0), out.stride(0), K=K, HAS_WEIGHT=weights is not None, BLOCK_T=block_t, BLOCK_N=block_n,
         num_warps=cfg["num_warps"],
     )
     return out
 
 
-def _gather_rows(src, row_token, dst):
-    """dst[r] = src[row_token[r]], dst (S, N) in src's dtype."""
+def _gather_rows(src, sorted_slot, top_k, dst):
+    """dst[r] = src[token of row r] (token = sorted_slot[r] // top_k), dst (S, N) in src's dtype."""
     S, N = dst.shape
     cfg = GPU_CONFIGS["gather_rows"] if _on_gpu(src) else dict(BLOCK_R=8, BLOCK_N=32, num_warps=4)
     block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(N))
     grid = (triton.cdiv(S, cfg["BLOCK_R"]), triton.cdiv(N, block_n))
-    _gather_rows_kernel[grid](src, row_token, dst, S, N, src.stride(0), dst.stride(0), BLOCK_R=cfg["BLOCK_R"],
-                              BLOCK_N=block_n, num_warps=cfg["num_warps"])
+    _gather_rows_kernel[grid](src, sorted_slot, dst, S, N, top_k, src.stride(0), dst.stride(0),
+                              BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n, num_warps=cfg["num_warps"])
     return dst
 
 
-def _swiglu_bwd_rows(g_act, gate_up_out, row_w, expert_offsets, dgate_up_out, dw_rows):
+def _swiglu_bwd_rows(g_act, gate_up_out, sorted_slot, top_k_weights, expert_offsets, dgate_up_out):
+    """The SwiGLU backward of g_act's rows (`_swiglu_bwd_rows_kernel`): writes dgate_up_out, overwrites g_act with
+    act_w, returns the routing-weight grad (T, K) in the weights' dtype (zero for slots routed outside [0, E))."""
     S, inter = g_act.shape
     cfg = GPU_CONFIGS["swiglu_bwd_rows"] if _on_gpu(g_act) else dict(BLOCK_R=4, BLOCK_N=16, num_warps=4)
     block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(inter))
+    dweights = torch.empty_like(top_k_weights)
     _swiglu_bwd_rows_kernel[(triton.cdiv(S, cfg["BLOCK_R"]),)](
-        g_act, gate_up_out, row_w, expert_offsets, dgate_up_out, dw_rows, inter, expert_offsets.numel() - 1,
-        g_act.stride(0), gate_up_out.stride(0), dgate_up_out.stride(0), BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n,
-        num_warps=cfg["num_warps"],
+        g_act, gate_up_out, sorted_slot, top_k_weights, expert_offsets, dgate_up_out, dweights, S, inter,
+        expert_offsets.numel() - 1, g_act.stride(0), gate_up_out.stride(0), dgate_up_out.stride(0),
+        BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n, num_warps=cfg["num_warps"],
     )
+    return dweights
 
 
 def _grouped_mm_applies(t: torch.Tensor, H: int, inter: int, E: int) -> bool:
@@ -697,21 +712,21 @@ def backward_impl(t: torch.Tensor, H: int, inter: int, E: int) -> str:
     return impl
 
 
-def _m_grouped_mm(a_sorted, w, offsets32):
+def _m_grouped_mm(a_sorted, w, expert_offsets):
     """out[rows_e] = a_sorted[rows_e] @ w[e] for every expert e, one torch._grouped_mm call ("M-grouped", 2d x 3d).
 
-    a_sorted (S, K) in expert-sorted order, w (E, K, N), offsets32 = expert_offsets as int32; returns (S, N).
+    a_sorted (S, K) in expert-sorted order, w (E, K, N), expert_offsets int32 (E + 1,); returns (S, N).
     offs = the E group ends, the first group starting at row 0: rows before offsets[0] (slots routed to negative
     ids) are computed with expert 0's weight
     and rows past offsets[E] (the sentinel E) are left unwritten; no consumer reads either (they fall outside
     every expert's range)."""
-    return torch._grouped_mm(a_sorted, w, offs=offsets32[1:])
+    return torch._grouped_mm(a_sorted, w, offs=expert_offsets[1:])
 
 
-def _k_grouped_mm(a_sorted, b_sorted, offsets32):
+def _k_grouped_mm(a_sorted, b_sorted, expert_offsets):
     """out[e] = a_sorted[rows_e]^T @ b_sorted[rows_e] for every expert e, one torch._grouped_mm call.
 
-    a_sorted (S, M), b_sorted (S, N): rows in expert-sorted order, offsets32 = expert_offsets as int32; returns
+    a_sorted (S, M), b_sorted (S, N): rows in expert-sorted order, expert_offsets int32 (E + 1,); returns
     (E, M, N). The "K-grouped" 2d x 2d
     form (what autograd of _grouped_mm uses for its weight grad): mat_a = a_sorted.t() (column-major), mat_b
     row-major, offs = int32 cumulative row ends, one per group, the first group starting at row 0.
@@ -728,30 +743,31 @@ def _k_grouped_mm(a_sorted, b_sorted, offsets32):
     per-group problem sizes are built on the device from offs by a prepare kernel (no host sync) and scratch
     comes from the caching allocator, so it is CUDA-graph capturable (the gpu test captures it).
     """
-    out = torch._grouped_mm(a_sorted.t(), b_sorted, offs=offsets32)
+    out = torch._grouped_mm(a_sorted.t(), b_sorted, offs=expert_offsets)
     return out[1:]  # (E + 1, M, N) contiguous -> the E expert groups, still contiguous
 
 
-def _weight_grad_triton(name, rows_a, rows_b, row_token, expert_offsets, like, a_by_token):
+def _weight_grad_triton(name, rows_a, rows_b, sorted_slot, top_k, expert_offsets, like, a_by_token):
     """out[e] (M, N) = sum over expert e's rows r of a_r^T b_r with `_weight_grad_kernel` (its GPU_CONFIGS entry
     `name`); out has the shape of `like` (E, M, N); a_by_token: rows_a is indexed by token, else rows_b is."""
     E, M, N = like.shape
-    cfg = _config(name, rows_a, row_token.numel(), E)
+    cfg = _config(name, rows_a, sorted_slot.numel(), E)
     out = torch.empty_like(like)
     _weight_grad_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)](
-        rows_a, rows_b, row_token, expert_offsets, out, M, N, rows_a.stride(0), rows_b.stride(0), out.stride(0),
+        rows_a, rows_b, sorted_slot, expert_offsets, out, M, N, top_k, rows_a.stride(0), rows_b.stride(0),
+        out.stride(0),
         out.stride(1), PREC=_prec(rows_a.dtype), EVEN_M=M % cfg["BLOCK_M"] == 0, EVEN_N=N % cfg["BLOCK_N"] == 0,
         A_BY_TOKEN=a_by_token, **_launch_opts(cfg),
     )
     return out
 
 
-def _down_bwd_act(dout, dout_sorted, down_proj, row_token, row_w, row_tiles, expert_offsets, gate_up_out,
+def _down_bwd_act(dout, dout_sorted, down_proj, sorted_slot, top_k_weights, row_tiles, expert_offsets, gate_up_out,
                   dgate_up_out):
     """g_act = dout_r @ Wd[e] per sorted row r with the SwiGLU backward in its epilogue (`_down_bwd_act_kernel`):
     writes dgate_up_out, returns (act_w (S, I), dw_rows (S,) fp32). dout is (T, H), read by token, or with
     dout_sorted the gathered expert-sorted rows (S, H) (then readable through TMA, cfg["TMA_A"])."""
-    S = row_token.numel()
+    S = sorted_slot.numel()
     E, H, inter = down_proj.shape
     cfg = _config("down_bwd_act", dout, S, E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
@@ -762,9 +778,10 @@ def _down_bwd_act(dout, dout_sorted, down_proj, row_token, row_w, row_tiles, exp
     w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     a_op, tma_a = _rows_operand(dout, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]]) if dout_sorted else (dout, False)
     _down_bwd_act_kernel[(_persistent_grid(cfg, tiles_i * max_tiles, dout.device),)](
-        dout, a_op, w_down, row_token, row_w, tile_expert, tile_start, expert_offsets, gate_up_out, dgate_up_out,
-        act_w, dw_part, H, inter, E, tiles_i, dout.stride(0), down_proj.stride(0), down_proj.stride(1),
-        gate_up_out.stride(0), dgate_up_out.stride(0), act_w.stride(0), dw_part.stride(0),
+        dout, a_op, w_down, sorted_slot, top_k_weights, tile_expert, tile_start, expert_offsets, gate_up_out,
+        dgate_up_out, act_w, dw_part, H, inter, E, top_k_weights.shape[1], tiles_i, dout.stride(0),
+        down_proj.stride(0), down_proj.stride(1), gate_up_out.stride(0), dgate_up_out.stride(0), act_w.stride(0),
+        dw_part.stride(0),
         PREC=_prec(dout.dtype), EVEN_N=inter % cfg["BLOCK_N"] == 0, EVEN_K=even_k, TMA=tma, TMA_A=tma_a,
         HALF_TILES=cfg.get("HALF_TILES", False), DOUT_SORTED=dout_sorted, PERSISTENT=cfg.get("PERSISTENT", False),
         **_launch_opts(cfg),
@@ -798,6 +815,7 @@ def _rows_gemm(name, a, w, row_tiles, expert_offsets, out):
 
 
 def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_slot, expert_offsets):
+    """Returns (out, gate_up_out, pos): pos (S,) = the sorted row of every slot, kept for the backward."""
     T, H = hidden.shape
     K = top_k_index.shape[1]
     E, two_i, _ = gate_up_proj.shape
@@ -805,7 +823,6 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     S = T * K
     dtype = hidden.dtype
     prec = _prec(dtype)
-    row_token = sorted_slot // K
     row_tiles = _RowTiles(expert_offsets, S)
 
     gate_up_out = torch.empty((S, two_i), dtype=dtype, device=hidden.device)
@@ -816,22 +833,29 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     even_n = inter % cfg["BLOCK_N"] == 0
     w_gu, tma = _weight_operand(gate_up_proj, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], even_n)
     _gate_up_fwd_kernel[(_persistent_grid(cfg, tiles_n * max_tiles, hidden.device),)](
-        hidden, w_gu, row_token, tile_expert, tile_start, expert_offsets, gate_up_out, act,
-        H, inter, E, tiles_n, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_out.stride(0),
-        act.stride(0), PREC=prec, EVEN_N=even_n, EVEN_K=H % cfg["BLOCK_K"] == 0, TMA=tma,
+        hidden, w_gu, sorted_slot, tile_expert, tile_start, expert_offsets, gate_up_out, act,
+        H, inter, E, K, tiles_n, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        gate_up_out.stride(0), act.stride(0), PREC=prec, EVEN_N=even_n, EVEN_K=H % cfg["BLOCK_K"] == 0, TMA=tma,
         HALF_TILES=cfg.get("HALF_TILES", False), PERSISTENT=cfg.get("PERSISTENT", False), **_launch_opts(cfg),
     )
     y_rows = _rows_gemm("down_fwd", act, down_proj, row_tiles, expert_offsets, torch.empty((S, H), dtype=dtype,
                                                                                        device=hidden.device))
-    out = _combine(y_rows, _positions(sorted_slot), top_k_index, top_k_weights, T, H, E, dtype)
-    return out, gate_up_out  # act is not kept: the backward recomputes it from gate_up_out
+    pos = _positions(sorted_slot)
+    out = _combine(y_rows, pos, top_k_index, top_k_weights, T, H, E, dtype)
+    return out, gate_up_out, pos  # act is not kept: the backward recomputes it from gate_up_out
+
+
+def _dweights_from_rows(dw_rows, pos, top_k_index, E, dtype):
+    """The routing-weight grad (T, K) in slot order from the per-row one (zero for slots routed outside [0, E))."""
+    valid = (top_k_index >= 0) & (top_k_index < E)
+    return torch.where(valid, dw_rows[pos].view(top_k_index.shape), 0.0).to(dtype)
 
 
 def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-            expert_offsets, reuse_gate_up_out=False):
-    """Backward of moe_fwd. act is not saved: it is recomputed from gate_up_out (bitwise the forward's).
-    reuse_gate_up_out: write dgate_up_out over gate_up_out (each element is read before it is written, by the
-    same program) instead of into a new (S, 2I) buffer; gate_up_out is garbage afterwards.
+            expert_offsets, pos, reuse_gate_up_out=False):
+    """Backward of moe_fwd (pos: its third output). act is not saved: it is recomputed from gate_up_out (bitwise the
+    forward's). reuse_gate_up_out: write dgate_up_out over gate_up_out (each element is read before it is written,
+    by the same program) instead of into a new (S, 2I) buffer; gate_up_out is garbage afterwards.
 
     With g_act = dout[token_r] @ Wd[e] per sorted row r (rounded to the dtype), act_w = w_r * act:
     dweights = <g_act, act>, dgate_up_out = SwiGLU backward of w_r * g_act, dx_r = dgate_up_out_r @ Wgu[e]
@@ -843,41 +867,36 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     inter = two_i // 2
     S = T * K
     dtype = hidden.dtype
-    row_token = sorted_slot // K
-    row_w = top_k_weights.reshape(-1)[sorted_slot].float()
-    pos = _positions(sorted_slot)
     row_tiles = _RowTiles(expert_offsets, S)
     impl = backward_impl(hidden, H, inter, E)
-    offsets32 = expert_offsets.to(torch.int32) if impl.startswith("grouped_mm") else None  # torch._grouped_mm's offs
-    valid = (top_k_index >= 0) & (top_k_index < E)
     dgate_up_out = gate_up_out if reuse_gate_up_out else torch.empty((S, two_i), dtype=dtype, device=hidden.device)
     rows_buf = torch.empty((S, H), dtype=dtype, device=hidden.device)  # dout rows, then dx rows, then x rows
 
     # 1. g_act, its SwiGLU backward and the routing-weight grad; act_w for the down-proj weight grad
     dout_rows = None
     if impl in ("grouped_mm", "grouped_mm_lean"):
-        dout_rows = _gather_rows(dout, row_token, rows_buf)
+        dout_rows = _gather_rows(dout, sorted_slot, K, rows_buf)
         if GPU_CONFIGS["backward"].get("g_act", "triton") == "triton":
             act_w = _rows_gemm("down_bwd_g", dout_rows, down_proj, row_tiles, expert_offsets,
                                torch.empty((S, inter), dtype=dtype, device=hidden.device))
         else:
-            act_w = _m_grouped_mm(dout_rows, down_proj, offsets32)  # g_act, overwritten with act_w
-        dw_rows = torch.empty((S,), dtype=torch.float32, device=hidden.device)
-        _swiglu_bwd_rows(act_w, gate_up_out, row_w, expert_offsets, dgate_up_out, dw_rows)
-        ddown_proj = _k_grouped_mm(dout_rows, act_w, offsets32)
+            act_w = _m_grouped_mm(dout_rows, down_proj, expert_offsets)  # g_act, overwritten with act_w
+        dweights = _swiglu_bwd_rows(act_w, gate_up_out, sorted_slot, top_k_weights, expert_offsets, dgate_up_out)
+        ddown_proj = _k_grouped_mm(dout_rows, act_w, expert_offsets)
         del act_w
     else:  # g_act and its SwiGLU backward in one Triton kernel, reading the gathered dout rows where they exist
         if impl == "grouped_mm_wgrad":
-            dout_rows = _gather_rows(dout, row_token, rows_buf)
+            dout_rows = _gather_rows(dout, sorted_slot, K, rows_buf)
         act_w, dw_rows = _down_bwd_act(dout if dout_rows is None else dout_rows, dout_rows is not None, down_proj,
-                                       row_token, row_w, row_tiles, expert_offsets, gate_up_out, dgate_up_out)
+                                       sorted_slot, top_k_weights, row_tiles, expert_offsets, gate_up_out,
+                                       dgate_up_out)
         if impl == "grouped_mm_wgrad":
-            ddown_proj = _k_grouped_mm(dout_rows, act_w, offsets32)
+            ddown_proj = _k_grouped_mm(dout_rows, act_w, expert_offsets)
         else:
-            ddown_proj = _weight_grad_triton("down_bwd_w", dout, act_w, row_token, expert_offsets, down_proj,
+            ddown_proj = _weight_grad_triton("down_bwd_w", dout, act_w, sorted_slot, K, expert_offsets, down_proj,
                                              a_by_token=True)
         del act_w
-    dweights = torch.where(valid, dw_rows[pos].view(T, K), 0.0).to(top_k_weights.dtype)  # back to slot order
+        dweights = _dweights_from_rows(dw_rows, pos, top_k_index, E, top_k_weights.dtype)
 
     # 2. grad of hidden: per-row dx (stream order: after the last reader of rows_buf), then each token's K copies
     dx_rows = _rows_gemm("gate_up_bwd_x", dgate_up_out, gate_up_proj, row_tiles, expert_offsets, rows_buf)
@@ -885,12 +904,12 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
 
     # 3. gate_up weight grad
     if impl in ("grouped_mm", "grouped_mm_wgrad"):
-        x_rows = _gather_rows(hidden, row_token, rows_buf)  # stream order: after the combine's read of dx rows
-        dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, offsets32)
+        x_rows = _gather_rows(hidden, sorted_slot, K, rows_buf)  # stream order: after the combine's read of dx rows
+        dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, expert_offsets)
     else:
         # every name of the (S, H) buffer dropped first: the allocator can hand it to this grad (the peak of a
         # training step is usually here, in the backward of the first MoE layer, with all the other grads live)
         rows_buf = dx_rows = dout_rows = None  # noqa: F841
-        dgate_up_proj = _weight_grad_triton("gate_up_bwd_w", dgate_up_out, hidden, row_token, expert_offsets,
+        dgate_up_proj = _weight_grad_triton("gate_up_bwd_w", dgate_up_out, hidden, sorted_slot, K, expert_offsets,
                                             gate_up_proj, a_by_token=False)
     return dhidden, dweights, dgate_up_proj, ddown_proj
