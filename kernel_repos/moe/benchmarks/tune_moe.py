@@ -54,6 +54,18 @@ FUSED_ACT_CONFIGS = [
 TRITON_G = {"backward": dict(g_act="triton")}  # context of the Triton g_act row GEMM's variants
 
 VARIANTS = [
+    # the persistent row GEMMs with other K steps (128 x 2 stages, 32 x 6-8 stages) or four warpgroups (16 warps:
+    # 64 accumulator registers per thread at 128 x 256). Run 16 (docs/gpu_runs/run16/tune_ksteps_warps.log): all
+    # slower, -1.6 to -9.9 % on their phase; 16 warps needs 262 KB of shared memory in the two backward kernels
+    ("down_fwd", dict(BLOCK_K=128, num_stages=2)),
+    ("down_fwd", dict(BLOCK_K=32, num_stages=6)),
+    ("down_fwd", dict(num_warps=16)),
+    ("gate_up_bwd_x", dict(BLOCK_K=128, num_stages=2)),
+    ("gate_up_bwd_x", dict(BLOCK_K=32, num_stages=8)),
+    ("gate_up_bwd_x", dict(num_warps=16)),
+    ("down_bwd_g", dict(BLOCK_K=128, num_stages=2), TRITON_G),
+    ("down_bwd_g", dict(BLOCK_K=32, num_stages=8), TRITON_G),
+    ("down_bwd_g", dict(num_warps=16), TRITON_G),
     # two CTAs per SM (<= 113 KB of shared memory each), so that one's epilogue overlaps the other's main loop: the
     # gathered gate_up forward with 64 gate + 64 up columns per tile (3 stages: the default since run 16, +1.5 % on
     # the fwd phase over the one-CTA config in the first line; docs/gpu_runs/run16/tune_2cta.log), the other row
