@@ -6,9 +6,12 @@ top-8, H=2048, I=512). Peers: HF eager loop, HF `batched_mm`, HF `grouped_mm`, t
 grads reset every step like the activations'), so every impl does the same work: dhidden, dweights, dW.
 Floor = fwd+bwd GEMM FLOPs (3 x 2 x T*K x 3*H*I) at the measured bf16 matmul rate (as anchor_bench.py).
 BENCH_MOE_CASES=label[,label] runs only those cases (Liger's fused MoE autotunes for minutes per shape).
+After each case's rows, the fast impls (INTERLEAVED) are timed once more round-robin, call by call, on the same inputs:
+rows "<impl> (interleaved)", whose ratios do not move with clock / power drift between the do_bench calls.
 """
 import importlib
 import os
+import statistics
 
 import torch
 
@@ -17,6 +20,11 @@ CASES = [  # label, T, H, E, K, I, peers beyond grouped_mm
     ("qwen3_moe_30b_a3b_T32k", 32768, 2048, 128, 8, 768, ("liger",)),
     ("qwen3_5_moe_35b_a3b", 8192, 2048, 256, 8, 512, ("liger",)),
 ]
+
+
+# timed once more round-robin after each case's do_bench rows (`interleaved`)
+INTERLEAVED = ("hf_grouped_mm", "torch.compile(hf_grouped_mm)", "liger_fused_moe", "hubfuse")
+INTERLEAVED_ROUNDS = 30
 
 
 def _flops(T, H, K, I):
@@ -79,6 +87,7 @@ def run(h):
         impls.append(("hubfuse", lambda: moe.moe_experts))
         # the leaner, slower backward (GPU_CONFIGS["backward"]; the default is grouped_mm)
         impls.append(("hubfuse (backward grouped_mm_lean)", lambda: moe.moe_experts))
+        fns = {}  # the INTERLEAVED impls that ran, for the round-robin timing after the loop
         for impl, make_fn in impls:
             try:
                 fn = make_fn()
@@ -93,4 +102,46 @@ def run(h):
                 h.bench(op, impl, fn, mk, floor, note=note)
             finally:
                 tk.GPU_CONFIGS["backward"] = default_backward
+            if impl in INTERLEAVED and "error" not in h.RESULTS[-1]:
+                fns[impl] = fn
             torch.cuda.empty_cache()
+        interleaved(h, op, fns, mk, floor)
+        torch.cuda.empty_cache()
+
+
+def interleaved(h, op, fns, make_inputs, floor):
+    """The fast impls' fwd+bwd steps once more, round-robin: INTERLEAVED_ROUNDS calls of each, alternating call by
+    call on the same inputs (CUDA events, medians). The rows above time each impl in its own do_bench call one after
+    the other, so clock and power drift between those calls moves their ratios by a few percent; here it hits every
+    impl alike. Rows "<impl> (interleaved)"; their peak memory is the do_bench row's."""
+    if len(fns) < 2:
+        return
+    inputs = make_inputs()
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    upstream = torch.randn(inputs[0].shape, dtype=inputs[0].dtype, device=inputs[0].device)
+
+    def step(fn):
+        for t in leaves:
+            t.grad = None
+        fn(*inputs).backward(upstream)
+
+    for _ in range(3):
+        for fn in fns.values():
+            step(fn)
+    events = {impl: [] for impl in fns}
+    for _ in range(INTERLEAVED_ROUNDS):
+        for impl, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(fn)
+            end.record()
+            events[impl].append((start, end))
+    torch.cuda.synchronize()
+    peak = {r["impl"]: r.get("peak_extra_MiB", 0.0) for r in h.RESULTS if r.get("op") == op}
+    note = f"round-robin with {', '.join(fns)}: {INTERLEAVED_ROUNDS} alternating calls each, median"
+    for impl, pairs in events.items():
+        ms = statistics.median(s.elapsed_time(e) for s, e in pairs)
+        row = dict(op=op, impl=f"{impl} (interleaved)", ms=round(ms, 4), peak_extra_MiB=peak.get(impl, 0.0),
+                   floor_ms=round(floor, 4), floor_ratio=round(floor / ms, 3), note=note)
+        h.RESULTS.append(row)
+        print(row, flush=True)
