@@ -263,6 +263,17 @@ def _bwd_direct(x, idx, w, gu, dn, dout):
     return tk.moe_bwd(dout, x, idx, w, gu, dn, gate_up_out, slot, offs, pos)
 
 
+def _poison_allocations(monkeypatch):
+    # torch.empty / torch.empty_like return NaN-filled (floating) or -1-filled (integer) tensors
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU glue test under the interpreter")
 @pytest.mark.parametrize("standin", ["torch_cpu", "loop"])
 @pytest.mark.parametrize("impl, g_act", [("grouped_mm", "cutlass"), ("grouped_mm", "triton"),
@@ -293,6 +304,7 @@ def test_backward_grouped_mm_glue(standin, impl, g_act, monkeypatch):
     monkeypatch.setattr(torch, "_grouped_mm", spy, raising=False)
     monkeypatch.setattr(tk, "_grouped_mm_applies", lambda *a: True)
     monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl, g_act=g_act))
+    _poison_allocations(monkeypatch)  # an output element nobody writes shows up as NaN / -1, not as a lucky 0
     got = _bwd_direct(x, idx, w, gu, dn, dout)
     # the two K-grouped weight grads (lean: only ddown) and, unless in Triton, the M-grouped g_act
     m_grouped = g_act == "cutlass" and impl != "grouped_mm_wgrad"
