@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import statistics
 import time
 from pathlib import Path
 
@@ -96,6 +97,25 @@ def bench(op, impl, fn, make_inputs, floor_ms, note="", kernels=None):
     row["wall_s"] = round(time.time() - t0, 1)
     RESULTS.append(row)
     print(row, flush=True)
+
+
+def round_robin_ms(steps: dict, rounds: int, warmup: int = 3) -> dict:
+    """Median ms per call of each zero-argument callable in `steps` (name -> step), timed round-robin: `warmup` calls
+    of each, then `rounds` rounds calling each once in turn, CUDA events around every call. Clock and power drift
+    over the run hits every step alike, where one do_bench call per step times them one after the other."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    events = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
 
 
 def wall_and_profile(step, steps: int, warmup: int):

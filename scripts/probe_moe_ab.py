@@ -14,11 +14,12 @@ both medians, their ratio and the largest difference between the two trees' outp
 """
 import argparse
 import importlib
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+
+from bench_ops import round_robin_ms  # scripts/ is on the path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,19 +67,7 @@ def main():
     print(f"T={T} E={E} K={K} H={H} I={I}; max |this - other| / max |other| (out, dx, dw, dgu, ddn): "
           + " ".join(f"{d:.1e}" for d in diffs), flush=True)
 
-    for _ in range(5):
-        for pkg in trees.values():
-            step(pkg)
-    times = {name: [] for name in trees}
-    for _ in range(a.rounds):
-        for name, pkg in trees.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(pkg)
-            end.record()
-            times[name].append((start, end))
-    torch.cuda.synchronize()
-    med = {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in times.items()}
+    med = round_robin_ms({name: (lambda pkg=pkg: step(pkg)) for name, pkg in trees.items()}, a.rounds, warmup=5)
     flops = 3 * T * K * (2 * H * 2 * I + 2 * I * H)
     for name, ms in med.items():
         print(f"  {name:12s} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)

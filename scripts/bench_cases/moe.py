@@ -11,7 +11,6 @@ rows "<impl> (interleaved)", whose ratios do not move with clock / power drift b
 """
 import importlib
 import os
-import statistics
 
 import torch
 
@@ -125,22 +124,10 @@ def interleaved(h, op, fns, make_inputs, floor):
             t.grad = None
         fn(*inputs).backward(upstream)
 
-    for _ in range(3):
-        for fn in fns.values():
-            step(fn)
-    events = {impl: [] for impl in fns}
-    for _ in range(INTERLEAVED_ROUNDS):
-        for impl, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(fn)
-            end.record()
-            events[impl].append((start, end))
-    torch.cuda.synchronize()
+    medians = h.round_robin_ms({impl: (lambda fn=fn: step(fn)) for impl, fn in fns.items()}, INTERLEAVED_ROUNDS)
     peak = {r["impl"]: r.get("peak_extra_MiB", 0.0) for r in h.RESULTS if r.get("op") == op}
     note = f"round-robin with {', '.join(fns)}: {INTERLEAVED_ROUNDS} alternating calls each, median"
-    for impl, pairs in events.items():
-        ms = statistics.median(s.elapsed_time(e) for s, e in pairs)
+    for impl, ms in medians.items():
         row = dict(op=op, impl=f"{impl} (interleaved)", ms=round(ms, 4), peak_extra_MiB=peak.get(impl, 0.0),
                    floor_ms=round(floor, 4), floor_ratio=round(floor / ms, 3), note=note)
         h.RESULTS.append(row)
