@@ -402,6 +402,14 @@ def test_bad_inputs():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="is on"):
             f(x.cuda(), idx, w.cuda(), gu.cuda(), dn.cuda())
+    # 2**31 routed slots (int32 offsets): checked on the shapes alone, so meta tensors (no memory) suffice
+    T = 2**28
+    meta = dict(device="meta")
+    with pytest.raises(ValueError, match="routed slots"):
+        ops._check_inputs(torch.empty(T, 32, **meta), torch.empty(T, 8, dtype=torch.long, **meta),
+                          torch.empty(T, 8, **meta), gu.to("meta"), dn.to("meta"))
+    ops._check_inputs(torch.empty(T, 32, **meta), torch.empty(T, 7, dtype=torch.long, **meta),  # just under: fine
+                      torch.empty(T, 7, **meta), gu.to("meta"), dn.to("meta"))
 
 
 def test_second_backward_through_the_graph_is_refused():

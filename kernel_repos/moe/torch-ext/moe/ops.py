@@ -15,6 +15,7 @@ from .reference import moe_bwd_reference, moe_fwd_reference, route
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
+MAX_SLOTS = 2**31 - 1  # tokens x top_k
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -140,6 +141,8 @@ def _check_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -
     K = top_k_index.shape[1]
     if K == 0 or K > MAX_TOP_K:
         raise ValueError(f"{name}: top_k {K} must be in [1, {MAX_TOP_K}]")
+    if T * K > MAX_SLOTS:  # the routing's expert offsets and the kernels' sorted-row indices are int32
+        raise ValueError(f"{name}: {T} tokens x top_k {K} = {T * K} routed slots exceed the supported {MAX_SLOTS}")
     if tuple(top_k_weights.shape) != (T, K):
         raise ValueError(f"{name}: top_k_weights shape {tuple(top_k_weights.shape)} does not match top_k_index "
                          f"{tuple(top_k_index.shape)}")
