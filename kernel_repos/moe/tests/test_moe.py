@@ -431,6 +431,47 @@ def test_second_backward_through_the_graph_is_refused():
         assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def test_eager_path_is_the_custom_op_without_its_dispatch(monkeypatch):
+    # eager calls run `_MoeExpertsFunction` (the custom ops' autograd.Function twin, without their dispatch's host
+    # time); torch.compile traces the custom ops. Same kernels, so the same bits.
+    args = _make(13, 48, 40, 6, 3, torch.float32, _device())
+    op_out, op_grads = _run(lambda x, idx, w, gu, dn: ops.moe_experts_fwd(x, idx, w, gu, dn)[0], *args)
+
+    def no_custom_op(*a):
+        raise AssertionError("the eager path called the custom op")
+
+    monkeypatch.setattr(ops, "moe_experts_fwd", no_custom_op)
+    eager_out, eager_grads = _run(moe.moe_experts, *args)
+    assert torch.equal(eager_out, op_out)
+    for name, a, b in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), eager_grads, op_grads):
+        assert torch.equal(a, b), name
+    _, ref_grads = _reference(*args)
+    _assert_close("dgate_up_proj", eager_grads[2], ref_grads[2], torch.float32)
+
+
+def test_custom_op_backward_gets_no_zero_grads_for_the_saved_outputs():
+    # the forward op's four extra outputs (saved for the backward) are not differentiable and their grads are not
+    # materialised: autograd would otherwise allocate and fill a zero (T*K, 2I) grad for gate_up_out every step
+    args = _make(7, 16, 8, 3, 2, torch.float32, _device())
+    x, idx, w, gu, dn, dout = args
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, gu, dn)]
+    outs = ops.moe_experts_fwd(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+    assert outs[0].requires_grad and not any(t.requires_grad for t in outs[1:])
+    seen = []
+
+    def spy(ctx, dout, *rest):
+        seen.append(rest)
+        return ops._backward(ctx, dout, *rest)
+
+    ops.moe_experts_fwd.register_autograd(spy, setup_context=ops._setup_context)
+    try:
+        out = ops.moe_experts_fwd(leaves[0], idx, leaves[1], leaves[2], leaves[3])[0]
+        torch.autograd.grad(out, leaves, dout)
+    finally:
+        ops.moe_experts_fwd.register_autograd(ops._backward, setup_context=ops._setup_context)
+    assert seen == [(None, None, None, None)]
+
+
 def test_torch_compile_fullgraph():
     args = _make(11, 32, 32, 4, 2, torch.float32)
     ref_out, ref_grads = _run(moe.moe_experts, *args)

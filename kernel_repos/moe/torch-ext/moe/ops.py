@@ -1,7 +1,8 @@
 """Custom ops and the functional API of the routed experts (grouped GEMM, SwiGLU, weighted combine).
 
 `moe_experts_fwd` / `moe_experts_bwd` are `torch.library.custom_op`s under this build's namespace, with fake
-implementations and autograd, so `torch.compile(fullgraph=True)` sees one opaque node per direction. Each
+implementations and autograd, so `torch.compile(fullgraph=True)` sees one opaque node per direction; eager calls
+run `_MoeExpertsFunction`, their autograd.Function twin over the same implementations (less host time). Each
 dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on CPU under
 `TRITON_INTERPRET=1`), the torch reference otherwise. Routing (sort by expert) runs on the device with no
 host sync, so the CUDA path is graph-capturable.
@@ -24,11 +25,7 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@torch.library.custom_op(add_op_namespace_prefix("moe_experts_fwd"), mutates_args=())
-def moe_experts_fwd(
-    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _experts_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
     """Returns (out, gate_up_out, sorted_slot, expert_offsets, pos); the last four are saved for backward (the
     activation is recomputed there from gate_up_out; pos[slot] = the slot's row in expert-sorted order)."""
     if _use_triton(hidden):
@@ -40,6 +37,31 @@ def moe_experts_fwd(
         return out, gate_up_out, sorted_slot, expert_offsets, pos
     with torch.autocast(hidden.device.type, enabled=False):  # the reference keeps the op's own precision
         return moe_fwd_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+
+
+def _experts_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
+                 expert_offsets, pos):
+    """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj). On the Triton path gate_up_out (saved by the
+    forward, dead once the SwiGLU backward has read it) is overwritten in place with the grad of the gate_up GEMM's
+    output: one (T*K, 2I) buffer less at the backward's peak."""
+    args = (dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
+            expert_offsets, pos)
+    if _use_triton(hidden):
+        from .triton_kernels import moe_bwd
+
+        return moe_bwd(*args, reuse_gate_up_out=True)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return moe_bwd_reference(*args)
+
+
+# The custom ops: what torch.compile sees (one opaque node per direction).
+@torch.library.custom_op(add_op_namespace_prefix("moe_experts_fwd"), mutates_args=())
+def moe_experts_fwd(
+    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_experts_fwd` as a custom op."""
+    return _experts_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
 
 @moe_experts_fwd.register_fake
@@ -61,20 +83,11 @@ def moe_experts_bwd(
     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_out: torch.Tensor, sorted_slot: torch.Tensor,
     expert_offsets: torch.Tensor, pos: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj).
-
-    gate_up_out (saved by the forward, dead once the SwiGLU backward has read it) is overwritten in place with
-    the grad of the gate_up GEMM's output on the Triton path: one (T*K, 2I) buffer less at the backward's peak.
-    The op declares the mutation, so autograd refuses a second backward through the same graph
-    (retain_graph=True) with its "modified by an inplace operation" error instead of reading garbage."""
-    args = (dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-            expert_offsets, pos)
-    if _use_triton(hidden):
-        from .triton_kernels import moe_bwd
-
-        return moe_bwd(*args, reuse_gate_up_out=True)
-    with torch.autocast(hidden.device.type, enabled=False):
-        return moe_bwd_reference(*args)
+    """`_experts_bwd` as a custom op. It declares the mutation of gate_up_out, so autograd refuses a second backward
+    through the same graph (retain_graph=True) with its "modified by an inplace operation" error instead of reading
+    garbage."""
+    return _experts_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
+                        expert_offsets, pos)
 
 
 @moe_experts_bwd.register_fake
@@ -87,6 +100,10 @@ def _(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up
 def _setup_context(ctx, inputs, output):
     hidden, top_k_index, top_k_weights, gate_up_proj, down_proj = inputs
     _, gate_up_out, sorted_slot, expert_offsets, pos = output
+    # the four saved outputs get no grad: None in the backward, instead of zeros that autograd would otherwise
+    # allocate and fill every step (a (T*K, 2I) memset among them: 0.2 GB at T=8192)
+    ctx.mark_non_differentiable(gate_up_out, sorted_slot, expert_offsets, pos)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
                           expert_offsets, pos)
 
@@ -101,6 +118,29 @@ def _backward(ctx, dout, *_unused):
 
 
 moe_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _MoeExpertsFunction(torch.autograd.Function):
+    """Eager-mode twin of the custom ops (same implementations, less dispatch overhead: ~0.3 ms of host time per
+    fwd + bwd step on the CI CPU; the op is host-bound below ~2k tokens, docs/benchmarks.md run 17). torch.compile
+    traces the custom ops instead (`moe_experts`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+        out, gate_up_out, sorted_slot, expert_offsets, pos = _experts_fwd(hidden, top_k_index, top_k_weights,
+                                                                          gate_up_proj, down_proj)
+        ctx.save_for_backward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
+                              expert_offsets, pos)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        hidden, gate_up_out = saved[0], saved[5]
+        dhidden, dweights, dgate_up, ddown = _experts_bwd(dout.to(hidden.dtype).contiguous(), *saved)
+        if _use_triton(hidden):  # gate_up_out now holds its grad: a second backward must fail, as with the custom op
+            torch.autograd.graph.increment_version(gate_up_out)
+        return dhidden, None, dweights, dgate_up, ddown
 
 
 def _check_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
@@ -176,6 +216,8 @@ def moe_experts(
         hidden_states, gate_up_proj, down_proj = (t.to(dtype) if isinstance(t, torch.Tensor) else t
                                                   for t in (hidden_states, gate_up_proj, down_proj))
     _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
-    out, *_ = moe_experts_fwd(hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(),
-                              gate_up_proj.contiguous(), down_proj.contiguous())
-    return out
+    args = (hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(),
+            gate_up_proj.contiguous(), down_proj.contiguous())
+    if torch.compiler.is_compiling():
+        return moe_experts_fwd(*args)[0]
+    return _MoeExpertsFunction.apply(*args)

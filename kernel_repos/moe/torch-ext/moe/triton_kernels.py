@@ -605,6 +605,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _cc_major(device: torch.device) -> int:
+    """The CUDA device's compute capability major (cached: asked for every operand of every launch)."""
+    return _cc_major_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cc_major_of(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def _launch_opts(cfg: dict) -> dict:
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -617,7 +627,7 @@ def _tma_ok(w: torch.Tensor, tile_in_expert: bool) -> bool:
     if w.device.type == "cpu":
         return True
     return (w.device.type == "cuda" and torch.version.cuda is not None
-            and torch.cuda.get_device_capability(w.device)[0] >= 9)
+            and _cc_major(w.device) >= 9)
 
 
 def _weight_operand(w: torch.Tensor, cfg: dict, block_shape: list, tile_in_expert: bool):
@@ -695,7 +705,7 @@ def _grouped_mm_applies(t: torch.Tensor, H: int, inter: int, E: int) -> bool:
         return False
     if t.device.type != "cuda" or torch.version.cuda is None:
         return False
-    return torch.cuda.get_device_capability(t.device)[0] in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
+    return _cc_major(t.device) in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
 
 
 BACKWARD_IMPLS = ("triton", "grouped_mm", "grouped_mm_lean", "grouped_mm_wgrad")
