@@ -97,23 +97,22 @@ def _(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up
             torch.empty_like(down_proj))
 
 
+def _save_for_backward(ctx, inputs, output):
+    # the five inputs and the forward's four saved outputs: the argument list of the backward after dout
+    ctx.save_for_backward(*inputs, *output[1:])
+
+
 def _setup_context(ctx, inputs, output):
-    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj = inputs
-    _, gate_up_out, sorted_slot, expert_offsets, pos = output
     # the four saved outputs get no grad: None in the backward, instead of zeros that autograd would otherwise
     # allocate and fill every step (a (T*K, 2I) memset among them: 0.2 GB at T=8192)
-    ctx.mark_non_differentiable(gate_up_out, sorted_slot, expert_offsets, pos)
+    ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-                          expert_offsets, pos)
+    _save_for_backward(ctx, inputs, output)
 
 
 def _backward(ctx, dout, *_unused):
-    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot, expert_offsets, pos = (
-        ctx.saved_tensors)
-    dhidden, dweights, dgate_up, ddown = moe_experts_bwd(
-        dout.to(hidden.dtype).contiguous(), hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
-        gate_up_out, sorted_slot, expert_offsets, pos)
+    saved = ctx.saved_tensors
+    dhidden, dweights, dgate_up, ddown = moe_experts_bwd(dout.to(saved[0].dtype).contiguous(), *saved)
     return dhidden, None, dweights, dgate_up, ddown
 
 
@@ -126,12 +125,10 @@ class _MoeExpertsFunction(torch.autograd.Function):
     traces the custom ops instead (`moe_experts`)."""
 
     @staticmethod
-    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-        out, gate_up_out, sorted_slot, expert_offsets, pos = _experts_fwd(hidden, top_k_index, top_k_weights,
-                                                                          gate_up_proj, down_proj)
-        ctx.save_for_backward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-                              expert_offsets, pos)
-        return out
+    def forward(ctx, *inputs):  # hidden, top_k_index, top_k_weights, gate_up_proj, down_proj
+        output = _experts_fwd(*inputs)
+        _save_for_backward(ctx, inputs, output)
+        return output[0]
 
     @staticmethod
     def backward(ctx, dout):

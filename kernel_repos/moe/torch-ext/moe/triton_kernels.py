@@ -597,7 +597,11 @@ def _persistent_grid(cfg: dict, n_programs: int, device: torch.device) -> int:
         return n_programs
     if device.type == "cpu":  # interpreter: a few programs, so that each loops over several tiles
         return min(n_programs, 3)
-    return min(n_programs, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+    return min(n_programs, _sm_count(_cuda_index(device)))
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
@@ -605,13 +609,9 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _cc_major(device: torch.device) -> int:
-    """The CUDA device's compute capability major (cached: asked for every operand of every launch)."""
-    return _cc_major_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.lru_cache(maxsize=None)
-def _cc_major_of(device_index: int) -> int:
+def _cc_major(device_index: int) -> int:
+    """The CUDA device's compute capability major (cached: asked for every operand of every launch)."""
     return torch.cuda.get_device_capability(device_index)[0]
 
 
@@ -627,7 +627,7 @@ def _tma_ok(w: torch.Tensor, tile_in_expert: bool) -> bool:
     if w.device.type == "cpu":
         return True
     return (w.device.type == "cuda" and torch.version.cuda is not None
-            and _cc_major(w.device) >= 9)
+            and _cc_major(_cuda_index(w.device)) >= 9)
 
 
 def _weight_operand(w: torch.Tensor, cfg: dict, block_shape: list, tile_in_expert: bool):
@@ -705,7 +705,7 @@ def _grouped_mm_applies(t: torch.Tensor, H: int, inter: int, E: int) -> bool:
         return False
     if t.device.type != "cuda" or torch.version.cuda is None:
         return False
-    return _cc_major(t.device) in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
+    return _cc_major(_cuda_index(t.device)) in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
 
 
 BACKWARD_IMPLS = ("triton", "grouped_mm", "grouped_mm_lean", "grouped_mm_wgrad")
