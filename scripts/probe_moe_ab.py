@@ -35,6 +35,8 @@ def main():
     T, E, K, H, I = a.shape
     sys.path.insert(0, str(ROOT / "kernel_repos/moe/torch-ext"))
     sys.path.insert(0, str(Path(a.other_parent).resolve()))
+    sys.path.insert(0, str(ROOT / "kernel_repos/moe/benchmarks"))
+    from tune_moe import make_inputs
     trees = {"this tree": importlib.import_module("moe"), a.other_name: importlib.import_module(a.other_name)}
     if a.impl:
         for pkg in trees.values():
@@ -42,14 +44,8 @@ def main():
             tk.GPU_CONFIGS["backward"] = dict(tk.GPU_CONFIGS["backward"], impl=a.impl)
 
     dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(T, H, dtype=dt, device=dev, generator=g).requires_grad_()
-    w, idx = torch.topk(torch.randn(T, E, device=dev, generator=g).softmax(-1), K, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(dt).requires_grad_()
-    gu = (torch.randn(E, 2 * I, H, dtype=dt, device=dev, generator=g) * 0.02).requires_grad_()
-    dn = (torch.randn(E, H, I, dtype=dt, device=dev, generator=g) * 0.02).requires_grad_()
-    dout = torch.randn(T, H, dtype=dt, device=dev, generator=g)
-    leaves = (x, w, gu, dn)
+    x, idx, w, gu, dn, dout = make_inputs(T, E, K, H, I, dev, dt)
+    leaves = tuple(t.requires_grad_() for t in (x, w, gu, dn))
 
     def step(pkg):
         for t in leaves:

@@ -5,8 +5,6 @@
 Each line: the CPU time to enqueue one call while the GPU is held busy (probe_moe_overhead.host_ms), so no launch
 waits on the device. Then a cProfile of public fwd + bwd steps, by own time.
 """
-import cProfile
-import pstats
 import sys
 from pathlib import Path
 
@@ -16,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "kernel_repos/moe/torch-ext"))
 sys.path.insert(0, str(ROOT / "kernel_repos/moe/benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from probe_moe_overhead import SLEEP_CYCLES, host_ms  # noqa: E402
+from probe_moe_overhead import SLEEP_CYCLES, cprofile_calls, host_ms  # noqa: E402
 from tune_moe import make_inputs  # noqa: E402
 
 import moe  # noqa: E402
@@ -81,16 +79,7 @@ def main():
         print(f"--- torch profiler, 10 calls of {name}, by self CPU time", flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60),
               flush=True)
-    step()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(10):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    cprofile_calls(step, 10).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,20 @@ def host_ms(fn, steps=10):
     return ms
 
 
+def cprofile_calls(fn, calls):
+    """pstats.Stats of `calls` calls of fn (after one warm-up call) while the GPU sleeps: host work only."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    return pstats.Stats(prof)
+
+
 def graph_ms(step):
     """Median ms of one replay of `step` captured in a CUDA graph (warmed up on a side stream first)."""
     s = torch.cuda.Stream()
@@ -105,17 +119,9 @@ def main():
     print(f"kernel-sum ms (profiler): {kernel_sum_ms(step):.3f}", flush=True)
     print(f"graph ms (replay, do_bench median): {graph_ms(step):.3f}", flush=True)
     if a.cprofile:
-        step()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(5):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        stats = cprofile_calls(step, 5)
+        stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":

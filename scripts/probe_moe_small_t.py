@@ -15,9 +15,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "kernel_repos/moe/torch-ext"))
+sys.path.insert(0, str(ROOT / "kernel_repos/moe/benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_ops import round_robin_ms  # noqa: E402
 from probe_moe_overhead import host_ms  # noqa: E402
+from tune_moe import make_inputs  # noqa: E402
 
 import moe  # noqa: E402
 
@@ -41,13 +43,9 @@ def main():
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; E={E} K={K} H={H} I={I}", flush=True)
     for T in a.tokens:
-        g = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(T, H, dtype=dt, device=dev, generator=g).requires_grad_()
-        w, idx = torch.topk(torch.randn(T, E, device=dev, generator=g).softmax(-1), K, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).to(dt).requires_grad_()
-        gu = (torch.randn(E, 2 * I, H, dtype=dt, device=dev, generator=g) * 0.02).requires_grad_()
-        dn = (torch.randn(E, H, I, dtype=dt, device=dev, generator=g) * 0.02).requires_grad_()
-        dout = torch.randn(T, H, dtype=dt, device=dev, generator=g)
+        x, idx, w, gu, dn, dout = make_inputs(T, E, K, H, I, dev, dt)
+        for t in (x, w, gu, dn):
+            t.requires_grad_()
         inputs = (x, idx, w, gu, dn)
 
         def step(fn):

@@ -110,6 +110,17 @@ def gate_up_ws_kernel(X, W, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT, S, H, I, 
                     BLOCK_N, STORE)
 
 
+def _first_launch(label, launch):
+    """The compiled kernel of launch()'s first run, or None (printed) when it does not compile or run."""
+    try:
+        k = launch()
+        torch.cuda.synchronize()
+        return k
+    except Exception as e:  # noqa: BLE001
+        print(f"{label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+
+
 def _check(label, out, ref, lo, hi):
     o, r = out[lo:hi], ref[lo:hi]
     nan_rows = int(torch.isnan(o).any(1).sum())
@@ -176,11 +187,8 @@ def main():
                     BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, B_NK=b_nk, WS=ws, STORE=store, num_warps=warps,
                     num_stages=stages)
 
-            try:
-                k = launch()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001
-                print(f"{name} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            k = _first_launch(f"{name} {label}", launch)
+            if k is None:
                 continue
             _check(f"{name} {label} (warps {k.metadata.num_warps}, shared {k.metadata.shared})", out, ref_out, lo, hi)
             steps[label] = launch
@@ -223,11 +231,8 @@ def main():
                 act.stride(0), BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, WS=ws, STORE=store, num_warps=warps,
                 num_stages=stages)
 
-        try:
-            k = launch()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            print(f"gate_up_fwd {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        k = _first_launch(f"gate_up_fwd {label}", launch)
+        if k is None:
             continue
         _check(f"gate_up_fwd {label} gu (warps {k.metadata.num_warps}, shared {k.metadata.shared})", gu_out, gu_ref,
                lo, hi)
