@@ -21,8 +21,9 @@ PTR_TYPES = {"SORTED_SLOT": "*i64", "TILE_EXPERT": "*i64", "TILE_START": "*i64",
 SMEM_LIMIT = 227 * 1024
 
 
-# the weight operand of the row-tiled kernels and its TMA block shape (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N)
-TMA_OPERAND = {"gate_up_fwd": ("W", "NK"), "down_fwd": ("B", "NK"), "down_bwd_act": ("D", "KN"),
+# the weight operand of the row-tiled kernels and its TMA block shape (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N), or
+# for gate_up_fwd (2, BLOCK_N, BLOCK_K): gate and up rows in one block (`_gate_up_operand`)
+TMA_OPERAND = {"gate_up_fwd": ("W", "2NK"), "down_fwd": ("B", "NK"), "down_bwd_act": ("D", "KN"),
                "gate_up_bwd_x": ("B", "KN"), "down_bwd_g": ("B", "KN")}
 # the contiguous sorted-row operand that TMA_A reads through a descriptor, block (BLOCK_M, BLOCK_K)
 ROW_OPERAND = {"down_fwd": "A_ROWS", "gate_up_bwd_x": "A_ROWS", "down_bwd_act": "DOUT_OP", "down_bwd_g": "A_ROWS"}
@@ -90,8 +91,9 @@ def main():
             descs = {}
             if cfg.get("TMA"):
                 arg, order = TMA_OPERAND[name]
-                block = (cfg["BLOCK_N"], cfg["BLOCK_K"]) if order == "NK" else (cfg["BLOCK_K"], cfg["BLOCK_N"])
-                descs[arg] = f"tensordesc<bf16[{block[0]},{block[1]}]>"
+                block = {"NK": (cfg["BLOCK_N"], cfg["BLOCK_K"]), "KN": (cfg["BLOCK_K"], cfg["BLOCK_N"]),
+                         "2NK": (2, cfg["BLOCK_N"], cfg["BLOCK_K"])}[order]
+                descs[arg] = f"tensordesc<bf16[{','.join(map(str, block))}]>"
             if cfg.get("TMA_A"):
                 descs[ROW_OPERAND[name]] = f"tensordesc<bf16[{cfg['BLOCK_M']},{cfg['BLOCK_K']}]>"
             k = compile_sm90(kern, dict(cfg, PREC="tf32", **even, **fixed.get(name, {})), warps, stages, descs=descs)

@@ -101,14 +101,17 @@ def _record_tma_flags(monkeypatch, tk, operand_fn):
                            "take the torch path); the GPU runs TMA through GPU_CONFIGS in the gpu-marked tests")
 @pytest.mark.parametrize("shape", [(37, 64, 64, 8, 2), (13, 48, 40, 6, 3)])
 def test_tma_weight_operand(shape, monkeypatch):
-    # weights through tensor descriptors (the interpreter emulates the copy engine); at (48, 40) the forward
-    # tiles straddle experts and fall back to pointer loads, the backward ones read past H / I (zero-filled)
+    # weights through tensor descriptors (the interpreter emulates the copy engine); at (48, 40) the down_fwd
+    # tiles straddle experts and fall back to pointer loads, the backward ones read past H / I (zero-filled), and
+    # gate_up_fwd's 3-D blocks (gate and up rows together) read past I, zero-filled too (no straddling in 3-D)
     from moe import triton_kernels as tk
 
     monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA", True)
     used = _record_tma_flags(monkeypatch, tk, "_weight_operand")
+    used_gate_up = _record_tma_flags(monkeypatch, tk, "_gate_up_operand")
     _check(*shape, torch.float32)
-    assert used == ([True] * 4 if shape[2] == 64 else [False, False, True, True]), used
+    assert used == ([True] * 3 if shape[2] == 64 else [False, True, True]), used
+    assert used_gate_up == [True], used_gate_up
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
