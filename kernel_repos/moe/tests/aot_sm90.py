@@ -118,9 +118,10 @@ def main():
             compile_sm90(kern, dict(cfg, PREC=prec, **even, **per_use), warps, stages, dtype=dtype)
         print(f"{name}: fp32 and fp16 (masked) ok")
     cfg = dict(tk.GPU_CONFIGS["combine"])
-    k = compile_sm90(tk._combine_kernel, dict(K=8, HAS_WEIGHT=True, BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"]),
-                     cfg["num_warps"], 1)
-    print(f"combine: shared={k.metadata.shared}")
+    for has_weight, refill in ((True, False), (False, True)):  # the forward's combine, the backward's (+ x rows)
+        k = compile_sm90(tk._combine_kernel, dict(K=8, HAS_WEIGHT=has_weight, REFILL=refill, BLOCK_T=cfg["BLOCK_T"],
+                                                  BLOCK_N=cfg["BLOCK_N"]), cfg["num_warps"], 1)
+        print(f"combine{' (refill)' if refill else ''}: shared={k.metadata.shared}")
     cfg = dict(tk.GPU_CONFIGS["gather_rows"])  # the grouped_mm backward's row gather
     compile_sm90(tk._gather_rows_kernel, dict(BLOCK_R=cfg["BLOCK_R"], BLOCK_N=cfg["BLOCK_N"]), cfg["num_warps"], 1)
     print("gather_rows: ok")

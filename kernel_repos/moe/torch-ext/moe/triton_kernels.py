@@ -258,11 +258,14 @@ def _rows_acc(
 
 @triton.jit
 def _combine_kernel(
-    Y, POS, IDX, WT, OUT, T, H, E, stride_y, stride_out,
-    K: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    Y, POS, IDX, WT, OUT, SRC, T, H, E, stride_y, stride_out, stride_src,
+    K: tl.constexpr, HAS_WEIGHT: tl.constexpr, REFILL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # out[t] = sum_k w[t, k] * y[pos[t, k]] in fp32, fixed k order; slots routed outside [0, E) add nothing.
-    # K unrolled: the K row loads of a token are independent, so they are all in flight at once
+    # K unrolled: the K row loads of a token are independent, so they are all in flight at once.
+    # REFILL: then y[pos[t, k]] = src[t] for every slot (the rows just read, and those of the slots routed outside
+    # [0, E)): y's rows become the expert-sorted gather of src, in the same pass (each program writes only the
+    # elements it has read, so no other program's read is overtaken)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tok_mask = toks < T
@@ -279,8 +282,13 @@ def _combine_kernel(
             w = tl.load(WT + slot, mask=valid, other=0.0).to(tl.float32)
             y = y * w[:, None]
         acc += y
-    tl.store(OUT + toks.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(OUT.dtype.element_ty),
-             mask=tok_mask[:, None] & col_mask[None, :])
+    mask = tok_mask[:, None] & col_mask[None, :]
+    tl.store(OUT + toks.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+    if REFILL:  # after every load of y (a store between them would serialise them: it may alias the next load)
+        src = tl.load(SRC + toks.to(tl.int64)[:, None] * stride_src + cols[None, :], mask=mask)
+        for k in tl.static_range(K):
+            p = tl.load(POS + toks.to(tl.int64) * K + k, mask=tok_mask, other=0).to(tl.int64)
+            tl.store(Y + p[:, None] * stride_y + cols[None, :], src, mask=mask)
 
 
 @triton.jit
@@ -669,16 +677,20 @@ def _positions(sorted_slot: torch.Tensor) -> torch.Tensor:
     return pos
 
 
-def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype):
+def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype, refill=None):
+    """out[t] = sum_k weights[t, k] * y_rows[pos[t, k]] (weights None: 1). refill (T, H): afterwards y_rows holds
+    the expert-sorted rows of refill (y_rows[r] = refill[token of row r], what `_gather_rows` writes), made in the
+    same pass over y_rows."""
     K = top_k_index.shape[1]
     out = torch.empty((T, H), dtype=out_dtype, device=y_rows.device)
     cfg = GPU_CONFIGS["combine"] if _on_gpu(y_rows) else dict(BLOCK_T=16, BLOCK_N=32, num_warps=4)
     block_t, block_n = cfg["BLOCK_T"], min(cfg["BLOCK_N"], triton.next_power_of_2(H))
     grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_n))
+    src = refill if refill is not None else y_rows
     _combine_kernel[grid](
-        y_rows, pos, top_k_index, weights if weights is not None else y_rows, out, T, H, E,
-        y_rows.stride(0), out.stride(0), K=K, HAS_WEIGHT=weights is not None, BLOCK_T=block_t, BLOCK_N=block_n,
-        num_warps=cfg["num_warps"],
+        y_rows, pos, top_k_index, weights if weights is not None else y_rows, out, src, T, H, E,
+        y_rows.stride(0), out.stride(0), src.stride(0), K=K, HAS_WEIGHT=weights is not None,
+        REFILL=refill is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=cfg["num_warps"],
     )
     return out
 
@@ -920,14 +932,15 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
         del act_w
         dweights = _dweights_from_rows(dw_rows, pos, top_k_index, E, top_k_weights.dtype)
 
-    # 2. grad of hidden: per-row dx (stream order: after the last reader of rows_buf), then each token's K copies
+    # 2. grad of hidden: per-row dx (stream order: after the last reader of rows_buf), then each token's K copies;
+    # on the grouped_mm paths the same pass refills rows_buf with the expert-sorted x rows for the weight grad
     dx_rows = _rows_gemm("gate_up_bwd_x", dgate_up_out, gate_up_proj, row_tiles, expert_offsets, rows_buf)
-    dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype)
+    x_rows_next = impl in ("grouped_mm", "grouped_mm_wgrad")
+    dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype, refill=hidden if x_rows_next else None)
 
     # 3. gate_up weight grad
-    if impl in ("grouped_mm", "grouped_mm_wgrad"):
-        x_rows = _gather_rows(hidden, sorted_slot, K, rows_buf)  # stream order: after the combine's read of dx rows
-        dgate_up_proj = _k_grouped_mm(dgate_up_out, x_rows, expert_offsets)
+    if x_rows_next:
+        dgate_up_proj = _k_grouped_mm(dgate_up_out, rows_buf, expert_offsets)  # rows_buf: the x rows now
     else:
         # every name of the (S, H) buffer dropped first: the allocator can hand it to this grad (the peak of a
         # training step is usually here, in the backward of the first MoE layer, with all the other grads live)
