@@ -11,6 +11,10 @@ blocks at once, through a 3-D descriptor over gate_up_proj viewed as (E * 2, I, 
 blocks, and one dot of 2 * BLOCK_N columns computes gate and up; the epilogue splits the accumulator. Times the
 variants against the shipped kernel call by call (round-robin, CUDA events, medians) and checks that they write
 bitwise the same gate_up_out and act.
+
+Run 18 compared these against the two-dot kernel of 8b02ee4 (docs/gpu_runs/run18/probes.log) and shipped the
+first variant; "shipped" is now that one-dot kernel (`triton_kernels._gate_up_fwd`), so the probe sweeps tile
+configs of the same form against it.
 """
 import argparse
 import os
@@ -97,21 +101,14 @@ def main():
     sorted_slot, offsets = reference.route(idx, E)
     row_tiles = tk._RowTiles(offsets, S)
     lo, hi = int(offsets[0]), int(offsets[E])
-    cfg = tk._config("gate_up_fwd", x, S, E)
     if interp:
-        cfg.update(TMA=True)
+        tk._INTERPRETER_CONFIG["TMA"] = True
         variants = [("one dot 16", 16, 16, 16, 1, 4), ("one dot 16/half", 32, 16, 16, 1, 4)]
     else:
         variants = VARIANTS
 
     def shipped(gu_out, act):
-        te, ts, mt = row_tiles(cfg["BLOCK_M"])
-        tiles_n = triton.cdiv(I, cfg["BLOCK_N"])
-        w_gu, tma = tk._weight_operand(gu, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], True)
-        tk._gate_up_fwd_kernel[(tk._persistent_grid(cfg, tiles_n * mt, dev),)](
-            x, w_gu, sorted_slot, te, ts, offsets, gu_out, act, H, I, E, K, tiles_n, x.stride(0),
-            gu.stride(0), gu.stride(1), gu_out.stride(0), act.stride(0), PREC="tf32", EVEN_N=True, EVEN_K=True,
-            TMA=tma, HALF_TILES=cfg["HALF_TILES"], PERSISTENT=cfg["PERSISTENT"], **tk._launch_opts(cfg))
+        tk._gate_up_fwd(x, gu, sorted_slot, K, row_tiles, offsets, gu_out, act)
 
     gu_ref = torch.full((S, 2 * I), float("nan"), device=dev, dtype=dt)
     act_ref = torch.full((S, I), float("nan"), device=dev, dtype=dt)

@@ -199,18 +199,11 @@ def main():
                   flush=True)
 
     # gate_up forward: x rows gathered first + a TMA row GEMM with the SwiGLU epilogue, vs the shipped gathered kernel
-    cfg = tk._config("gate_up_fwd", x, S, E)
     gu_ref = torch.full((S, 2 * I), float("nan"), device=dev, dtype=dt)
     act_ref = torch.full((S, I), float("nan"), device=dev, dtype=dt)
 
     def shipped_gate_up(gu_out=gu_ref, act=act_ref):
-        te, ts, mt = row_tiles(cfg["BLOCK_M"])
-        tiles_n = triton.cdiv(I, cfg["BLOCK_N"])
-        w_gu, tma = tk._weight_operand(gu, cfg, [cfg["BLOCK_N"], cfg["BLOCK_K"]], True)
-        tk._gate_up_fwd_kernel[(tk._persistent_grid(cfg, tiles_n * mt, dev),)](
-            x, w_gu, sorted_slot, te, ts, offsets, gu_out, act, H, I, E, K, tiles_n, x.stride(0),
-            gu.stride(0), gu.stride(1), gu_out.stride(0), act.stride(0), PREC="tf32", EVEN_N=True, EVEN_K=True,
-            TMA=tma, HALF_TILES=cfg["HALF_TILES"], PERSISTENT=cfg["PERSISTENT"], **tk._launch_opts(cfg))
+        tk._gate_up_fwd(x, gu, sorted_slot, K, row_tiles, offsets, gu_out, act)
 
     shipped_gate_up()
     x_rows = torch.empty((S, H), device=dev, dtype=dt)
