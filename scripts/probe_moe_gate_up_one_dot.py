@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "kernel_repos/moe/benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_ops import round_robin_ms  # noqa: E402
 from moe import reference, triton_kernels as tk  # noqa: E402
+from probe_moe_ws import check_rows, first_launch  # noqa: E402
 from tune_moe import make_inputs  # noqa: E402
 
 
@@ -135,18 +136,12 @@ def main():
                 gu_out.stride(0), act.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                 HALF_TILES=bm >= 32, num_warps=warps, num_stages=stages)
 
-        try:
-            k = launch()
-            if not interp:
-                torch.cuda.synchronize()
-        except Exception as ex:  # noqa: BLE001
-            print(f"{label}: FAILED {type(ex).__name__}: {str(ex)[:400]}", flush=True)
+        ok, k = first_launch(label, launch)
+        if not ok:
             continue
         meta = "" if interp else f" (warps {k.metadata.num_warps}, shared {k.metadata.shared}, regs {k.n_regs}, spills {k.n_spills})"
-        for name, o, r in (("gu", gu_out, gu_ref), ("act", act, act_ref)):
-            o, r = o[lo:hi], r[lo:hi]
-            print(f"{label} {name}{meta}: bitwise equal {torch.equal(o, r)}, NaN rows {int(torch.isnan(o).any(1).sum())}"
-                  f", max diff {(o.float() - r.float()).nan_to_num(0).abs().max().item():.3g}", flush=True)
+        check_rows(f"{label} gu{meta}", gu_out, gu_ref, lo, hi)
+        check_rows(f"{label} act", act, act_ref, lo, hi)
         steps[label] = lambda launch=launch: launch(torch.empty_like(gu_ref), torch.empty_like(act_ref))
     if interp:
         return

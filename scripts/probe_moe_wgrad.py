@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "kernel_repos/moe/benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_ops import round_robin_ms  # noqa: E402
 from moe import reference, triton_kernels as tk  # noqa: E402
+from probe_moe_ws import first_launch  # noqa: E402
 from tune_moe import make_inputs  # noqa: E402
 
 
@@ -118,12 +119,8 @@ def main():
                         num_stages=stages)
 
                 full = f"{label}{' B by token' if by_token else ''}"
-                try:
-                    k = launch()
-                    if not interp:
-                        torch.cuda.synchronize()
-                except Exception as ex:  # noqa: BLE001
-                    print(f"{name} {full}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                ok, k = first_launch(f"{name} {full}", launch)
+                if not ok:
                     continue
                 meta = "" if interp else f" (shared {k.metadata.shared}, regs {k.n_regs}, spills {k.n_spills})"
                 err = ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()

@@ -110,18 +110,21 @@ def gate_up_ws_kernel(X, W, TILE_EXPERT, TILE_START, OFFSETS, GU, ACT, S, H, I, 
                     BLOCK_N, STORE)
 
 
-def _first_launch(label, launch):
-    """The compiled kernel of launch()'s first run, or None (printed) when it does not compile or run."""
+def first_launch(label, launch):
+    """(ok, the compiled kernel of launch()'s first run (None under the interpreter)); ok False (printed) when it does
+    not compile or run (shared by the MoE kernel probes)."""
     try:
         k = launch()
-        torch.cuda.synchronize()
-        return k
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return True, k
     except Exception as e:  # noqa: BLE001
         print(f"{label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        return None
+        return False, None
 
 
-def _check(label, out, ref, lo, hi):
+def check_rows(label, out, ref, lo, hi):
+    """Prints whether rows lo:hi of out are bitwise those of ref, how many hold NaN, and the largest difference."""
     o, r = out[lo:hi], ref[lo:hi]
     nan_rows = int(torch.isnan(o).any(1).sum())
     same = torch.equal(o, r)
@@ -187,10 +190,10 @@ def main():
                     BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, B_NK=b_nk, WS=ws, STORE=store, num_warps=warps,
                     num_stages=stages)
 
-            k = _first_launch(f"{name} {label}", launch)
-            if k is None:
+            ok, k = first_launch(f"{name} {label}", launch)
+            if not ok:
                 continue
-            _check(f"{name} {label} (warps {k.metadata.num_warps}, shared {k.metadata.shared})", out, ref_out, lo, hi)
+            check_rows(f"{name} {label} (warps {k.metadata.num_warps}, shared {k.metadata.shared})", out, ref_out, lo, hi)
             steps[label] = launch
         ms = round_robin_ms(steps, a.rounds)
         flops = 2 * S * N * Kd
@@ -224,12 +227,12 @@ def main():
                 act.stride(0), BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, WS=ws, STORE=store, num_warps=warps,
                 num_stages=stages)
 
-        k = _first_launch(f"gate_up_fwd {label}", launch)
-        if k is None:
+        ok, k = first_launch(f"gate_up_fwd {label}", launch)
+        if not ok:
             continue
-        _check(f"gate_up_fwd {label} gu (warps {k.metadata.num_warps}, shared {k.metadata.shared})", gu_out, gu_ref,
+        check_rows(f"gate_up_fwd {label} gu (warps {k.metadata.num_warps}, shared {k.metadata.shared})", gu_out, gu_ref,
                lo, hi)
-        _check(f"gate_up_fwd {label} act", act, act_ref, lo, hi)
+        check_rows(f"gate_up_fwd {label} act", act, act_ref, lo, hi)
         steps[f"gather+{label}"] = launch
         steps[f"{label} only"] = lambda launch=launch: launch(gather=False)
     ms = round_robin_ms(steps, a.rounds)
