@@ -5,13 +5,15 @@ sustained load (SM clock / power). Exploratory, not uploaded.
 
 1. one profiled route+fwd+bwd after warm-up, kernels in launch order: start offset, duration, idle gap before;
    span vs busy time (the union of kernel intervals) vs the sum of durations;
-2. the same step back to back for ~3 s (do_bench, long rep) and a dense bf16 GEMM of the same FLOPs, with the SM
+2. 20 steps back to back after ~2 s of load, profiled: per step span, busy time, idle gaps, the kernels waited on;
+3. the same step back to back for ~3 s (do_bench, long rep) and a dense bf16 GEMM of the same FLOPs, with the SM
    clock, power and temperature sampled by nvidia-smi every 50 ms during each: the MoE step's ms, the dense GEMM's
    TFLOP/s and the clocks they ran at.
 """
 import subprocess
 import sys
 import threading
+from collections import defaultdict
 import time
 from pathlib import Path
 
@@ -58,6 +60,36 @@ class Clocks:
                 f"power median {med[1]:.0f} W, temp {med[2]:.0f} C, {len(s)} samples")
 
 
+def gaps_under_load(step, steps=20):
+    """Steps back to back after ~2 s of the same load (clocks and power as in a long do_bench), profiled without a
+    sync between them: per step, the span, the kernels' busy time and the idle gaps, and the kernels that most
+    often wait (the gap before them), so stream time minus kernel time splits into gaps and slower kernels."""
+    triton.testing.do_bench(step, warmup=25, rep=2000, return_mode="median")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    ev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0)
+    per_kernel = defaultdict(lambda: [0.0, 0.0, 0])  # name -> [duration, gap before, count]
+    end, busy, gaps = ev[0][0], 0.0, 0.0
+    for s, e, n in ev:
+        gap = max(0.0, s - end)
+        gaps += gap
+        busy += e - max(s, end) if e > end else 0.0
+        k = per_kernel[n[:60]]
+        k[0] += e - s
+        k[1] += gap
+        k[2] += 1
+        end = max(end, e)
+    span = end - ev[0][0]
+    print(f"under load, {steps} steps back to back: per step span {span / steps / 1e3:.3f} ms, busy "
+          f"{busy / steps / 1e3:.3f}, idle gaps {gaps / steps / 1e3:.3f} ({len(ev) / steps:.0f} launches per step)")
+    print(f"{'dur/step':>9s} {'gap/step':>9s} {'n':>4s}  kernel (us)")
+    for n, (d, g, c) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:15]:
+        print(f"{d / steps:9.1f} {g / steps:9.1f} {c:4d}  {n}")
+
+
 def main():
     T, E, K, H, I = [int(v) for v in sys.argv[1:6]] if len(sys.argv) > 5 else (8192, 128, 8, 2048, 768)
     x, idx, w, gu, dn, dout = make_inputs(T, E, K, H, I, "cuda", torch.bfloat16)
@@ -87,6 +119,8 @@ def main():
         print(f"{s - t0:8.1f} {e - s:7.1f} {gap:6.1f}  {n[:100]}")
     print(f"profiled step: span {(end - t0) / 1e3:.3f} ms, busy {busy / 1e3:.3f}, kernel sum {ksum / 1e3:.3f}, "
           f"idle {(end - t0 - busy) / 1e3:.3f}", flush=True)
+
+    gaps_under_load(step)
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

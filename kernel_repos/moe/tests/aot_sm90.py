@@ -15,7 +15,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from moe import triton_kernels as tk  # noqa: E402
 
-INTS = {"H", "I", "E", "T", "K", "TOP_K", "TWO_I", "TILES_N", "S", "M", "N", "MAX_TILES"}
+INTS = {"H", "I", "E", "T", "K", "TOP_K", "TWO_I", "TILES_N", "S", "M", "N", "MAX_TILES", "MAP_PROGRAMS"}
 PTR_TYPES = {"SORTED_SLOT": "*i64", "TILE_EXPERT": "*i64", "TILE_START": "*i64", "OFFSETS": "*i32", "POS": "*i64",
              "IDX": "*i64", "DW_PART": "*fp32"}
 SMEM_LIMIT = 227 * 1024
@@ -129,8 +129,9 @@ def main():
     k = compile_sm90(tk._swiglu_bwd_rows_kernel, dict(BLOCK_R=cfg["BLOCK_R"], BLOCK_N=cfg["BLOCK_N"]),
                      cfg["num_warps"], 1)
     print(f"swiglu_bwd_rows: shared={k.metadata.shared} ok")
-    for block_e in (128, 512):  # the row-tile map, one program (Qwen3-MoE and the largest expert count)
-        compile_sm90(tk._tile_map_kernel, dict(BLOCK_M=128, BLOCK_E=block_e, BLOCK_J=max(16, 16384 // block_e)), 4, 1)
+    for block_e in (128, 512):  # the row-tile map + the sort's inversion (Qwen3-MoE and the largest expert count)
+        compile_sm90(tk._tile_map_kernel, dict(BLOCK_M=128, BLOCK_E=block_e, BLOCK_J=max(16, 16384 // block_e),
+                                               BLOCK_P=tk._POSITIONS_BLOCK), 4, 1)
     print("tile_map: ok")
     print("ok")
 

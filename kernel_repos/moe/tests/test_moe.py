@@ -152,7 +152,8 @@ def test_persistent_row_gemms(shape, tma_a, monkeypatch):
                                                   (512, 9000, 64, 3)])
 def test_row_tile_map(E, S, block_m, first):
     # _tile_map_kernel against the torch formulation: tiles per expert, their start, the expert of every tile slot
-    # (E past the last), with empty experts and rows before offsets[0] (slots routed to negative ids)
+    # (E past the last), with empty experts and rows before offsets[0] (slots routed to negative ids); the same
+    # launch inverts the sort (the positions), the second map's launch does not write them again
     from moe import triton_kernels as tk
 
     gen = torch.Generator().manual_seed(E + S)
@@ -160,7 +161,13 @@ def test_row_tile_map(E, S, block_m, first):
     if E >= 4:
         cuts[: E // 4] = cuts[0]  # a run of empty experts
     offsets = torch.cat([torch.tensor([first]), cuts, torch.tensor([S])]).to(_device(), torch.int32)  # as route's
-    tile_expert, tile_start, max_tiles = tk._RowTiles(offsets, S)(block_m)
+    sorted_slot = torch.randperm(S, generator=gen).to(offsets.device)
+    row_tiles = tk._RowTiles(offsets, S, sorted_slot)
+    tile_expert, tile_start, max_tiles = row_tiles(block_m)
+    pos = row_tiles.positions()
+    assert torch.equal(sorted_slot[pos], torch.arange(S, device=offsets.device))
+    row_tiles(block_m // 2)  # another map: pos is written once
+    assert row_tiles.positions() is pos and torch.equal(sorted_slot[pos], torch.arange(S, device=offsets.device))
     tiles = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
     assert max_tiles == max(1, min(-(-S // block_m) + E, S))

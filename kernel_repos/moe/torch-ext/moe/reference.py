@@ -40,12 +40,14 @@ def route(top_k_index: torch.Tensor, num_experts: int):
     `expert_offsets[e]:expert_offsets[e + 1]`. Slots with an index outside [0, E) fall outside every range
     (negative ones sort first, `E` and above last) and contribute nothing.
     """
-    # 16-bit keys: the radix sort takes 2 passes instead of 8 for int64; the clamp keeps every id on its side of
-    # [0, E), so the order and the offsets are those of the original ids
-    keys = top_k_index.reshape(-1).clamp(-1, num_experts).to(torch.int16 if num_experts < 2 ** 15 else torch.int32)
-    sorted_ids, sorted_slot = torch.sort(keys, stable=True)
-    bounds = torch.arange(num_experts + 1, device=keys.device, dtype=sorted_ids.dtype)
-    expert_offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    # narrow keys: the radix sort takes one pass per key byte (8 for int64). key = id + 1, the id clamped to
+    # [-1, E], keeps every id on its side of [0, E) (so the order and the offsets are those of the original ids)
+    # and fits in 8 bits up to E = 254
+    key_dtype = torch.uint8 if num_experts <= 254 else torch.int16 if num_experts < 2 ** 15 - 1 else torch.int32
+    keys = (top_k_index.reshape(-1).clamp(-1, num_experts) + 1).to(key_dtype)
+    sorted_keys, sorted_slot = torch.sort(keys, stable=True)
+    bounds = torch.arange(1, num_experts + 2, device=keys.device, dtype=key_dtype)  # the key of expert e is e + 1
+    expert_offsets = torch.searchsorted(sorted_keys, bounds, out_int32=True)
     return sorted_slot, expert_offsets
 
 

@@ -449,12 +449,19 @@ def _weight_grad_kernel(
 
 
 @triton.jit
-def _tile_map_kernel(OFFSETS, TILE_EXPERT, TILE_START, E, MAX_TILES, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_J: tl.constexpr):
+def _tile_map_kernel(OFFSETS, TILE_EXPERT, TILE_START, SORTED_SLOT, POS, E, MAX_TILES, S, MAP_PROGRAMS,
+                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr):
     # expert e owns ceil(rows_e / BLOCK_M) row tiles, numbered from TILE_START[e] (exclusive prefix sum), and
     # TILE_START[E] is the tile count (program 0 writes those); TILE_EXPERT[j] = the expert of tile j
     # = #{e : tiles of e end at or before j} (E past the last tile), BLOCK_J slots per program (each program
-    # recomputes the E-long prefix sum: cheaper than a second launch)
+    # recomputes the E-long prefix sum: cheaper than a second launch). Programs past the first MAP_PROGRAMS (if
+    # any) invert the routing's sort instead, BLOCK_P rows each: POS[SORTED_SLOT[r]] = r (saves two launches)
+    if tl.program_id(0) >= MAP_PROGRAMS:
+        rows = (tl.program_id(0) - MAP_PROGRAMS) * BLOCK_P + tl.arange(0, BLOCK_P)
+        r_mask = rows < S
+        slots = tl.load(SORTED_SLOT + rows, mask=r_mask, other=0)
+        tl.store(POS + slots, rows.to(tl.int64), mask=r_mask)
+        return
     es = tl.arange(0, BLOCK_E)
     e_mask = es < E
     lo = tl.load(OFFSETS + es, mask=e_mask, other=0)
@@ -571,12 +578,15 @@ def _config(name: str, t: torch.Tensor, S: int, E: int) -> dict:
     return cfg
 
 
+_POSITIONS_BLOCK = 1024  # sorted rows per program of the sort's inversion in `_tile_map_kernel`
+
+
 class _RowTiles:
     """Row-tile maps of the sorted rows, one per BLOCK_M in use, built on the device by `_tile_map_kernel` (one
-    launch, no host sync)."""
+    launch, no host sync). With sorted_slot, the first map's launch also inverts the sort (`positions`)."""
 
-    def __init__(self, expert_offsets: torch.Tensor, S: int):
-        self.expert_offsets, self.S, self._maps = expert_offsets, S, {}
+    def __init__(self, expert_offsets: torch.Tensor, S: int, sorted_slot: torch.Tensor | None = None):
+        self.expert_offsets, self.S, self.sorted_slot, self._maps, self._pos = expert_offsets, S, sorted_slot, {}, None
 
     def __call__(self, block_m: int):
         if block_m not in self._maps:
@@ -588,11 +598,24 @@ class _RowTiles:
             tile_start = torch.empty(E + 1, dtype=torch.int64, device=offsets.device)  # [E]: the tile count
             block_e = triton.next_power_of_2(E)
             block_j = max(16, min(1024, 16384 // block_e))  # a (BLOCK_J, BLOCK_E) comparison per program
-            _tile_map_kernel[(triton.cdiv(max_tiles, block_j),)](offsets, tile_expert, tile_start, E, max_tiles,
-                                                                 BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_J=block_j,
-                                                                 num_warps=4)
+            map_programs = triton.cdiv(max_tiles, block_j)
+            pos_programs = 0
+            if self.sorted_slot is not None and self._pos is None:
+                self._pos = torch.empty_like(self.sorted_slot)
+                pos_programs = triton.cdiv(self.S, _POSITIONS_BLOCK)
+            _tile_map_kernel[(map_programs + pos_programs,)](
+                offsets, tile_expert, tile_start, self.sorted_slot if pos_programs else tile_expert,
+                self._pos if pos_programs else tile_expert, E, max_tiles, self.S, map_programs, BLOCK_M=block_m,
+                BLOCK_E=block_e, BLOCK_J=block_j, BLOCK_P=_POSITIONS_BLOCK, num_warps=4)
             self._maps[block_m] = (tile_expert, tile_start, max_tiles)
         return self._maps[block_m]
+
+    def positions(self) -> torch.Tensor:
+        """pos (S,) int64: the sorted row of every slot, the inverse of the routing's sort (written by the first
+        map's launch; by `_positions` if no map was built)."""
+        if self._pos is None:
+            self._pos = _positions(self.sorted_slot)
+        return self._pos
 
 
 def _persistent_grid(cfg: dict, n_programs: int, device: torch.device) -> int:
@@ -876,13 +899,13 @@ def moe_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, sorted_
     E, two_i, _ = gate_up_proj.shape
     S = T * K
     dtype = hidden.dtype
-    row_tiles = _RowTiles(expert_offsets, S)
+    row_tiles = _RowTiles(expert_offsets, S, sorted_slot)
     gate_up_out, act = _gate_up_fwd(hidden, gate_up_proj, sorted_slot, K, row_tiles, expert_offsets,
                                     torch.empty((S, two_i), dtype=dtype, device=hidden.device),
                                     torch.empty((S, two_i // 2), dtype=dtype, device=hidden.device))
     y_rows = _rows_gemm("down_fwd", act, down_proj, row_tiles, expert_offsets, torch.empty((S, H), dtype=dtype,
                                                                                        device=hidden.device))
-    pos = _positions(sorted_slot)
+    pos = row_tiles.positions()
     out = _combine(y_rows, pos, top_k_index, top_k_weights, T, H, E, dtype)
     return out, gate_up_out, pos  # act is not kept: the backward recomputes it from gate_up_out
 
