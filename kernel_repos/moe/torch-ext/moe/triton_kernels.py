@@ -508,7 +508,9 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     # gate + 64 up columns per tile and 3 stages (run 16: 96 KB of shared memory, so two CTAs per SM, one's epilogue
     # overlapping the other's main loop) +1.5 % on the fwd phase over 128 + 128 columns and 4 stages (one CTA per
     # SM); 64 columns with 4 stages (one CTA per SM again) -24 %. Run 18: the gate and up halves as one dot of 128
-    # columns (`_gate_up_fwd_tile`): the kernel 1.11x, same tiles and shared memory
+    # columns (`_gate_up_fwd_tile`): the kernel 1.11x, same tiles and shared memory. Run 19: persistent launches with
+    # two programs per SM (128-column tiles, 3 stages, 96 KB each) slower on every row GEMM: down_fwd -11.5 %,
+    # gate_up_bwd_x -10.6 %, down_bwd_g -5.2 %, gate_up_fwd -24 % on their phase (docs/gpu_runs/run19/tune.log)
     "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True,
                         HALF_TILES=True, PERSISTENT=False),
     "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
