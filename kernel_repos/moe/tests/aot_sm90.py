@@ -130,7 +130,7 @@ def main():
                      cfg["num_warps"], 1)
     print(f"swiglu_bwd_rows: shared={k.metadata.shared} ok")
     for block_e in (128, 512):  # the row-tile map + the sort's inversion (Qwen3-MoE and the largest expert count)
-        compile_sm90(tk._tile_map_kernel, dict(BLOCK_M=128, BLOCK_E=block_e, BLOCK_J=max(16, 16384 // block_e),
+        compile_sm90(tk._tile_map_kernel, dict(BLOCK_M=128, BLOCK_E=block_e, BLOCK_J=max(16, 4096 // block_e),
                                                BLOCK_P=tk._POSITIONS_BLOCK), 4, 1)
     print("tile_map: ok")
     print("ok")
