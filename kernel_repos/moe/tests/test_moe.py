@@ -197,6 +197,20 @@ def test_route_offsets_and_positions():
     assert torch.equal(slot[tk._positions(slot)], torch.arange(flat.numel()))
 
 
+@pytest.mark.parametrize("E", [1, 254, 255, 300])
+def test_route_key_widths(E):
+    # route sorts 8-bit keys up to E = 254 and 16-bit ones above: either way the stable sort of the raw ids (ids
+    # outside [0, E) included: -1 first, E and above last) and the offsets counted directly
+    from moe import reference
+
+    gen = torch.Generator().manual_seed(E)
+    idx = torch.randint(-1, E + 2, (257, 4), generator=gen)
+    slot, offs = reference.route(idx, E)
+    flat = idx.reshape(-1)
+    assert torch.equal(slot, torch.sort(flat.clamp(-1, E), stable=True).indices)
+    assert offs.dtype == torch.int32 and offs.tolist() == [int((flat < e).sum()) for e in range(E + 1)]
+
+
 def test_skewed_routing_all_tokens_one_expert():
     # K=1, every token to expert 2: one expert gets all rows (several row tiles), the others none
     _check(35, 32, 32, 4, 1, torch.float32, skew=[2])
