@@ -16,7 +16,6 @@ Run 18 compared these against the two-dot kernel of 8b02ee4 (docs/gpu_runs/run18
 first variant; "shipped" is now that one-dot kernel (`triton_kernels._gate_up_fwd`), so the probe sweeps tile
 configs of the same form against it.
 """
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -29,9 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "kernel_repos/moe/torch-ext"))
 sys.path.insert(0, str(ROOT / "kernel_repos/moe/benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_ops import round_robin_ms  # noqa: E402
 from moe import reference, triton_kernels as tk  # noqa: E402
-from probe_moe_ws import check_rows, first_launch  # noqa: E402
+from probe_moe_ws import check_rows, first_launch, probe_args, time_round_robin  # noqa: E402
 from tune_moe import make_inputs  # noqa: E402
 
 
@@ -87,10 +85,7 @@ VARIANTS = [  # label, BLOCK_M, BLOCK_N (intermediate columns: the dot has twice
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("shape", nargs="*", type=int, default=[8192, 128, 8, 2048, 768])
-    p.add_argument("--rounds", type=int, default=40)
-    a = p.parse_args()
+    a = probe_args(40)
     T, E, K, H, I = a.shape
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     dev = torch.device("cpu" if interp else "cuda")
@@ -145,11 +140,7 @@ def main():
         steps[label] = lambda launch=launch: launch(torch.empty_like(gu_ref), torch.empty_like(act_ref))
     if interp:
         return
-    ms = round_robin_ms(steps, a.rounds)
-    flops = 2 * S * 2 * I * H
-    for k_, v_ in ms.items():
-        print(f"  gate_up_fwd {k_:>16}: {v_:.4f} ms  {flops / v_ / 1e9:.0f} TFLOP/s  ({ms['shipped'] / v_:.3f}x)",
-              flush=True)
+    time_round_robin("gate_up_fwd", steps, a.rounds, 2 * S * 2 * I * H, "shipped", width=16)
 
 
 if __name__ == "__main__":

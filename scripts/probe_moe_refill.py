@@ -3,7 +3,6 @@ Exploratory, not uploaded.
 
     python scripts/probe_moe_refill.py [T E K H I] [--rounds 40]
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -15,14 +14,12 @@ sys.path.insert(0, str(ROOT / "kernel_repos/moe/benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_ops import round_robin_ms  # noqa: E402
 from moe import reference, triton_kernels as tk  # noqa: E402
+from probe_moe_ws import probe_args  # noqa: E402
 from tune_moe import make_inputs  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("shape", nargs="*", type=int, default=[8192, 128, 8, 2048, 768])
-    p.add_argument("--rounds", type=int, default=40)
-    a = p.parse_args()
+    a = probe_args(40)
     T, E, K, H, I = a.shape
     x, idx, w, gu, dn, dout = make_inputs(T, E, K, H, I, "cuda", torch.bfloat16)
     S = T * K

@@ -10,7 +10,6 @@ dWgu, dout rows for dWd) comes through a tensor descriptor in (BLOCK_K, BLOCK_M)
 the expert's last row brings the next expert's rows along: B's rows are loaded with a mask there (zeros), so those
 products vanish. B is either expert-sorted rows or read by token (x for dWgu: no gathered copy of x at all).
 """
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -23,9 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "kernel_repos/moe/torch-ext"))
 sys.path.insert(0, str(ROOT / "kernel_repos/moe/benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_ops import round_robin_ms  # noqa: E402
 from moe import reference, triton_kernels as tk  # noqa: E402
-from probe_moe_ws import first_launch  # noqa: E402
+from probe_moe_ws import first_launch, probe_args, time_round_robin  # noqa: E402
 from tune_moe import make_inputs  # noqa: E402
 
 
@@ -65,10 +63,7 @@ VARIANTS = [  # label, BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("shape", nargs="*", type=int, default=[8192, 128, 8, 2048, 768])
-    p.add_argument("--rounds", type=int, default=30)
-    a = p.parse_args()
+    a = probe_args(30)
     T, E, K, H, I = a.shape
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     dev = torch.device("cpu" if interp else "cuda")
@@ -129,12 +124,7 @@ def main():
                 steps[full] = lambda launch=launch: launch(torch.empty_like(like))
         if interp:
             continue
-        ms = round_robin_ms(steps, a.rounds)
-        flops = 2 * S * Md * Nd
-        base = ms["cutlass"]
-        for k_, v_ in ms.items():
-            print(f"  {name} {k_:>24}: {v_:.4f} ms  {flops / v_ / 1e9:.0f} TFLOP/s  ({base / v_:.3f}x cutlass)",
-                  flush=True)
+        time_round_robin(name, steps, a.rounds, 2 * S * Md * Nd, "cutlass", width=24, base_label=" cutlass")
 
 
 if __name__ == "__main__":

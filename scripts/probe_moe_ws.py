@@ -123,6 +123,23 @@ def first_launch(label, launch):
         return False, None
 
 
+def probe_args(rounds: int):
+    """The probes' command line: the shape T E K H I (Qwen3-30B-A3B by default) and --rounds of round-robin timing."""
+    p = argparse.ArgumentParser()
+    p.add_argument("shape", nargs="*", type=int, default=[8192, 128, 8, 2048, 768])
+    p.add_argument("--rounds", type=int, default=rounds)
+    return p.parse_args()
+
+
+def time_round_robin(name, steps, rounds, flops, base, width=20, base_label=""):
+    """Times steps round-robin (`bench_ops.round_robin_ms`) and prints each one's ms, TFLOP/s and speed relative to
+    steps[base]."""
+    ms = round_robin_ms(steps, rounds)
+    for label, v in ms.items():
+        print(f"  {name} {label:>{width}}: {v:.4f} ms  {flops / v / 1e9:.0f} TFLOP/s  ({ms[base] / v:.3f}x{base_label})",
+              flush=True)
+
+
 def check_rows(label, out, ref, lo, hi):
     """Prints whether rows lo:hi of out are bitwise those of ref, how many hold NaN, and the largest difference."""
     o, r = out[lo:hi], ref[lo:hi]
@@ -147,10 +164,7 @@ GATE_UP_VARIANTS = [  # label, WS, STORE, BLOCK_N, num_stages, num_warps, persis
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("shape", nargs="*", type=int, default=[8192, 128, 8, 2048, 768])
-    p.add_argument("--rounds", type=int, default=40)
-    a = p.parse_args()
+    a = probe_args(40)
     T, E, K, H, I = a.shape
     dev, dt = torch.device("cuda"), torch.bfloat16
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
@@ -195,11 +209,7 @@ def main():
                 continue
             check_rows(f"{name} {label} (warps {k.metadata.num_warps}, shared {k.metadata.shared})", out, ref_out, lo, hi)
             steps[label] = launch
-        ms = round_robin_ms(steps, a.rounds)
-        flops = 2 * S * N * Kd
-        for k_, v_ in ms.items():
-            print(f"  {name} {k_:>20}: {v_:.4f} ms  {flops / v_ / 1e9:.0f} TFLOP/s  ({ms['shipped'] / v_:.3f}x)",
-                  flush=True)
+        time_round_robin(name, steps, a.rounds, 2 * S * N * Kd, "shipped")
 
     # gate_up forward: x rows gathered first + a TMA row GEMM with the SwiGLU epilogue, vs the shipped gathered kernel
     gu_ref = torch.full((S, 2 * I), float("nan"), device=dev, dtype=dt)
@@ -235,11 +245,7 @@ def main():
         check_rows(f"gate_up_fwd {label} act", act, act_ref, lo, hi)
         steps[f"gather+{label}"] = launch
         steps[f"{label} only"] = lambda launch=launch: launch(gather=False)
-    ms = round_robin_ms(steps, a.rounds)
-    flops = 2 * S * 2 * I * H
-    for k_, v_ in ms.items():
-        print(f"  gate_up_fwd {k_:>38}: {v_:.4f} ms  {flops / v_ / 1e9:.0f} TFLOP/s  ({ms['shipped'] / v_:.3f}x)",
-              flush=True)
+    time_round_robin("gate_up_fwd", steps, a.rounds, 2 * S * 2 * I * H, "shipped", width=38)
 
 
 if __name__ == "__main__":
