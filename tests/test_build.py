@@ -1,5 +1,6 @@
 """scripts/build.py: variants, metadata, unique ids and namespaces, and clear failures."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -106,3 +107,62 @@ def test_cli_exit_codes():
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run([sys.executable, "scripts/build.py", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown kernel repo" in bad.stderr
+
+
+def test_shared_modules_are_vendored_into_every_package():
+    """One source per shared module (kernel_repos/_shared), copied into every op package and every vendored
+    sub-package of every build; no package carries a copy of its own."""
+    build("rotary", "hubfuse")
+    shared = sorted(build_tool.SHARED.glob("*.py"))
+    assert {p.name for p in shared} >= {"_ops.py", "_device.py", "_launch.py"}
+    for repo in build_tool.discover_repos().values():
+        src = next((repo / "torch-ext").iterdir())
+        assert not [p.name for p in shared if (src / p.name).exists()], src
+    for pkg in (ROOT / "kernel_repos/rotary/build/torch-cuda", ROOT / "kernel_repos/rotary/build/torch-cuda/_rmsnorm",
+                ROOT / "build/torch-cpu/moe"):
+        for p in shared:
+            if p.name != "_ops.py":  # generated per variant
+                assert (pkg / p.name).read_bytes() == p.read_bytes(), pkg / p.name
+
+
+def test_tree_has_no_symlinks():
+    tracked = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert not [line for line in tracked.splitlines() if line.startswith("120000")]
+
+
+def test_rejects_package_file_clashing_with_a_shared_module(tmp_path):
+    repo = _copy_repo(tmp_path)
+    (repo / "torch-ext/rmsnorm/_device.py").write_text("def use_triton(t):\n    return False\n")
+    with pytest.raises(build_tool.BuildError, match="clashes with the shared module"):
+        build_tool.build_repo(repo)
+
+
+_SELF_CONTAINED = """
+import sys
+from pathlib import Path
+root, variant = Path(sys.argv[1]), Path(sys.argv[2])
+sys.path[:] = [p for p in sys.path if p and not Path(p).resolve().is_relative_to(root)]
+before = set(sys.modules)
+import kernels
+module = kernels.get_local_kernel(variant)
+assert hasattr(module, "layers"), "no layers"
+for name in set(sys.modules) - before:
+    path = getattr(sys.modules[name], "__file__", None) or ""
+    if Path(path).resolve().is_relative_to(root):
+        assert Path(path).resolve().is_relative_to(variant.resolve()), (name, path)
+assert not [n for n in sys.modules if n.split(".")[0] in ("rmsnorm", "rotary", "swiglu", "moe", "cross_entropy",
+                                                          "load_balancing_loss", "hubfuse")], "imported a source package"
+print("ok", module.__name__)
+"""
+
+
+@pytest.mark.parametrize("name", sorted(build_tool.discover_repos()))
+def test_every_built_variant_imports_on_its_own(name, tmp_path):
+    """Each variant loads by itself: no parent package, the source tree off sys.path, and every module it
+    imports from this repository comes from inside the variant."""
+    build(name)
+    for variant in sorted((repo_dir(name) / "build").glob("torch-*")):
+        proc = subprocess.run([sys.executable, "-c", _SELF_CONTAINED, str(ROOT), str(variant)], cwd=tmp_path,
+                              capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                                   if k != "PYTHONPATH"})
+        assert proc.returncode == 0 and proc.stdout.startswith("ok"), (variant, proc.stderr[-2000:])

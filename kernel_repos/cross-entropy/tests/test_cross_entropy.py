@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import cross_entropy
 from cross_entropy import cross_entropy as fused_ce
 from cross_entropy import linear_cross_entropy
-from cross_entropy.ops import _use_triton
+from cross_entropy._device import use_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -81,7 +81,7 @@ OPTION_SETS = [
 
 def test_kernel_path_is_exercised():
     # on CPU the tests must run the Triton kernel (interpreter), not the torch twin
-    assert _use_triton(torch.empty(1, device=DEV))
+    assert use_triton(torch.empty(1, device=DEV))
 
 
 @pytest.mark.parametrize("opts", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
@@ -403,7 +403,7 @@ def test_backward_scale_by_upstream_grad(kernel_config, g, skip):
 
 
 def test_scale_unless_one_kernel():
-    if not _use_triton(torch.empty(1, device=DEV)):
+    if not use_triton(torch.empty(1, device=DEV)):
         pytest.skip("Triton path not active")
     from cross_entropy.triton_kernels import scale_unless_one_
 

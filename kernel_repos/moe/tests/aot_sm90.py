@@ -1,19 +1,18 @@
 """Compile every MoE Triton kernel for sm_90 (H100/H200) with the shipped GPU configs, without a GPU.
 
-Run as a script with TRITON_INTERPRET unset (tests/test_moe.py does it in a subprocess). Checks that each
+Run as a script with TRITON_INTERPRET unset and the staged `moe` package importable (tests/test_moe.py does it
+in a subprocess). Checks that each
 kernel lowers to wgmma (Hopper tensor cores) with cp.async pipelining and fits in shared memory; prints
 one line per kernel. Exits non-zero on the first failure.
 """
 import re
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from moe import triton_kernels as tk  # noqa: E402
+from moe import triton_kernels as tk
 
 INTS = {"H", "I", "E", "T", "K", "TOP_K", "TWO_I", "TILES_N", "S", "M", "N", "MAX_TILES", "MAP_PROGRAMS"}
 PTR_TYPES = {"SORTED_SLOT": "*i64", "TILE_EXPERT": "*i64", "TILE_START": "*i64", "OFFSETS": "*i32", "POS": "*i64",

@@ -14,11 +14,11 @@ Both are `torch.library.custom_op`s under this build's namespace with fake imple
 on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch twin (`reference.ce_rows_reference`)
 otherwise. Deterministic: no atomics; every reduction has a fixed order.
 """
-import os
 from typing import Optional
 
 import torch
 
+from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from .reference import REDUCTIONS, ce_rows_reference
 
@@ -42,14 +42,8 @@ CHUNK_ALIGN = 256
 KERNEL_CONFIG = dict(vector_lse=False, block_v=0, num_warps=0, label_check="sync", skip_unit_scale=True)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    if t.device.type in ("cuda", "xpu"):
-        return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _ce_rows(logits, labels, scale, ignore_index, label_smoothing, z_loss_weight, softcap, compute_grad):
-    if _use_triton(logits):
+    if use_triton(logits):
         from .triton_kernels import ce_rows
 
         cfg = KERNEL_CONFIG
@@ -234,7 +228,7 @@ def _scale_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     # the gradients were built for an upstream gradient of 1: scale them in place (no second dW buffer).
     # On the Triton path a kernel does it that skips the work on the device when g == 1 (the usual case:
     # loss.backward()), which saves reading and writing dW (2 x 1.2 GB at V=151936, H=4096) without a sync.
-    if KERNEL_CONFIG["skip_unit_scale"] and _use_triton(t) and t.is_contiguous() and g.numel() == 1:
+    if KERNEL_CONFIG["skip_unit_scale"] and use_triton(t) and t.is_contiguous() and g.numel() == 1:
         _scale_unless_one_op(t, g.detach().reshape(1))
         return t
     return t.mul_(g.to(t.dtype))
@@ -243,7 +237,7 @@ def _scale_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op(add_op_namespace_prefix("scale_unless_one_"), mutates_args=("t",))
 def _scale_unless_one_op(t: torch.Tensor, g: torch.Tensor) -> None:
     """t *= g[0] in place; a no-op decided on the device when g[0] == 1 (an opaque op for torch.compile)."""
-    if _use_triton(t):
+    if use_triton(t):
         from .triton_kernels import scale_unless_one_
 
         scale_unless_one_(t, g)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import sm_count
+
 
 @triton.jit
 def _tanh(u):
@@ -189,10 +191,7 @@ def scale_unless_one_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return x
     block = 4096 if x.device.type != "cpu" else 1024
-    if x.device.type == "cuda":
-        programs = torch.cuda.get_device_properties(x.device).multi_processor_count * 8
-    else:
-        programs = 4
+    programs = sm_count(x.device) * 8 if x.device.type == "cuda" else 4
     grid = (max(1, min(programs, triton.cdiv(n, block))),)
     _scale_unless_one_kernel[grid](x, g.reshape(1).to(torch.float32), n, BLOCK=block,
                                    num_warps=8 if block >= 4096 else 4)

@@ -7,11 +7,11 @@ costs far less Python per call than the custom-op dispatcher (with 48 layer tens
 times the kernels' own time). Both dispatch on the tensor's device at run time: Triton on CUDA/ROCm/XPU
 (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
 """
-import os
 from typing import List, Optional, Sequence, Union
 
 import torch
 
+from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from .reference import (
     MAX_EXPERTS,
@@ -24,16 +24,10 @@ from .reference import (
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    if t.device.type in ("cuda", "xpu"):
-        return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # ---------------------------------------------------------------- load-balancing loss
 
 def _lbl_fwd_impl(gate_logits, mask, num_experts, top_k, layers=None):
-    if _use_triton(gate_logits[0]):
+    if use_triton(gate_logits[0]):
         from .triton_kernels import load_balancing_loss_fwd
 
         return load_balancing_loss_fwd(gate_logits, mask, top_k, layers)
@@ -41,7 +35,7 @@ def _lbl_fwd_impl(gate_logits, mask, num_experts, top_k, layers=None):
 
 
 def _lbl_bwd_impl(grad_loss, gate_logits, mask, dloss_dprobsum, layers=None):
-    if _use_triton(gate_logits[0]):
+    if use_triton(gate_logits[0]):
         from .triton_kernels import load_balancing_loss_bwd
 
         return load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss_dprobsum, layers)
@@ -99,7 +93,7 @@ class _load_balancing_loss_fwd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mask, num_experts, top_k, *gate_logits):
         layers = None
-        if _use_triton(gate_logits[0]):
+        if use_triton(gate_logits[0]):
             from .triton_kernels import layer_table
 
             layers = layer_table(gate_logits)
@@ -207,7 +201,7 @@ def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_m
 # ---------------------------------------------------------------- softmax + top-k router
 
 def _router_fwd_impl(router_logits, top_k, normalize):
-    if _use_triton(router_logits):
+    if use_triton(router_logits):
         from .triton_kernels import softmax_topk_fwd
 
         return softmax_topk_fwd(router_logits, top_k, normalize)
@@ -215,7 +209,7 @@ def _router_fwd_impl(router_logits, top_k, normalize):
 
 
 def _router_bwd_impl(d_scores, router_logits, stats, indices, normalize):
-    if _use_triton(router_logits):
+    if use_triton(router_logits):
         from .triton_kernels import softmax_topk_bwd
 
         return softmax_topk_bwd(d_scores, router_logits, stats, indices, normalize)

@@ -7,10 +7,10 @@ dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on C
 `TRITON_INTERPRET=1`), the torch reference otherwise. Routing (sort by expert) runs on the device with no
 host sync, so the CUDA path is graph-capturable.
 """
-import os
 
 import torch
 
+from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from .reference import moe_bwd_reference, moe_fwd_reference, route
 
@@ -19,16 +19,10 @@ MAX_TOP_K = 16
 MAX_SLOTS = 2**31 - 1  # tokens x top_k
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    if t.device.type in ("cuda", "xpu"):
-        return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _experts_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
     """Returns (out, gate_up_out, sorted_slot, expert_offsets, pos); the last four are saved for backward (the
     activation is recomputed there from gate_up_out; pos[slot] = the slot's row in expert-sorted order)."""
-    if _use_triton(hidden):
+    if use_triton(hidden):
         from .triton_kernels import moe_fwd
 
         sorted_slot, expert_offsets = route(top_k_index, gate_up_proj.shape[0])
@@ -46,7 +40,7 @@ def _experts_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_pr
     output: one (T*K, 2I) buffer less at the backward's peak."""
     args = (dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
             expert_offsets, pos)
-    if _use_triton(hidden):
+    if use_triton(hidden):
         from .triton_kernels import moe_bwd
 
         return moe_bwd(*args, reuse_gate_up_out=True)
@@ -135,7 +129,7 @@ class _MoeExpertsFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         hidden, gate_up_out = saved[0], saved[5]
         dhidden, dweights, dgate_up, ddown = _experts_bwd(dout.to(hidden.dtype).contiguous(), *saved)
-        if _use_triton(hidden):  # gate_up_out now holds its grad: a second backward must fail, as with the custom op
+        if use_triton(hidden):  # gate_up_out now holds its grad: a second backward must fail, as with the custom op
             torch.autograd.graph.increment_version(gate_up_out)
         return dhidden, None, dweights, dgate_up, ddown
 

@@ -19,11 +19,11 @@ Backward: g_act = (dout @ Wd) with the routing-weight grad and the SwiGLU backwa
 All products accumulate in fp32; operands are the input dtype (bf16/fp16 tensor cores, fp32 in IEEE).
 This module imports triton: import it lazily.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from ._device import capability, sm_count
 
 
 @triton.jit
@@ -631,22 +631,7 @@ def _persistent_grid(cfg: dict, n_programs: int, device: torch.device) -> int:
         return n_programs
     if device.type == "cpu":  # interpreter: a few programs, so that each loops over several tiles
         return min(n_programs, 3)
-    return min(n_programs, _sm_count(_cuda_index(device)))
-
-
-def _cuda_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _cc_major(device_index: int) -> int:
-    """The CUDA device's compute capability major (cached: asked for every operand of every launch)."""
-    return torch.cuda.get_device_capability(device_index)[0]
+    return min(n_programs, sm_count(device))
 
 
 def _launch_opts(cfg: dict) -> dict:
@@ -661,7 +646,7 @@ def _tma_ok(w: torch.Tensor, tile_in_expert: bool) -> bool:
     if w.device.type == "cpu":
         return True
     return (w.device.type == "cuda" and torch.version.cuda is not None
-            and _cc_major(_cuda_index(w.device)) >= 9)
+            and capability(w.device)[0] >= 9)
 
 
 def _weight_operand(w: torch.Tensor, cfg: dict, block_shape: list, tile_in_expert: bool):
@@ -756,7 +741,7 @@ def _grouped_mm_applies(t: torch.Tensor, H: int, inter: int, E: int) -> bool:
         return False
     if t.device.type != "cuda" or torch.version.cuda is None:
         return False
-    return _cc_major(_cuda_index(t.device)) in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
+    return capability(t.device)[0] in (9, 10) and H % 8 == 0 and inter % 8 == 0 and E + 1 < 1024
 
 
 BACKWARD_IMPLS = ("triton", "grouped_mm", "grouped_mm_lean", "grouped_mm_wgrad")

@@ -7,23 +7,17 @@ through a plain `autograd.Function`, which costs far less Python per call than t
 (the ops are small enough for that overhead to show). Both dispatch on the tensor's device at run time:
 Triton on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
 """
-import os
 from typing import Optional
 
 import torch
 
+from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from .reference import GATED, STANDARD, ZERO_CENTERED, rms_norm_bwd_reference, rms_norm_fwd_reference
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    if t.device.type in ("cuda", "xpu"):
-        return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _fwd_impl(x, weight, gate, eps, mode):
-    if _use_triton(x):
+    if use_triton(x):
         from .triton_kernels import rms_norm_fwd
 
         return rms_norm_fwd(x, weight, gate, eps, mode, _out_dtype(x, weight, mode))
@@ -32,7 +26,7 @@ def _fwd_impl(x, weight, gate, eps, mode):
 
 
 def _bwd_impl(dy, x, weight, gate, rstd, mode):
-    if _use_triton(x):
+    if use_triton(x):
         from .triton_kernels import rms_norm_bwd
 
         return rms_norm_bwd(dy, x, weight, gate, rstd, mode)

@@ -4,12 +4,11 @@ One kernel per direction, specialised by MODE. All arithmetic is fp32 (loads are
 down); the casts that HF performs between steps are reproduced so the output matches eager bit for bit
 in the common cases. This module imports triton: import it lazily.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ._device import sm_count
 from .reference import GATED
 
 MAX_HIDDEN = 65536
@@ -101,11 +100,6 @@ def _fwd_config(n_cols: int):
     return block_m, block_n, num_warps
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _bwd_config(n_cols: int, device: torch.device):
     """(BLOCK_M, BLOCK_N, num_warps, max programs): 2 programs per SM, each looping over a slab of rows in
     tiles of ~16K elements (measured on H200: 4 x 4096 rows per iteration beats 1 row; short rows need
@@ -113,7 +107,7 @@ def _bwd_config(n_cols: int, device: torch.device):
     block_n = triton.next_power_of_2(n_cols)
     block_m = max(1, min(128, 16384 // block_n))
     num_warps = 16 if block_m * block_n >= 8192 else 8
-    programs = _sm_count(device.index or 0) * 2 if device.type == "cuda" else 4
+    programs = sm_count(device) * 2
     return block_m, block_n, num_warps, programs
 
 

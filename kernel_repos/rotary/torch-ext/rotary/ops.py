@@ -10,10 +10,10 @@ full RoPE keeps the input's layout (`q * cos` does), partial RoPE is contiguous 
 Input grads take the input's layout (as `torch.empty_like` lays it out): a grad laid out otherwise is copied
 again by autograd (AccumulateGrad into a transposed leaf, `view`'s backward of a transposed projection).
 """
-import os
 
 import torch
 
+from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from .reference import (
     NONE, STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_bwd_reference, qk_norm_rope_hf,
@@ -21,12 +21,6 @@ from .reference import (
 )
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    if t.device.type in ("cuda", "xpu"):
-        return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _canon(t: torch.Tensor, head_pos: int) -> torch.Tensor:
@@ -62,7 +56,7 @@ def _rope_out(x: torch.Tensor, dtype: torch.dtype, full: bool) -> torch.Tensor:
 
 def _rope_into(q, k, cos, sin, head_pos, q_out, k_out) -> None:
     """RoPE of q and k written into q_out / k_out: Triton where it runs, else HF's torch expression."""
-    if _use_triton(q):
+    if use_triton(q):
         from .triton_kernels import qk_rope_fwd
 
         qk_rope_fwd(_canon(q, head_pos), _canon(k, head_pos), cos, sin, _canon(q_out, head_pos),
@@ -112,7 +106,7 @@ def _rope_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dk) in the layouts `q_order` / `k_order` of the forward's inputs."""
     dq, dk = _empty_in_order(dq_out, q_order, dq_out.dtype), _empty_in_order(dk_out, k_order, dk_out.dtype)
-    if _use_triton(dq_out):
+    if use_triton(dq_out):
         from .triton_kernels import qk_rope_bwd
 
         qk_rope_bwd(_canon(dq_out, head_pos), _canon(dk_out, head_pos), cos, sin, _canon(dq, head_pos),
@@ -237,7 +231,7 @@ def _no_heads(x: torch.Tensor, head_pos: int) -> torch.Tensor:
 
 @torch.library.custom_op(add_op_namespace_prefix("rope_fwd_"), mutates_args=("x",))
 def _rope_fwd_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int) -> None:
-    if _use_triton(x):
+    if use_triton(x):
         from .triton_kernels import qk_rope_fwd
 
         xc = _canon(x, head_pos)
@@ -305,7 +299,7 @@ def _norm_rope_out(x, dtype, full):
 def _qk_norm_rope_into(q, k, q_weight, k_weight, cos, sin, eps, mode, norm_dtype, q_out, k_out) -> None:
     """The fused q/k norm + RoPE forward into preallocated (B, H, S, D) outputs: Triton on GPU / interpreter,
     else the HF-exact torch path. q, k: the (B, S, H, D) projections."""
-    if _use_triton(q):
+    if use_triton(q):
         from .triton_kernels import qk_rope_fwd
 
         qk_rope_fwd(q.transpose(1, 2), k.transpose(1, 2), cos, sin, q_out, k_out, q_weight, k_weight, eps, mode,
@@ -340,7 +334,7 @@ def _qk_norm_rope_bwd(
     dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_triton(q):
+    if use_triton(q):
         from .triton_kernels import qk_rope_bwd
 
         dq, dk = torch.empty_like(q), torch.empty_like(k)  # q's layout when q is dense

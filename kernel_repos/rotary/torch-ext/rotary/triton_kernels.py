@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import sm_count
 from .reference import NONE, STANDARD
 
 
@@ -703,7 +704,7 @@ def qk_rope_fwd(q, k, cos, sin, q_out, k_out, q_weight=None, k_weight=None, eps=
 def _num_programs(device: torch.device) -> int:
     per_sm = CONFIG["norm_bwd"]["programs_per_sm"]
     if device.type == "cuda" and per_sm > 0:
-        return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+        return sm_count(device) * per_sm
     return per_sm and 4  # the interpreter: a few programs, so that each loops over several tiles
 
 

@@ -14,12 +14,12 @@ implementations and autograd, so `torch.compile(fullgraph=True)` sees one opaque
 Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on CPU under
 `TRITON_INTERPRET=1`), the torch reference otherwise.
 """
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from ._rmsnorm.ops import rms_norm
 from .reference import swiglu_bwd_reference, swiglu_fwd_reference
@@ -27,16 +27,10 @@ from .reference import swiglu_bwd_reference, swiglu_fwd_reference
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    if t.device.type in ("cuda", "xpu"):
-        return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # ---------------------------------------------------------------- activation alone
 @torch.library.custom_op(add_op_namespace_prefix("swiglu_fwd"), mutates_args=())
 def _swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
-    if _use_triton(gate_up):
+    if use_triton(gate_up):
         from .triton_kernels import swiglu_fwd
 
         return swiglu_fwd(gate_up)
@@ -50,7 +44,7 @@ def _(gate_up):
 
 @torch.library.custom_op(add_op_namespace_prefix("swiglu_bwd"), mutates_args=())
 def _swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    if _use_triton(gate_up):
+    if use_triton(gate_up):
         from .triton_kernels import swiglu_bwd
 
         dgate_up = torch.empty_like(gate_up)
@@ -96,7 +90,7 @@ def _swiglu_down_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (d down_weight, d down_bias or an empty tensor); overwrites `gate_up` with `dgate_up`."""
     dh = dout @ down_weight  # [M, I]
-    if _use_triton(gate_up):
+    if use_triton(gate_up):
         from .triton_kernels import swiglu_bwd
 
         swiglu_bwd(dh, gate_up, gate_up, h=dh)  # in place: dgate_up over gate_up, recomputed h over dh

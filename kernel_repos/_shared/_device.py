@@ -1,0 +1,40 @@
+"""Where an op runs, decided from the tensor at call time (one source, vendored into every kernel repo).
+
+Triton on CUDA / ROCm / XPU, and on CPU when `TRITON_INTERPRET=1` (how the CPU tests run the kernels); the
+torch reference path everywhere else. The environment is read on every call so that a test can switch paths.
+"""
+import functools
+import os
+
+import torch
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    device_type = t.device.type
+    if device_type == "cuda" or device_type == "xpu":
+        return True
+    return device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 4 elsewhere (the interpreter, tests)."""
+    return _sm_count(cuda_index(device)) if device.type == "cuda" else 4
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device (cached); (0, 0) elsewhere."""
+    return _capability(cuda_index(device)) if device.type == "cuda" else (0, 0)

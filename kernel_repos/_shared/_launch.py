@@ -1,0 +1,122 @@
+"""Triton launches with little host work (one source, vendored into every kernel repo; imports triton).
+
+`launch(kernel, grid, *args, **kwargs)` does what `kernel[grid](*args, **kwargs)` does. Triton's own launch
+re-binds the arguments, re-derives the specialisation and its cache key and looks up the driver's device and
+stream on every call. Here the first launch of each specialisation goes through Triton (which compiles or finds
+the kernel and returns it); later launches with the same specialisation call that compiled kernel's launcher
+directly, with the argument list Triton would have passed.
+
+The cache key holds everything Triton specialises a compiled kernel on: per tensor its dtype and whether its
+address is 16-byte aligned; per integer whether it is 1, whether it is a multiple of 16 and whether it fits in
+32 bits; the constexpr values; the launch options (num_warps, num_stages, ...); the current device. Keying on
+more than Triton does only costs an extra lookup through Triton's path. Anything else (tensor descriptors,
+launch hooks such as a profiler's, ROCm, the interpreter) takes Triton's own path, as does a Triton whose
+compiled kernels do not take this launch signature (checked once).
+"""
+import torch
+import triton
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_MISSING = object()
+_ATTR = "_hubfuse_launch_state"
+_fast_path = torch.version.cuda is not None and getattr(torch.version, "hip", None) is None
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+class _LaunchState:
+    """Per-kernel parameter layout (names, constexpr flags, defaults) and the compiled-kernel cache."""
+
+    __slots__ = ("names", "constexpr", "defaults", "position", "compiled")
+
+    def __init__(self, kernel):
+        params = kernel.params
+        self.names = tuple(p.name for p in params)
+        self.constexpr = tuple(bool(p.is_constexpr) for p in params)
+        self.defaults = tuple(p.default if p.has_default else _MISSING for p in params)
+        self.position = {name: i for i, name in enumerate(self.names)}
+        self.compiled = {}
+
+    def bind(self, args, kwargs):
+        """(every parameter's value in signature order, the launch options as a sorted tuple)."""
+        if len(args) == len(self.names) and not kwargs:
+            return args, ()
+        values = list(args) + [_MISSING] * (len(self.names) - len(args))
+        options = []
+        for name, value in kwargs.items():
+            i = self.position.get(name)
+            if i is None:
+                options.append((name, value))
+            else:
+                values[i] = value
+        for i, value in enumerate(values):
+            if value is _MISSING:
+                if self.defaults[i] is _MISSING:
+                    raise TypeError(f"launch: missing argument {self.names[i]!r}")
+                values[i] = self.defaults[i]
+        options.sort(key=lambda item: item[0])
+        return values, tuple(options)
+
+    def key(self, values, options, device_index):
+        key = [device_index, options]
+        for value, is_constexpr in zip(values, self.constexpr):
+            if is_constexpr:
+                key.append(value)
+            elif isinstance(value, torch.Tensor):
+                key.append((value.dtype, value.data_ptr() % 16 == 0))
+            elif type(value) is int:
+                key.append((value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX))
+            elif type(value) is float:
+                key.append(float)
+            elif value is None or type(value) is bool:
+                key.append(value)
+            else:
+                raise _Unkeyable
+        return tuple(key)
+
+
+def _state(kernel):
+    state = kernel.__dict__.get(_ATTR)
+    if state is None:
+        state = _LaunchState(kernel)
+        setattr(kernel, _ATTR, state)
+    return state
+
+
+def _hooks_set() -> bool:
+    runtime = triton.knobs.runtime
+    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """`kernel[grid](*args, **kwargs)` through the compiled kernel's own launcher once it is known."""
+    global _fast_path
+    if not _fast_path or not isinstance(kernel, triton.runtime.jit.JITFunction) or _hooks_set():
+        return kernel[grid](*args, **kwargs)
+    state = _state(kernel)
+    values, options = state.bind(args, kwargs)
+    device_index = torch.cuda.current_device()
+    try:
+        key = state.key(values, options, device_index)
+    except _Unkeyable:
+        return kernel[grid](*args, **kwargs)
+    compiled = state.compiled.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
+            state.compiled[key] = compiled
+        return compiled
+    if callable(grid):
+        grid = grid(dict(zip(state.names, values), **dict(options)))
+    n = len(grid)
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    try:
+        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, *values)
+    except TypeError:
+        # this Triton's launcher takes other arguments: use Triton's own path from now on
+        _fast_path = False
+        return kernel[grid](*args, **kwargs)
+    return compiled
