@@ -98,7 +98,7 @@ SMOKE_DIMS = {
 EST_SETUP_S = {"eager": 15, "ours": 22, "liger": 20, "compile": 75, "ours_compile": 90}
 EST_BUILD_S = {"qwen3_8b": 10, "qwen3_30b_a3b": 12, "qwen3_5_moe": 18}
 EST_STEP_S = {"qwen3_8b": 0.35, "qwen3_30b_a3b": 0.3, "qwen3_5_moe": 0.8}
-# Liger's fused MoE autotunes for ~3.5 min on its first call (run 9: 235 s for the Qwen3-30B-A3B slice)
+# Liger's fused MoE autotunes for ~3.5 min on its first call (235 s for the Qwen3-30B-A3B slice on an H200)
 TIMEOUT_S = {"eager": 150, "ours": 180, "liger": 300, "compile": 240, "ours_compile": 300}
 
 
@@ -227,7 +227,7 @@ def probe_step(name: str, model, run_model=None, seed: int = 0):
 
 
 def set_moe_backward(model, impl: str) -> None:
-    """GPU_CONFIGS["backward"] of the moe kernel bound to `model` (a variant of its backward, for comparison)."""
+    """TUNING["backward"] of the moe kernel bound to `model` (a variant of its backward, for comparison)."""
     import importlib
 
     pkgs = set()
@@ -241,7 +241,7 @@ def set_moe_backward(model, impl: str) -> None:
         tk = importlib.import_module(pkg + ".triton_kernels")
         if impl not in tk.BACKWARD_IMPLS:
             raise ValueError(f"--moe-backward {impl}: not one of {tk.BACKWARD_IMPLS}")
-        tk.GPU_CONFIGS["backward"] = dict(tk.GPU_CONFIGS["backward"], impl=impl)
+        tk.TUNING["backward"] = dict(tk.TUNING["backward"], impl=impl)
 
 
 def child(args) -> int:
@@ -510,14 +510,14 @@ def main(argv=None) -> int:
                    help="stop launching runs after this many seconds; children are cut to what is left "
                         "(default 510; smoke 300)")
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply the per-run timeouts")
-    p.add_argument("--timeouts", nargs="+", default=[], metavar="CONFIG=S",
+    p.add_argument("--timeouts", nargs="+", default=[], metavar="TUNING=S",
                    help=f"per-config run timeouts in seconds (default {TIMEOUT_S}), e.g. liger=330 (Liger's MoE "
                         f"autotunes for ~3.5 min on its first call)")
     p.add_argument("--out", default=None, help="output dir (default $OUT or ./out)")
     p.add_argument("--append", action="store_true", help="merge into an existing bench_train.json")
     p.add_argument("--model-dir", default=None, help="where the built models go (default: a mktemp dir, removed)")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--moe-backward", help="ours: GPU_CONFIGS['backward'] impl of the moe kernel (default: its own)")
+    p.add_argument("--moe-backward", help="ours: TUNING['backward'] impl of the moe kernel (default: its own)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the runtime estimate, run nothing")
     # internal: child mode
     p.add_argument("--child-configs", nargs="+", help=argparse.SUPPRESS)
@@ -533,7 +533,7 @@ def main(argv=None) -> int:
     for item in args.timeouts:
         c, _, v = item.partition("=")
         if c not in TIMEOUT_S or not v:
-            p.error(f"--timeouts: expected CONFIG=SECONDS with CONFIG in {list(TIMEOUT_S)}, got {item!r}")
+            p.error(f"--timeouts: expected TUNING=SECONDS with TUNING in {list(TIMEOUT_S)}, got {item!r}")
         TIMEOUT_S[c] = float(v)
 
     t_begin = time.time()

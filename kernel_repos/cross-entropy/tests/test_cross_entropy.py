@@ -350,10 +350,10 @@ def test_gpu_bf16_cross_entropy_inplace_real_vocab():
 def kernel_config():
     from cross_entropy import ops
 
-    saved = dict(ops.KERNEL_CONFIG)
-    yield ops.KERNEL_CONFIG
-    ops.KERNEL_CONFIG.clear()
-    ops.KERNEL_CONFIG.update(saved)
+    saved = dict(ops.TUNING)
+    yield ops.TUNING
+    ops.TUNING.clear()
+    ops.TUNING.update(saved)
 
 
 @pytest.mark.parametrize("vector_lse", [False, True])

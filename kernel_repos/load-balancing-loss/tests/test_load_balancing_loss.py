@@ -221,7 +221,7 @@ def test_lbl_launch_configs_agree(monkeypatch, dtype):
     for tile, lanes, warps, programs in ((512, 1, 2, 1), (1024, 4, 4, 7), (256, 32, 1, 1024), (4096, 2, 8, 3)):
         cfg = dict(tile=tile, lanes=lanes, num_warps=warps, programs=programs, num_stages=1)
         for kind in ("fwd", "bwd", "fwd_fp32", "bwd_fp32"):
-            monkeypatch.setitem(triton_kernels.LBL_CONFIG, kind, cfg)
+            monkeypatch.setitem(triton_kernels.TUNING, kind, cfg)
         assert torch.equal(_kernel_counts(zs, E, K, mask).round(), counts), cfg
         loss, grads = run_fused(zs, E, K, mask)
         torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)

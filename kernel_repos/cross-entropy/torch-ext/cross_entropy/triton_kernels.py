@@ -125,7 +125,7 @@ def _ce_rows_kernel(
 # Launch configuration of the row kernel on GPUs. `block_v`/`num_warps` 0 = automatic: 32768-wide blocks
 # with 32 warps for the scalar kernel (few blocks per row, so few block reductions; Liger's choice on
 # Hopper), 8192 with 16 warps for the per-lane kernel (its running max/sum take 2 registers per element
-# of the block). ops.KERNEL_CONFIG feeds these so a benchmark can compare the alternatives.
+# of the block). ops.TUNING feeds these so a benchmark can compare the alternatives.
 # H200, CE from logits 16384 x 151936 bf16 fwd+bwd: scalar LSE 4096 x 8 warps 3.87 ms, 32768 x 32 warps 4.63,
 # vector LSE 4096 x 8 3.97, 8192 x 16 4.02 (Liger 4.44); linear CE: 4096 x 8 also the fastest row kernel.
 GPU_MAX_BLOCK = {False: 4096, True: 8192}

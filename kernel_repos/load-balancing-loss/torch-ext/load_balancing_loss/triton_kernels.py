@@ -35,7 +35,7 @@ _TARGET_PROGRAMS = 1024  # router: ~8 per SM on H100/H200, enough to hide latenc
 # row reduction); programs: grid size aimed at (each program owns whole tiles of one layer and writes one
 # partial row); num_stages > 1 asks Triton to pipeline the row loop (never in the backward: 15x slower on
 # H200). Defaults: the H200 sweep winners at 48 layers x 8192 tokens x 128 experts, top-8.
-LBL_CONFIG = {
+TUNING = {
     "fwd": dict(tile=4096, lanes=4, num_warps=4, programs=528, num_stages=1),
     "bwd": dict(tile=4096, lanes=4, num_warps=4, programs=2112, num_stages=1),
     "fwd_fp32": dict(tile=4096, lanes=4, num_warps=4, programs=1024, num_stages=1),
@@ -46,9 +46,9 @@ LBL_CONFIG = {
 FINALIZE_EXPERTS = 8  # experts per program of the partials' reduction (8 fp32 = one 32-byte sector per row)
 
 
-def lbl_config(kind: str, elem_bytes: int) -> dict:
-    """The `LBL_CONFIG` entry of kernel `kind` ("fwd"/"bwd") for logits of elem_bytes bytes."""
-    return LBL_CONFIG.get(f"{kind}_fp32", LBL_CONFIG[kind]) if elem_bytes == 4 else LBL_CONFIG[kind]
+def tuning(kind: str, elem_bytes: int) -> dict:
+    """The `TUNING` entry of kernel `kind` ("fwd"/"bwd") for logits of elem_bytes bytes."""
+    return TUNING.get(f"{kind}_fp32", TUNING[kind]) if elem_bytes == 4 else TUNING[kind]
 
 
 def _tile(num_experts: int):
@@ -293,7 +293,7 @@ def load_balancing_loss_fwd(gate_logits, mask, top_k: int, layers=None):
     first = gate_logits[0]
     L, (T, E) = len(gate_logits), first.shape
     base, offsets, unit = layers or layer_table(gate_logits)
-    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), lbl_config("fwd", first.element_size()))
+    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), tuning("fwd", first.element_size()))
     num_parts = grid[0] * L
     # per-program partials (counts, prob sums) and their totals in one allocation (no launch: torch.empty);
     # loss and dloss are separate (custom-op outputs may not alias each other)
@@ -322,7 +322,7 @@ def load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss, layers=None):
     first = gate_logits[0]
     L, (T, E) = len(gate_logits), first.shape
     base, offsets, unit = layers or layer_table(gate_logits)
-    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), lbl_config("bwd", first.element_size()))
+    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), tuning("bwd", first.element_size()))
     grads = torch.empty(L, T, E, dtype=first.dtype, device=first.device)
     _lbl_bwd_kernel[grid](
         base, offsets, grads, mask if mask is not None else dloss, dloss, grad_loss, T, rows_per_program,

@@ -115,8 +115,8 @@ moe_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _MoeExpertsFunction(torch.autograd.Function):
     """Eager-mode twin of the custom ops (same implementations, less dispatch overhead: ~0.3 ms of host time per
-    fwd + bwd step on the CI CPU; the op is host-bound below ~2k tokens, docs/benchmarks.md run 17). torch.compile
-    traces the custom ops instead (`moe_experts`)."""
+    fwd + bwd step on the CI CPU; the op is host-bound below ~2k tokens). torch.compile traces the custom ops
+    instead (`moe_experts`)."""
 
     @staticmethod
     def forward(ctx, *inputs):  # hidden, top_k_index, top_k_weights, gate_up_proj, down_proj
