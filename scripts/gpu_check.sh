@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check (device tool), one step per call of this script; several calls share one wheel install.
+#   bash scripts/gpu_check.sh setup                  install the carried wheels, build every repo, print versions
 #   bash scripts/gpu_check.sh tests                  GPU tests: every kernel repo (all shapes on CUDA) and the
 #                                                    gpu-marked model tests, one pytest process each, in parallel
 #   bash scripts/gpu_check.sh ab OLD_TREE [case ...] bitwise A/B: every hubfuse row of bench_ops on fixed inputs,
@@ -27,8 +28,9 @@ fi
 step="${1:-tests}"; shift || true
 python3 scripts/build.py >/dev/null || exit 1
 case "$step" in
+  setup)
+    python3 -c "import torch, triton, transformers, kernels; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'kernels', kernels.__version__)" ;;
   tests)
-    python3 -c "import torch, triton, transformers, kernels; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'kernels', kernels.__version__)"
     logs=$(mktemp -d); pids=(); status=0
     for path in ${TEST_PATHS:-kernel_repos/*/}; do
       timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider "$path" >"$logs/$(basename "$path").log" 2>&1 &
