@@ -132,7 +132,8 @@ def fingerprint(fn, make_inputs) -> dict:
     import hashlib
 
     def digest(t):
-        return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+        raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        return hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()[:16]
 
     torch.manual_seed(0)
     inputs = make_inputs()
