@@ -243,9 +243,8 @@ def load_model(name: str, config: str, path: Path, device: str):
 def make_step(model, config: str, device: str, first_batch: dict):
     """The training step of one configuration: step(batch) -> loss tensor (no host sync inside), and the optimizer.
 
-    ours_graph warms up on a side stream, then captures zero-grad-free fwd + bwd + the capturable fused AdamW
-    step in one CUDA graph (grads are allocated inside the capture, as the PyTorch whole-network recipe does);
-    a step copies the batch into the graph's static inputs and replays it."""
+    ours_graph: `hubfuse.cuda_graphs.capture_train_step` (warm-up on a side stream, then fwd + bwd + the
+    capturable fused AdamW step in one CUDA graph; a step copies the batch in and replays it)."""
     import torch
 
     cuda = device == "cuda"
@@ -267,27 +266,9 @@ def make_step(model, config: str, device: str, first_batch: dict):
 
     if not graph:
         return eager_step, opt
-    static = {k: v.clone() for k, v in first_batch.items()}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # Triton compiles, cuBLAS workspaces, allocator warm-up: before the capture
-        for _ in range(3):
-            eager_step(static)
-    torch.cuda.current_stream().wait_stream(side)
-    captured = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(captured):
-        static_loss = model(**static, use_cache=False).loss
-        static_loss.backward()
-        opt.step()
+    from hubfuse.cuda_graphs import capture_train_step
 
-    def graph_step(batch):
-        for key, value in batch.items():
-            static[key].copy_(value)
-        captured.replay()
-        return static_loss
-
-    return graph_step, opt
+    return capture_train_step(model, opt, first_batch), opt
 
 
 def profile_step(step, batches, device: str) -> dict:

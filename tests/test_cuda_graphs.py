@@ -130,35 +130,35 @@ def test_train_step_has_no_host_sync(family, model_dirs):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_whole_step_cuda_graph_equals_eager(family, model_dirs):
-    torch.manual_seed(0)
+    from hubfuse.cuda_graphs import capture_train_step
+
     eager = _kernelized(model_dirs[family], family)
     graphed = _kernelized(model_dirs[family], family)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True, capturable=True)
     opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3, fused=True, capturable=True)
-    batches = _batches(family, 6)
-    # the same warm-up steps on both (the graph's warm-up runs on a side stream, as the capture recipe wants)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for batch in batches[:2]:
-            opt_g.zero_grad(set_to_none=True)
-            _step(graphed, opt_g, batch)
-    torch.cuda.current_stream().wait_stream(side)
-    for batch in batches[:2]:
+    batches = _batches(family, 5)
+    step = capture_train_step(graphed, opt_g, batches[0], warmup_steps=2)
+    for _ in range(2):  # the capture's warm-up steps, eagerly
         opt_e.zero_grad(set_to_none=True)
-        _step(eager, opt_e, batch)
-    static = {k: v.clone() for k, v in batches[2].items()}
-    graph = torch.cuda.CUDAGraph()
-    opt_g.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        static_loss = _step(graphed, opt_g, static)
-    for batch in batches[2:]:
-        for k, v in batch.items():
-            static[k].copy_(v)
-        graph.replay()
+        _step(eager, opt_e, batches[0])
+    for batch in batches[1:]:
+        graph_loss = step(batch).clone()
         opt_e.zero_grad(set_to_none=True)
         loss = _step(eager, opt_e, batch)
-        torch.testing.assert_close(static_loss, loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graph_loss, loss, atol=1e-5, rtol=1e-5)
         for (name, pe), pg in zip(eager.named_parameters(), graphed.parameters()):
             torch.testing.assert_close(pg.grad, pe.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"grad {name}: {m}")
             torch.testing.assert_close(pg, pe, atol=1e-5, rtol=1e-4, msg=lambda m: f"weight {name}: {m}")
+
+
+def test_captured_step_refuses_what_it_cannot_replay(model_dirs):
+    from hubfuse.cuda_graphs import capture_train_step
+
+    model = _kernelized(model_dirs["qwen3"], "qwen3")
+    batch = _batches("qwen3", 1)[0]
+    with pytest.raises(ValueError, match="capturable"):
+        capture_train_step(model, torch.optim.AdamW(model.parameters(), fused=True), batch)
+    step = capture_train_step(model, torch.optim.AdamW(model.parameters(), fused=True, capturable=True), batch,
+                              warmup_steps=1)
+    with pytest.raises(ValueError, match="shape"):
+        step(_batches("qwen3", 1, seq=16)[0])
