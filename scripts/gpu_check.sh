@@ -18,12 +18,19 @@ export PYTHONUNBUFFERED=1 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 if [ -d .whl ]; then
   if [ ! -f /tmp/site/.hubfuse_wheels ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || exit 1
+    # flash-linear-attention stays out of the common site: with it installed transformers runs FLA's gated delta
+    # rule for Qwen3.5, whose backward refuses triton < 3.7.1 on Hopper; the gated-delta-net bench imports it
+    # from /tmp/site_fla (HUBFUSE_FLA_SITE) as a timing peer
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      $(ls .whl/*.whl | grep -v -e flash_linear_attention -e fla_core) || exit 1
+    if ls .whl/fla_core*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
+        .whl/fla_core*.whl .whl/flash_linear_attention*.whl || exit 1
+    fi
     touch /tmp/site/.hubfuse_wheels
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
   fi
-  export PYTHONPATH="/tmp/site:$PWD/torch-ext${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="/tmp/site:$PWD/torch-ext${PYTHONPATH:+:$PYTHONPATH}" HUBFUSE_FLA_SITE=/tmp/site_fla
 fi
 step="${1:-tests}"; shift || true
 python3 scripts/build.py >/dev/null || exit 1

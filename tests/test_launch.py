@@ -141,12 +141,15 @@ def axpy(X, Y, OUT, n, alpha, BLOCK: tl.constexpr):
 
 
 @pytest.mark.gpu
-def test_cached_launches_compute_what_triton_launches_compute(tmp_path):
+@pytest.mark.parametrize("keying", ["native", "python"])
+def test_cached_launches_compute_what_triton_launches_compute(tmp_path, keying):
     """On a GPU: every specialisation edge (n == 1, n % 16, misaligned views, dtypes) gives torch's result
-    through the cached path, and repeated launches do not go back through Triton."""
+    through the cached path (keyed by Triton's binder or in Python), and repeated launches do not go back
+    through Triton."""
     import triton
 
     lm = _load_launch_module()
+    lm.KEYING = keying
     (tmp_path / "axpy_kernel.py").write_text(_AXPY)
     spec = importlib.util.spec_from_file_location("axpy_kernel", tmp_path / "axpy_kernel.py")
     mod = importlib.util.module_from_spec(spec)
@@ -162,4 +165,4 @@ def test_cached_launches_compute_what_triton_launches_compute(tmp_path):
                     out = torch.full_like(x, float("nan"))
                     lm.launch(mod.axpy, (triton.cdiv(n, 128),), x, y, out, n, 0.5, BLOCK=128)
                     torch.testing.assert_close(out, (0.5 * x.float() + y.float()).to(dtype))
-    assert len(mod.axpy.__dict__[lm._ATTR].compiled) >= 4
+    assert len(mod.axpy.__dict__[lm._ATTR].compiled) >= 4 and lm.KEYING == keying

@@ -429,8 +429,8 @@ _DEVICE_ASSERT_SCRIPT = """
 import sys, torch
 import cross_entropy
 h, w = torch.randn(4, 8, device="cuda"), torch.randn(10, 8, device="cuda")
-loss = cross_entropy.linear_cross_entropy(h, w, torch.tensor([0, 1, {label}, 2], device="cuda"))
-try:
+try:  # the assert fires on the device; the error surfaces at the next CUDA call that checks
+    loss = cross_entropy.linear_cross_entropy(h, w, torch.tensor([0, 1, {label}, 2], device="cuda"))
     torch.cuda.synchronize()
 except RuntimeError as e:
     print("device assert:", str(e).splitlines()[0])

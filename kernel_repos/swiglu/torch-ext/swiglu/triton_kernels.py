@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, next_power_of_2, launch
 
 
 @triton.jit
@@ -72,10 +72,10 @@ def _launch_shape(M: int, I: int, config=None):
     if config is not None:
         block_m, block_n, num_warps = config
     else:
-        block_n = min(triton.next_power_of_2(I), 2048)
+        block_n = min(next_power_of_2(I), 2048)
         block_m = max(1, min(64, 4096 // block_n))
         num_warps = 8 if block_m * block_n >= 4096 else 4
-    grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_n))
+    grid = (cdiv(M, block_m), cdiv(I, block_n))
     return grid, block_m, block_n, num_warps
 
 
