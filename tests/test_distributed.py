@@ -1,0 +1,375 @@
+"""FSDP2, expert parallelism (EP) and both together over preset-kernelized models, on CPU with gloo.
+
+Every scenario trains tiny fp32 models (tests/utils.tiny_config, aux loss coefficient raised to 0.1 so that it
+shows in the gradients) for 3 AdamW steps, each rank on its own micro-batch, with the fused losses and the fused
+aux loss reduced over the world (`aux_loss_group`). The reference is one process running the plain HF eager model
+on the concatenated global batch: its loss must equal the mean of the ranks' losses at every step, and its
+first-step gradients the full (gathered) gradients of the sharded run, within fp32 tolerance.
+
+- 2 processes: FSDP2 alone over Qwen3 / Qwen3-MoE / Qwen3.5-MoE (per-decoder-layer + root, a MixedPrecisionPolicy
+  in fp32); EP alone over Qwen3-MoE (2 of 4 experts per rank, no FSDP: dense gradients averaged by hand).
+- 4 processes: dp2 x ep2 (`moe.shard_experts` on mesh["ep"], `hubfuse.distributed.fully_shard_model` on the
+  2-D mesh) over Qwen3-MoE and Qwen3.5-MoE, then the checkpoint round trip: gather-then-save gives a checkpoint
+  that plain `from_pretrained` loads with the same weights, and a torch.distributed.checkpoint (DCP) save loads
+  back into a freshly sharded model.
+
+One process launch per world size runs all of its scenarios (a module-scoped fixture); each test checks one.
+Workers are `python tests/test_distributed.py --worker` processes; rendezvous through a file store in a temporary
+directory, gloo bound to the loopback interface, every process killed on timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+LR = 1e-2
+ROWS, SEQ = 2, 12  # micro-batch per rank
+AUX_COEF = 0.1
+TOL = dict(atol=2e-5, rtol=2e-5)
+GRAD_TOL = dict(atol=5e-5, rtol=5e-4)
+TIMEOUT_S = 240
+FAMILIES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe_text"}  # preset -> tiny config
+# name -> (family, world size, ep size, fully_shard)
+SCENARIOS = {
+    "fsdp2_qwen3": ("qwen3", 2, 1, True),
+    "fsdp2_qwen3_moe": ("qwen3_moe", 2, 1, True),
+    "fsdp2_qwen3_5_moe": ("qwen3_5_moe", 2, 1, True),
+    "ep_qwen3_moe": ("qwen3_moe", 2, 2, False),
+    "fsdp2_ep_qwen3_moe": ("qwen3_moe", 4, 2, True),
+    "fsdp2_ep_qwen3_5_moe": ("qwen3_5_moe", 4, 2, True),
+}
+CHECKPOINT_SCENARIO = "fsdp2_ep_qwen3_5_moe"  # the round trip runs after it (EP experts + a fused shared expert)
+
+
+def _model_overrides(family: str) -> dict:
+    return dict(output_router_logits=True, router_aux_loss_coef=AUX_COEF) if family != "qwen3" else {}
+
+
+def _batches(vocab_size: int, world: int):
+    """batches[step][rank]: a (ROWS, SEQ) micro-batch per rank; the last step repeats the first."""
+    import torch
+
+    g = torch.Generator().manual_seed(123)
+    out = []
+    for _ in range(STEPS):
+        step = []
+        for _ in range(world):
+            ids = torch.randint(0, vocab_size, (ROWS, SEQ), generator=g)
+            step.append({"input_ids": ids, "labels": ids.clone()})
+        out.append(step)
+    out[-1] = out[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- workers
+
+def _full_grads(model) -> dict:
+    """name -> full gradient (every rank takes part in the gathers; all ranks hold the result)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return grads
+
+
+def _average_grads(model, world: int) -> None:
+    """EP without FSDP: dense gradients averaged over the ranks by hand (what DDP would do); expert gradients are
+    sums over the EP group (moe.expert_parallel), divided by the number of data-parallel ranks."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p.grad, DTensor):
+            p.grad.div_(world)
+        else:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+def _build(family: str, path, world: int, ep: int, fsdp: bool):
+    import torch
+    import torch.distributed as dist
+    from kernels import get_kernel
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from hubfuse import distributed, presets
+    from tests.utils import REVISION, load
+
+    model = load(path, presets.kernel_mapping(family, revision=REVISION)).train()
+    moe_family = family in presets.MOE_FAMILIES
+    presets.enable_losses(model, family, revision=REVISION, aux_loss_group=dist.group.WORLD if moe_family else None)
+    local_rows = []  # experts held by this rank after expert-parallel sharding (before FSDP shards them further)
+    if ep > 1:
+        mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
+        get_kernel("hubfuse/moe", revision=REVISION).shard_experts(model, mesh["ep"])
+        local_rows = [m.gate_up_proj.to_local().shape[0] for name, m in model.named_modules()
+                      if name.endswith("mlp.experts")]
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    if fsdp:
+        distributed.fully_shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                                  reduce_dtype=torch.float32))
+    return model, local_rows
+
+
+def _train(model, batches, rank: int, world: int, fsdp: bool):
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], None
+    for step, micro in enumerate(batches):
+        out = model(**micro[rank])
+        assert out.logits is None  # the fused linear cross-entropy ran
+        out.loss.backward()
+        if not fsdp:
+            _average_grads(model, world)
+        if step == 0:
+            grads = _full_grads(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+    return losses, grads
+
+
+def _facts(model, local_rows) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    bound = sorted({getattr(m.__dict__["forward"], "__func__", m.__dict__["forward"]).__qualname__.split(".")[0]
+                    for name, m in model.named_modules() if name and "forward" in m.__dict__})
+    return {"bound": bound, "sharded": sum(isinstance(p, DTensor) for p in model.parameters()),
+            "params": sum(1 for _ in model.parameters()), "experts_local_rows": local_rows}
+
+
+def _checkpoint_round_trip(model, family: str, path, world: int, ep: int, out_dir: Path, rank: int) -> dict:
+    """Gather-then-save (HF format) and a DCP save/load into a fresh sharded model."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from hubfuse import distributed
+
+    trained = distributed.full_state_dict(model)
+    hf_dir = out_dir / "hf_checkpoint"
+    distributed.save_pretrained(model, hf_dir)
+    dcp_dir = out_dir / "dcp_checkpoint"
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(dcp_dir))
+    fresh, _ = _build(family, path, world, ep, fsdp=True)  # the untrained weights, sharded the same way
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=str(dcp_dir))
+    set_model_state_dict(fresh, state)
+    reloaded = distributed.full_state_dict(fresh)
+    result = {}
+    if rank == 0:
+        torch.save(trained, out_dir / "trained_state.pt")
+        result["dcp_equal"] = sorted(trained) == sorted(reloaded) and all(
+            torch.equal(trained[k], reloaded[k]) for k in trained)
+        result["hf_dir"] = str(hf_dir)
+    dist.barrier()
+    return result
+
+
+def _worker(spec_file: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_file).read_text())
+    rank, world = spec["rank"], spec["world"]
+    out_dir = Path(spec["out_dir"])
+    dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=world)
+    try:
+        for name in spec["scenarios"]:
+            family, _, ep, fsdp = SCENARIOS[name]
+            path = spec["paths"][family]
+            t0 = time.time()
+            batches = torch.load(out_dir / f"batches_{family}.pt")
+            model, local_rows = _build(family, path, world, ep, fsdp)
+            facts = _facts(model, local_rows)
+            losses, grads = _train(model, batches, rank, world, fsdp)
+            result = dict(facts, losses=losses)
+            if name == CHECKPOINT_SCENARIO:
+                result.update(_checkpoint_round_trip(model, family, path, world, ep, out_dir, rank))
+            if rank == 0:
+                torch.save(grads, out_dir / f"{name}_grads.pt")
+            result["seconds"] = round(time.time() - t0, 1)
+            (out_dir / f"{name}_rank{rank}.json").write_text(json.dumps(result))
+            del model
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------- launcher
+
+def _launch(world: int, scenarios: list[str], paths: dict, out_dir: Path) -> None:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "torch-ext"), os.environ.get("PYTHONPATH", "")]))
+    env.setdefault("TRITON_INTERPRET", "1")
+    procs = []
+    for rank in range(world):
+        spec = out_dir / f"spec{rank}.json"
+        spec.write_text(json.dumps(dict(rank=rank, world=world, store=str(out_dir / "store"), scenarios=scenarios,
+                                        paths={k: str(v) for k, v in paths.items()}, out_dir=str(out_dir))))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(spec)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        deadline = time.time() + TIMEOUT_S
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
+            except subprocess.TimeoutExpired:
+                logs.append(f"(timed out after {TIMEOUT_S} s)")
+                break
+    finally:
+        for p in procs:  # only the workers started above
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, p in enumerate(procs):
+        log = logs[rank] if rank < len(logs) else ""
+        assert p.returncode == 0, f"{world}-process run, rank {rank} exited {p.returncode}:\n{log[-6000:]}"
+
+
+def _reference(path, batches, world: int):
+    """Plain HF eager model, one process, the concatenated global batch: losses per step, first-step grads."""
+    import torch
+
+    from tests.utils import load
+
+    model = load(path).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], None
+    for step, micro in enumerate(batches):
+        batch = {k: torch.cat([micro[r][k] for r in range(world)]) for k in micro[0]}
+        loss = model(**batch).loss
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _run_world(world: int, tmp_path_factory):
+    import torch
+
+    from hubfuse import presets
+    from tests.utils import register_local_kernels, save_tiny_model, tiny_config
+
+    names = [n for n, s in SCENARIOS.items() if s[1] == world]
+    families = sorted({SCENARIOS[n][0] for n in names})
+    out_dir = tmp_path_factory.mktemp(f"dist{world}")
+    register_local_kernels(*sorted({r for f in families for r in presets.kernel_repos(f)}))
+    paths = {}
+    for family in families:
+        config_family = FAMILIES[family]
+        paths[family] = save_tiny_model(config_family, out_dir / "models", **_model_overrides(family))
+        vocab = tiny_config(config_family).vocab_size
+        torch.save(_batches(vocab, world), out_dir / f"batches_{family}.pt")
+    t0 = time.time()
+    _launch(world, names, paths, out_dir)
+    print(f"{world} processes, {names}: {time.time() - t0:.1f} s")
+    return out_dir, paths
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _run_world(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _run_world(4, tmp_path_factory)
+
+
+def _results(out_dir: Path, name: str, world: int) -> list[dict]:
+    return [json.loads((out_dir / f"{name}_rank{r}.json").read_text()) for r in range(world)]
+
+
+def _check_against_reference(name: str, run) -> list[dict]:
+    import torch
+
+    from hubfuse import presets
+
+    out_dir, paths = run
+    family, world, ep, fsdp = SCENARIOS[name]
+    results = _results(out_dir, name, world)
+    batches = torch.load(out_dir / f"batches_{family}.pt")
+    want_losses, want_grads = _reference(paths[family], batches, world)
+    got_losses = [sum(r["losses"][s] for r in results) / world for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), **TOL,
+                               msg=lambda m: f"{name}: mean loss over ranks vs one process: {m}")
+    assert want_losses[-1] < want_losses[0] - 1e-3  # same batch as step 1, lower loss: it trained
+    got_grads = torch.load(out_dir / f"{name}_grads.pt")
+    want = presets.eager_to_kernelized(want_grads, got_grads.keys())
+    for key in want:
+        torch.testing.assert_close(got_grads[key], want[key], **GRAD_TOL,
+                                   msg=lambda m: f"{name}: gradient of {key} vs one process: {m}")
+    for r in results:
+        if fsdp:
+            assert r["sharded"] == r["params"] > 0, f"{name}: every parameter should be a DTensor"
+        if ep > 1:
+            n = presets_experts(family)
+            assert r["experts_local_rows"] and all(x == n // ep for x in r["experts_local_rows"]), r
+        if family != "qwen3":
+            assert "GroupedGemmExperts" in r["bound"], r["bound"]
+    return results
+
+
+def presets_experts(family: str) -> int:
+    from tests.utils import tiny_config
+
+    return tiny_config(FAMILIES[family]).num_experts
+
+
+@pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s[1] == 2])
+def test_two_processes(two_ranks, name):
+    _check_against_reference(name, two_ranks)
+
+
+@pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s[1] == 4])
+def test_four_processes_dp2_ep2(four_ranks, name):
+    _check_against_reference(name, four_ranks)
+
+
+def test_checkpoint_round_trip(four_ranks):
+    """The dp2 x ep2 Qwen3.5-MoE after training: its HF checkpoint loads with plain from_pretrained to the same
+    weights (original keys: the fused shared-expert MLP is split back), and its DCP checkpoint loads back."""
+    import torch
+    from safetensors.torch import load_file
+
+    from hubfuse import presets
+    from tests.utils import load
+
+    out_dir, paths = four_ranks
+    family = SCENARIOS[CHECKPOINT_SCENARIO][0]
+    result = _results(out_dir, CHECKPOINT_SCENARIO, 4)[0]
+    assert result["dcp_equal"], "DCP save -> load into a freshly sharded model changed the weights"
+    hf_dir = Path(result["hf_dir"])
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForCausalLM"], config["architectures"]
+    keys = set(load_file(hf_dir / "model.safetensors"))
+    original = set(load_file(Path(paths[family]) / "model.safetensors"))
+    assert keys == original, keys ^ original  # the original architecture's keys (per-expert, gate/up split)
+    trained = torch.load(out_dir / "trained_state.pt")
+    plain = load(hf_dir).state_dict()
+    want = presets.eager_to_kernelized(plain, trained.keys())
+    for key, value in trained.items():
+        assert torch.equal(value, want[key]), f"{family}: {key} differs after save -> plain from_pretrained"
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    _worker(sys.argv[2])
