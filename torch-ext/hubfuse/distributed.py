@@ -60,7 +60,7 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
     flattened mesh); each expert-parallel experts module gets its own `fully_shard` over mesh[dp] (its dim-0
     slices further sharded: 2-D DTensors), with the gradient divide factor dp x ep, because its gradient is a
     sum over the EP group (moe.expert_parallel), reduced as a sum (`set_force_sum_reduction_for_comms`: gloo
-    has no pre-multiplied sum). `mp_policy`, `offload_policy`, `reshard_after_forward` go to every layer's
+    has no pre-multiplied sum) when dp > 1. `mp_policy`, `offload_policy`, `reshard_after_forward` go to every layer's
     `fully_shard` (the root keeps FSDP2's default).
     """
     from torch.distributed.fsdp import fully_shard
@@ -97,9 +97,28 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
         for _, module in _ep_experts(layer):
             fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, **kw)
             module.set_gradient_divide_factor(float(mesh.size()))
-            module.set_force_sum_reduction_for_comms(True)
+            if expert_mesh.size() > 1:
+                # a plain sum, then the division (gloo has no pre-multiplied sum). Not with one rank per expert
+                # (dp 1): torch 2.13's FSDP2 then divides twice (its copy for a 1-rank group and the post-divide)
+                module.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, mesh=dense_mesh, **kw)
+    return model
+
+
+def fix_single_rank_expert_reduction(model: nn.Module) -> nn.Module:
+    """For models sharded by transformers' `from_pretrained(distributed_config=DistributedConfig(fsdp_size=N,
+    ep_size=N))` (5.22.2; every expert on one rank, `efsdp` = 1): transformers wraps each experts module with
+    gradient divide factor N and a forced sum reduction, and torch 2.13's FSDP2 divides twice on a 1-rank group
+    (expert gradients come out N times too small; seen at N = 2 on CPU). This turns the forced sum off where the
+    experts' FSDP group has one rank (then FSDP2 divides once). Returns the model."""
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        p = module._parameters.get("gate_up_proj")
+        if hasattr(module, "set_force_sum_reduction_for_comms") and isinstance(p, DTensor) \
+                and p.device_mesh.ndim == 2 and p.device_mesh.shape[0] == 1:
+            module.set_force_sum_reduction_for_comms(False)
     return model
 
 
@@ -121,4 +140,5 @@ def save_pretrained(model: nn.Module, directory, **kwargs) -> None:
     dist.barrier()
 
 
-__all__ = ["fully_shard_model", "decoder_layers", "full_state_dict", "save_pretrained"]
+__all__ = ["fully_shard_model", "decoder_layers", "fix_single_rank_expert_reduction", "full_state_dict",
+           "save_pretrained"]

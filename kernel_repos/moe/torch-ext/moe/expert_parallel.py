@@ -266,7 +266,8 @@ def _exchange(parts, send_sizes, recv_sizes, group):
         row_bytes += -(-w // _ALIGN) * _ALIGN
     send = torch.empty(n, row_bytes, dtype=torch.uint8, device=dev)
     for p, start, w in zip(parts, starts, widths):
-        send[:, start:start + w] = p.reshape(n, -1).contiguous().view(torch.uint8)
+        if n:  # (an empty gradient may come as a stride-0 expansion, which has no byte view)
+            send[:, start:start + w] = p.contiguous().view(torch.uint8).reshape(n, w)
     recv = torch.empty(sum(recv_sizes), row_bytes, dtype=torch.uint8, device=dev)
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
     return [recv[:, start:start + w].view(p.dtype).reshape(recv.shape[0], *p.shape[1:])
