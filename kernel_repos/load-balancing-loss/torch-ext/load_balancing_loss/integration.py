@@ -16,12 +16,11 @@ under threads and async code (no swap-and-restore window), and `torch.compile` t
 Cost: the copied globals are a snapshot taken at enable time (later monkey-patches of that modeling module
 are not seen by this instance until you disable and re-enable).
 """
-import functools
 import types
 
 from torch import nn
 
-from .ops import load_balancing_loss_func
+from .ops import group_load_balancing_loss_func, load_balancing_loss_func
 
 _HF_NAME = "load_balancing_loss_func"
 _MARK = "_hubfuse_fused_aux_loss"  # per-instance state (a plain dict in the instance __dict__)
@@ -97,8 +96,7 @@ def enable_fused_aux_loss(model: nn.Module, group=None) -> nn.Module:
         disable_fused_aux_loss(model)
         state = None
     if state is None:
-        aux_fn = load_balancing_loss_func if group is None else functools.partial(load_balancing_loss_func,
-                                                                                   group=group)
+        aux_fn = load_balancing_loss_func if group is None else group_load_balancing_loss_func(group)
         state = {"fused_forward": _fused_forward_for(model, aux_fn), "aux_fn": aux_fn, "group": group}
     ce_state = model.__dict__.get(_CE_STATE)
     if ce_state is not None:

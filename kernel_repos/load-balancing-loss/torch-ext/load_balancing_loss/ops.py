@@ -254,12 +254,25 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None, group=None):
-    """Drop-in for transformers' `load_balancing_loss_func`, same signature (plus `group`, see
-    `load_balancing_loss`) and the same 0 for a non-tuple input, computed by the fused kernel."""
+def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """Drop-in for transformers' `load_balancing_loss_func`, same signature and the same 0 for a
+    non-tuple input, computed by the fused kernel. (Keep the signature: torch.compile guards on its defaults
+    under the name of the function it replaces.)"""
     if gate_logits is None or not isinstance(gate_logits, tuple):
         return 0
-    return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask, group=group)
+    return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask)
+
+
+def group_load_balancing_loss_func(group):
+    """`load_balancing_loss_func` with the load-balancing statistics reduced over the process group `group`
+    (see `load_balancing_loss`): what `enable_fused_aux_loss(model, group=...)` installs."""
+
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        if gate_logits is None or not isinstance(gate_logits, tuple):
+            return 0
+        return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask, group=group)
+
+    return load_balancing_loss_func
 
 
 # ---------------------------------------------------------------- softmax + top-k router
