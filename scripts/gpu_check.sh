@@ -4,6 +4,8 @@
 #   bash scripts/gpu_check.sh e2e [bench.py args ...]        (issue 8: training-step benchmark of the model
 #        slices, then `kernels benchmark` on every repo; BENCH_BUDGET_S caps bench.py, default 420 s;
 #        KERNELS_BENCH=0 skips `kernels benchmark`)
+#   bash scripts/gpu_check.sh dist [bench_distributed.py args ...]   (issue 29: FSDP2 + EP throughput of
+#        Qwen3-30B-A3B; NPROC=1 (default) runs the --single-gpu proxy, NPROC=N torchrun on N GPUs)
 #   BUILD_REPOS, TEST_PATHS, MODEL_TEST_PATHS narrow the builds and the kernel / model test selection.
 # Carry `.whl` (transformers 5.22.2, kernels 0.17.2, liger-kernel 0.8.5, tabulate wheels; see docs/benchmarks.md).
 set -uo pipefail
@@ -44,5 +46,13 @@ if [ "$mode" = e2e ]; then
     timeout 150 python3 scripts/kernels_benchmark.py --iterations 50 --warmup 5 >/dev/null 2>&1 || status=1
     tail -n 3 "$OUT/kernels_benchmark.log" 2>/dev/null
   fi
+fi
+if [ "$mode" = dist ]; then
+  if [ "${NPROC:-1}" = 1 ]; then
+    python3 scripts/bench_distributed.py --single-gpu "$@"
+  else
+    python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" scripts/bench_distributed.py "$@"
+  fi 2>&1 | tee "$OUT/bench_distributed.log" | grep -v "^\[.*\] \(warm-up\|step\)" | tail -n 30
+  status=${PIPESTATUS[0]}
 fi
 exit $status
