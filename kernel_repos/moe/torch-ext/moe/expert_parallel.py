@@ -24,7 +24,7 @@ One forward of an expert-parallel experts module:
    the receiving rank, where the experts of other ranks become the sentinel E/ep that the kernel skips).
 3. `moe_experts` (grouped GEMM, SwiGLU, weighted sum over this rank's slots) on the received rows.
 4. combine: one all-to-all back; each token sums its partial outputs in fp32, in rank order (deterministic, no
-   atomics).
+   atomics; a transient (T, min(top_k, ep), H) gather).
 
 Backward runs the two exchanges in reverse with the same split sizes (no further host sync), from
 autograd.Functions over `torch.distributed.all_to_all_single`. The gradient of a sharded expert parameter is the
@@ -214,13 +214,14 @@ def _route(top_k_index: torch.Tensor, num_local: int, group) -> _Route:
 
 
 def _sum_rows(rows: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """out[t] = sum of rows[table[t, s]] over the entries >= 0, accumulated in fp32 in column order."""
-    acc = torch.zeros(table.shape[0], rows.shape[1], dtype=torch.float32, device=rows.device)
-    if rows.shape[0]:
-        for s in range(table.shape[1]):
-            j = table[:, s]
-            acc += torch.where((j >= 0)[:, None], rows.index_select(0, j.clamp(min=0)).float(), 0.0)
-    return acc.to(dtype)
+    """out[t] = sum of rows[table[t, s]] over the entries >= 0: one gather into (T, D, H), the empty entries
+    zeroed, a sum over D accumulated in fp32 (fixed order: deterministic, unlike index_add_'s atomics)."""
+    (T, D), H = table.shape, rows.shape[1]
+    if rows.shape[0] == 0:
+        return rows.new_zeros((T, H), dtype=dtype)
+    gathered = rows.index_select(0, table.clamp(min=0).reshape(-1)).view(T, D, H)
+    gathered.masked_fill_((table < 0)[:, :, None], 0)
+    return torch.sum(gathered, dim=1, dtype=torch.float32).to(dtype)
 
 
 class _GatherRows(torch.autograd.Function):
