@@ -57,7 +57,8 @@ SCENARIOS = {
     "fsdp2_ep_qwen3_5_moe": ("qwen3_5_moe", 4, 2, "fsdp"),
     "transformers_fsdp2_ep_qwen3_moe": ("qwen3_moe", 4, 2, "transformers"),
 }
-CHECKPOINT_SCENARIO = "fsdp2_ep_qwen3_5_moe"  # the round trip runs after it (EP experts + a fused shared expert)
+# the checkpoint round trips run after these (EP experts + a fused shared expert; transformers' sharding)
+CHECKPOINT_SCENARIOS = {"fsdp2_ep_qwen3_5_moe": ("hf", "dcp"), "transformers_fsdp2_ep_qwen3_moe": ("hf",)}
 # Scenarios whose kernels run as Triton under the interpreter; the others take the kernels' torch reference path
 # (TRITON_INTERPRET=0: same ops, dispatch and sharding code, ~5x less time on the CI's 2 cores). The kernels'
 # numerics are the kernel and model tests' business; here the sharding and the exchanges are under test.
@@ -237,8 +238,8 @@ def _expert_parallel_functional(world: int) -> list[str]:
     return errors
 
 
-def _checkpoint_round_trip(model, family: str, path, world: int, ep: int, out_dir: Path, rank: int) -> dict:
-    """Gather-then-save (HF format) and a DCP save/load into a fresh sharded model."""
+def _checkpoint_round_trip(model, name: str, path, world: int, out_dir: Path, rank: int) -> dict:
+    """Gather-then-save (HF format); for "dcp" also a DCP save loaded into a freshly sharded model."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -246,22 +247,23 @@ def _checkpoint_round_trip(model, family: str, path, world: int, ep: int, out_di
 
     from hubfuse import distributed
 
+    family, _, ep, sharding = SCENARIOS[name]
     trained = distributed.full_state_dict(model)
-    hf_dir = out_dir / "hf_checkpoint"
+    hf_dir = out_dir / f"{name}_hf_checkpoint"
     distributed.save_pretrained(model, hf_dir)
-    dcp_dir = out_dir / "dcp_checkpoint"
-    dcp.save(get_model_state_dict(model), checkpoint_id=str(dcp_dir))
-    fresh, _ = _build(family, path, world, ep, "fsdp")  # the untrained weights, sharded the same way
-    state = get_model_state_dict(fresh)
-    dcp.load(state, checkpoint_id=str(dcp_dir))
-    set_model_state_dict(fresh, state)
-    reloaded = distributed.full_state_dict(fresh)
-    result = {}
+    result = {"hf_dir": str(hf_dir)}
+    if "dcp" in CHECKPOINT_SCENARIOS[name]:
+        dcp_dir = out_dir / f"{name}_dcp_checkpoint"
+        dcp.save(get_model_state_dict(model), checkpoint_id=str(dcp_dir))
+        fresh, _ = _build(family, path, world, ep, sharding)  # the untrained weights, sharded the same way
+        state = get_model_state_dict(fresh)
+        dcp.load(state, checkpoint_id=str(dcp_dir))
+        set_model_state_dict(fresh, state)
+        reloaded = distributed.full_state_dict(fresh)
+        result["dcp_equal"] = rank != 0 or (sorted(trained) == sorted(reloaded) and all(
+            torch.equal(trained[k], reloaded[k]) for k in trained))
     if rank == 0:
-        torch.save(trained, out_dir / "trained_state.pt")
-        result["dcp_equal"] = sorted(trained) == sorted(reloaded) and all(
-            torch.equal(trained[k], reloaded[k]) for k in trained)
-        result["hf_dir"] = str(hf_dir)
+        torch.save(trained, out_dir / f"{name}_trained_state.pt")
     dist.barrier()
     return result
 
@@ -295,8 +297,8 @@ def _worker(spec_file: str) -> None:
             facts = _facts(model, local_rows)
             losses, grads = _train(model, batches, rank, world, sharding)
             result = dict(facts, losses=losses)
-            if name == CHECKPOINT_SCENARIO:
-                result.update(_checkpoint_round_trip(model, family, path, world, ep, out_dir, rank))
+            if name in CHECKPOINT_SCENARIOS:
+                result.update(_checkpoint_round_trip(model, name, path, world, out_dir, rank))
             if rank == 0:
                 torch.save(grads, out_dir / f"{name}_grads.pt")
             result["seconds"] = round(time.time() - t0, 1)
@@ -453,9 +455,11 @@ def test_four_processes_dp2_ep2(four_ranks, name):
     _check_against_reference(name, four_ranks)
 
 
-def test_checkpoint_round_trip(four_ranks):
-    """The dp2 x ep2 Qwen3.5-MoE after training: its HF checkpoint loads with plain from_pretrained to the same
-    weights (original keys: the fused shared-expert MLP is split back), and its DCP checkpoint loads back."""
+@pytest.mark.parametrize("name", list(CHECKPOINT_SCENARIOS))
+def test_checkpoint_round_trip(four_ranks, name):
+    """After training (dp2 x ep2 Qwen3.5-MoE; transformers-sharded Qwen3-MoE): the HF checkpoint written by
+    hubfuse.distributed.save_pretrained loads with plain from_pretrained to the same weights (original keys: the
+    experts per expert, the fused shared-expert MLP split back), and the DCP checkpoint loads back."""
     import torch
     from safetensors.torch import load_file
 
@@ -463,16 +467,19 @@ def test_checkpoint_round_trip(four_ranks):
     from tests.utils import load
 
     out_dir, paths = four_ranks
-    family = SCENARIOS[CHECKPOINT_SCENARIO][0]
-    result = _results(out_dir, CHECKPOINT_SCENARIO, 4)[0]
-    assert result["dcp_equal"], "DCP save -> load into a freshly sharded model changed the weights"
+    family = SCENARIOS[name][0]
+    result = _results(out_dir, name, 4)[0]
+    if "dcp" in CHECKPOINT_SCENARIOS[name]:
+        assert all(r["dcp_equal"] for r in _results(out_dir, name, 4)), \
+            "DCP save -> load into a freshly sharded model changed the weights"
     hf_dir = Path(result["hf_dir"])
     config = json.loads((hf_dir / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3_5MoeForCausalLM"], config["architectures"]
+    want_arch = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}[family]
+    assert config["architectures"] == [want_arch], config["architectures"]
     keys = set(load_file(hf_dir / "model.safetensors"))
     original = set(load_file(Path(paths[family]) / "model.safetensors"))
     assert keys == original, keys ^ original  # the original architecture's keys (per-expert, gate/up split)
-    trained = torch.load(out_dir / "trained_state.pt")
+    trained = torch.load(out_dir / f"{name}_trained_state.pt")
     plain = load(hf_dir).state_dict()
     want = presets.eager_to_kernelized(plain, trained.keys())
     for key, value in trained.items():

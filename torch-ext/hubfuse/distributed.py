@@ -133,7 +133,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_pretrained(model: nn.Module, directory, **kwargs) -> None:
     """Gather-then-save: every rank calls it, rank 0 writes `model.save_pretrained(directory, state_dict=...)`
     (HF keys and layout of the original architecture; a plain `from_pretrained` loads it). `kwargs` go to
-    `save_pretrained`. For resumable sharded checkpoints use torch.distributed.checkpoint instead (docs)."""
+    `save_pretrained`. A model sharded by transformers' `distributed_config` saves through transformers (every
+    rank calls its `save_pretrained`, which gathers the same way). For resumable sharded checkpoints use
+    torch.distributed.checkpoint instead (docs/distributed.md)."""
+    if getattr(getattr(model, "config", None), "distributed_config", None) is not None:
+        model.save_pretrained(directory, **kwargs)
+        return
     state_dict = full_state_dict(model)
     if dist.get_rank() == 0:
         model.save_pretrained(directory, state_dict=state_dict, **kwargs)
