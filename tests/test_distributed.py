@@ -238,6 +238,56 @@ def _expert_parallel_functional(world: int) -> list[str]:
     return errors
 
 
+def _configuration_errors(world: int) -> list[str]:
+    """Bad configurations must raise errors that name the problem (2 ranks: needs an EP size above 1)."""
+    import torch
+    import torch.distributed as dist
+    from kernels import get_kernel
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hubfuse import distributed
+    from tests.utils import REVISION
+
+    moe = get_kernel("hubfuse/moe", revision=REVISION)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    other = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "ep"))  # another EP group (size 1)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Module()])
+    model.model.layers[0].experts = _bare_experts(torch.randn(4, 8, 6), torch.randn(4, 6, 4))
+    cases = [
+        ("E not divisible", lambda: moe.shard_experts(_bare_experts(torch.randn(3, 8, 6), torch.randn(3, 6, 4)),
+                                                      mesh["ep"]), ValueError, "3 experts, not divisible"),
+        ("2-D ep_mesh", lambda: moe.shard_experts(model, mesh), ValueError, "1-D DeviceMesh"),
+        ("not a mesh", lambda: moe.shard_experts(model, "ep"), TypeError, "ep_mesh must be"),
+        ("no experts", lambda: moe.shard_experts(nn.Linear(2, 2), mesh["ep"]), ValueError, "no routed-experts"),
+        ("EP size 2 without shard_experts", lambda: distributed.fully_shard_model(model, mesh), ValueError,
+         "call moe.shard_experts"),
+    ]
+    problems = []
+    for what, call, exc, text in cases:
+        try:
+            call()
+            problems.append(f"{what}: no error")
+        except exc as e:
+            if text not in str(e):
+                problems.append(f"{what}: {type(e).__name__}: {e!r} does not say {text!r}")
+    moe.shard_experts(model, mesh["ep"])
+    for what, call, text in [
+        ("experts sharded over another mesh", lambda: distributed.fully_shard_model(model, other), "not over this mesh"),
+        ("1-D mesh with EP experts", lambda: distributed.fully_shard_model(model, mesh["dp"]), "2-D (dp, 'ep') mesh"),
+    ]:
+        try:
+            call()
+            problems.append(f"{what}: no error")
+        except ValueError as e:
+            if text not in str(e):
+                problems.append(f"{what}: {e!r} does not say {text!r}")
+    dist.barrier()
+    return [f"rank {dist.get_rank()}: {p}" for p in problems]
+
+
 def _checkpoint_round_trip(model, name: str, path, world: int, out_dir: Path, rank: int) -> dict:
     """Gather-then-save (HF format); for "dcp" also a DCP save loaded into a freshly sharded model."""
     import torch
@@ -285,6 +335,8 @@ def _worker(spec_file: str) -> None:
         t0 = time.time()
         os.environ["TRITON_INTERPRET"] = "0"
         errors = _expert_parallel_functional(world)
+        if world == 2:
+            errors += _configuration_errors(world)
         (out_dir / f"functional_rank{rank}.json").write_text(json.dumps(dict(errors=errors,
                                                                              seconds=round(time.time() - t0, 1))))
         for name in spec["scenarios"]:
@@ -439,7 +491,9 @@ def presets_experts(family: str) -> int:
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_functional(two_ranks, four_ranks, world):
     """The EP exchange on raw tensors (uneven token counts, a rank receiving nothing, the sentinel) equals
-    moe_experts with the full weights: outputs and every gradient."""
+    moe_experts with the full weights: outputs and every gradient. With 2 ranks also: bad configurations raise
+    errors naming the problem (experts not divisible by the EP size, a 2-D ep_mesh, experts sharded over another
+    mesh than the one given to fully_shard_model, ...)."""
     out_dir = (two_ranks if world == 2 else four_ranks)[0]
     errors = [e for r in range(world) for e in json.loads((out_dir / f"functional_rank{r}.json").read_text())["errors"]]
     assert not errors, "\n".join(errors)
