@@ -82,6 +82,12 @@ def _ep_layout(module: nn.Module):
         raise ValueError(f"expert parallelism: {type(module).__name__}.gate_up_proj and down_proj are sharded over "
                          "different meshes")
     mesh = gate_up.device_mesh
+    if mesh.mesh_dim_names == ("tp",):
+        # transformers' router-masking EP ("ep_router" + "moe_tp_experts"): every rank has every token and the
+        # router already remapped the ids to local ones; exchanging tokens on top of that would be wrong
+        raise NotImplementedError(f"expert parallelism: {type(module).__name__} is sharded over a 'tp' mesh "
+                                  "(transformers' router-masking EP plan); this kernel supports token dispatch: "
+                                  "the default ep_plan ('ep_dispatch_experts') or moe.shard_experts")
     num_experts, ep_size = gate_up.shape[0], mesh.size()
     if num_experts % ep_size:
         raise ValueError(f"expert parallelism: {num_experts} experts are not divisible by the expert-parallel size "
