@@ -182,6 +182,17 @@ def bound_kernels(model) -> list[str]:
     return sorted(n for n in names if n not in ("SiLUActivation",))
 
 
+def param_groups(model) -> list[dict]:
+    """One optimizer parameter group per DTensor mesh (dense over all ranks, experts over their own 2-D mesh), so
+    that the fused AdamW's multi-tensor launches never mix meshes."""
+    groups: dict = {}
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        groups.setdefault(None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names),
+                          []).append(p)
+    return [{"params": ps} for ps in groups.values()]
+
+
 def run_config(config: str, path: Path, batches, args, d: Dist, cfg) -> dict:
     import torch
 
@@ -193,7 +204,7 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg) -> dict:
     if config == "ours":
         row["kernels"] = bound_kernels(model)
     cuda = d.device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=cuda)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-5, weight_decay=0.01, fused=cuda)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -228,6 +239,9 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg) -> dict:
     if not all(math.isfinite(x) for x in losses):
         row.update(status="error", note=f"non-finite loss {losses}")
     del model, opt
+    import gc
+
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     d.barrier()
