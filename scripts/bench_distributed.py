@@ -28,14 +28,14 @@ token: 6 x active matmul parameters + 6 x layers x seq x heads x head_dim for ca
 --peak-tflops, default 989 for H100/H200 bf16 dense), peak memory per GPU (max over ranks of
 max_memory_allocated over the measured steps), loss of the first and last step (mean over ranks), and the
 scaling efficiency: tokens/s/GPU over the one-GPU tokens/s of the same config, depth, seq and batch, read from
---reference (the JSON of a --single-gpu run with the same --layers). Writes $OUT/bench_distributed_<tag>.json
-and .md (OUT defaults to ./out; tag "1gpu" or "<N>gpu_ep<ep>") after every config, and prints the table.
+--one-gpu-reference (rank 0 first runs the configs alone on its GPU, the other ranks wait) or --reference (the
+JSON of a --single-gpu run with the same --layers). Writes $OUT/bench_distributed_<tag>.json and .md (OUT
+defaults to ./out; tag "1gpu" or "<N>gpu_ep<ep>") after every config, and prints the table.
 
     python scripts/bench_distributed.py --single-gpu                                  # 1 GPU, 8 layers
     torchrun --standalone --nproc-per-node 8 scripts/bench_distributed.py --layers 48 --ep 8
-    python scripts/bench_distributed.py --single-gpu --layers 4 --out out/l4 \\
-        && torchrun --standalone --nproc-per-node 8 scripts/bench_distributed.py --layers 4 --ep 8 \\
-           --reference out/l4/bench_distributed_1gpu.json                              # scaling at 4 layers
+    torchrun --standalone --nproc-per-node 8 scripts/bench_distributed.py --layers 8 --ep 8 \\
+        --one-gpu-reference                                                           # scaling at 8 layers
     torchrun --standalone --nproc-per-node 2 scripts/bench_distributed.py --smoke     # CPU, gloo, tiny dims
 """
 from __future__ import annotations
@@ -93,6 +93,13 @@ class Dist:
             dist.init_process_group("gloo" if smoke else "nccl", init_method=init_method, rank=self.rank,
                                     world_size=self.world, timeout=timedelta(minutes=30),
                                     device_id=None if smoke else self.device)
+
+    @classmethod
+    def alone(cls, other: "Dist") -> "Dist":
+        """This process on its own (world 1, no collectives), on `other`'s device."""
+        d = cls.__new__(cls)
+        d.world, d.rank, d.local_rank, d.device = 1, 0, other.local_rank, other.device
+        return d
 
     def barrier(self):
         if self.world > 1:
@@ -193,6 +200,26 @@ def param_groups(model) -> list[dict]:
     return [{"params": ps} for ps in groups.values()]
 
 
+def run_one(config: str, path: Path, batches, args, d: Dist, cfg) -> dict:
+    """run_config; in a process on its own an exception (an OOM) becomes the row and the run goes on (with
+    several ranks it cannot: the others would wait in a collective)."""
+    import torch
+
+    try:
+        return run_config(config, path, batches, args, d, cfg)
+    except Exception as e:
+        if d.world > 1:
+            raise
+        import gc
+
+        oom = "out of memory" in str(e).lower()
+        gc.collect()
+        if d.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return dict(config=config, gpus=1, ep=1, layers=args.layers, status="oom" if oom else "error",
+                    note=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 def run_config(config: str, path: Path, batches, args, d: Dist, cfg) -> dict:
     import torch
 
@@ -248,26 +275,32 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg) -> dict:
     return row
 
 
-def finish(rows, meta, args, d: Dist) -> list[str]:
-    """MFU, x hf, scaling efficiency; JSON + markdown under --out; returns the table lines."""
-    ref = {}
-    if args.reference:
+def one_gpu_reference(rows, meta, args) -> dict:
+    """config -> one-GPU tokens/s: this run's one-GPU rows (--one-gpu-reference), else --reference's JSON (used only
+    if it has the same layers, seq and batch)."""
+    ref = {r["config"]: r["tokens_per_s_per_gpu"] for r in rows if r.get("gpus") == 1 and r.get("status") == "ok"}
+    if args.reference and not ref:
         data = json.loads(Path(args.reference).read_text())
         same = all(data["meta"].get(k) == meta.get(k) for k in ("layers", "seq", "batch"))
-        for r in data["results"]:
-            if r.get("status") == "ok" and same:
-                ref[r["config"]] = r["tokens_per_s_per_gpu"]
+        ref = {r["config"]: r["tokens_per_s_per_gpu"] for r in data["results"]
+               if r.get("status") == "ok" and r.get("gpus", 1) == 1 and same}
         meta["reference"] = dict(path=args.reference, matched=same)
+    return ref
+
+
+def finish(rows, meta, args, d: Dist) -> list[str]:
+    """MFU, x hf, scaling efficiency; JSON + markdown under --out; returns the table lines."""
+    ref = one_gpu_reference(rows, meta, args)
     peak = args.peak_tflops or meta.get("peak_tflops")
-    by = {r["config"]: r for r in rows}
+    by = {(r["gpus"], r["config"]): r for r in rows}
     for r in rows:
         if r.get("status") != "ok":
             continue
         r["mfu"] = round(r["tflops_per_gpu"] / peak, 3) if peak else None
-        hf = by.get("hf", {}).get("tokens_per_s_per_gpu")
+        hf = by.get((r["gpus"], "hf"), {}).get("tokens_per_s_per_gpu")
         r["x_hf"] = round(r["tokens_per_s_per_gpu"] / hf, 2) if hf else None
-        r["scaling_efficiency"] = round(r["tokens_per_s_per_gpu"] / ref[r["config"]], 3) \
-            if r["config"] in ref and d.world > 1 else (1.0 if d.world == 1 else None)
+        r["scaling_efficiency"] = 1.0 if r["gpus"] == 1 else (
+            round(r["tokens_per_s_per_gpu"] / ref[r["config"]], 3) if r["config"] in ref else None)
     lines = [f"Qwen3-30B-A3B widths, {args.layers} layers, {meta['device']} x {d.world}, "
              f"{args.batch} x {args.seq} tokens per GPU per step, bf16, median of {args.steps} steps after "
              f"{args.warmup} warm-up; torch {meta['torch']}, transformers {meta['transformers']}, "
@@ -307,6 +340,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 10; smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
     p.add_argument("--activation-checkpointing", action="store_true", help="gradient checkpointing per layer")
+    p.add_argument("--one-gpu-reference", action="store_true",
+                   help="several GPUs: rank 0 first runs the configs alone on its GPU (the others wait), for the "
+                        "scaling efficiency (the model must fit one GPU)")
     p.add_argument("--reference", help="JSON of a --single-gpu run (same layers/seq/batch): scaling efficiency")
     p.add_argument("--peak-tflops", type=float, help="per-GPU peak for MFU (default: by device name)")
     p.add_argument("--model-dir", default=None, help="where rank 0 builds the checkpoint (default: /tmp/...)")
@@ -373,26 +409,25 @@ def main(argv=None) -> int:
         if d.rank == 0:
             log(f"bench_distributed: {d.world} x {name}, {args.layers} layers, {args.batch} x {args.seq} tokens per "
                 f"GPU, ep {args.ep}, configs {args.configs}, {flops_per_token(cfg, args.seq) / 1e9:.1f} GFLOP/token")
-        rows = []
-        for config in args.configs:
-            try:
-                row = run_config(config, model_dir, batches, args, d, cfg)
-            except Exception as e:  # one process: record it and go on (several: a rank cannot leave alone)
-                if d.world > 1:
-                    raise
-                oom = "out of memory" in str(e).lower()
-                row = dict(config=config, gpus=1, ep=1, status="oom" if oom else "error",
-                           note=f"{type(e).__name__}: {str(e)[:300]}")
-                import gc
+        rows, lines = [], []
 
-                gc.collect()
-                if d.device.type == "cuda":
-                    torch.cuda.empty_cache()
+        def record(row, where):
+            nonlocal lines
             rows.append(row)
-            lines = finish(rows, meta, args, d)
             if d.rank == 0:
-                log(f"[{config}] {row['status']}: {row.get('tokens_per_s_per_gpu')} tok/s/GPU, peak "
-                    f"{row.get('peak_mem_GiB_per_gpu')} GiB/GPU, {row.get('sharding')}")
+                lines = finish(rows, meta, args, d)
+                log(f"[{row['config']} x {where.world}] {row['status']}: {row.get('tokens_per_s_per_gpu')} tok/s/GPU, "
+                    f"peak {row.get('peak_mem_GiB_per_gpu')} GiB/GPU, {row.get('sharding', row.get('note'))}")
+
+        if args.one_gpu_reference and d.world > 1:
+            if d.rank == 0:  # alone on its GPU: no collective until the barrier below
+                for config in args.configs:
+                    row = run_one(config, model_dir, batches, args, Dist.alone(d), cfg)
+                    row["note"] = "one-GPU reference (rank 0 alone)"
+                    record(row, Dist.alone(d))
+            d.barrier()  # the other ranks wait here meanwhile
+        for config in args.configs:
+            record(run_one(config, model_dir, batches, args, d, cfg), d)
         if d.rank == 0:
             log("\n".join(lines))
     finally:
