@@ -11,11 +11,13 @@ first-step gradients the full (gathered) gradients of the sharded run, within fp
   both ranks + FSDP2 (dp 1 x ep 2) over Qwen3.5-MoE; transformers' own `distributed_config` (fsdp 2, ep 2, with
   `fix_single_rank_expert_reduction`) over Qwen3-MoE.
 - 4 processes: dp2 x ep2 (`moe.shard_experts` on mesh["ep"], `hubfuse.distributed.fully_shard_model` on the
-  2-D mesh) over Qwen3-MoE and Qwen3.5-MoE, then the checkpoint round trip: gather-then-save gives a checkpoint
-  that plain `from_pretrained` loads with the same weights, and a torch.distributed.checkpoint (DCP) save loads
-  back into a freshly sharded model; and transformers' own `distributed_config` (fsdp 4, ep 2) over Qwen3-MoE,
-  with our kernels (their EP forward) instead of its dispatch.
-- Both: the EP exchange on raw tensors against `moe_experts` (routing edge cases), EP over all ranks.
+  2-D mesh) over Qwen3-MoE and Qwen3.5-MoE; transformers' own `distributed_config` (fsdp 4, ep 2) over Qwen3-MoE,
+  with our kernels (their EP forward) instead of its dispatch. After the Qwen3.5-MoE and the transformers runs,
+  checkpoint round trips: `hubfuse.distributed.save_pretrained` writes a checkpoint that plain `from_pretrained`
+  loads with the same weights; (Qwen3.5-MoE) a torch.distributed.checkpoint (DCP) save loads back into a freshly
+  sharded model.
+- Both: the EP exchange on raw tensors against `moe_experts` (routing edge cases), EP over all ranks; with 2
+  processes also the errors for bad configurations.
 
 One process launch per world size runs all of its scenarios (a module-scoped fixture); each test checks one.
 The kernels run as Triton under the interpreter in the `INTERPRETED` scenarios, their torch reference elsewhere.
@@ -475,14 +477,14 @@ def _check_against_reference(name: str, run) -> list[dict]:
         if sharding != "none":
             assert r["sharded"] == r["params"] > 0, f"{name}: every parameter should be a DTensor"
         if ep > 1 and sharding != "transformers":
-            n = presets_experts(family)
+            n = _num_experts(family)
             assert r["experts_local_rows"] and all(x == n // ep for x in r["experts_local_rows"]), r
         if family != "qwen3":
             assert "GroupedGemmExperts" in r["bound"], r["bound"]
     return results
 
 
-def presets_experts(family: str) -> int:
+def _num_experts(family: str) -> int:
     from tests.utils import tiny_config
 
     return tiny_config(FAMILIES[family]).num_experts
