@@ -11,7 +11,7 @@ Families: `qwen3` (dense), `qwen3_moe`, `qwen3_5_moe` (the text model classes; `
 `llama`, `qwen2`.
 
 Choices where two of our kernels cover the same modules (measured on H200, bf16, fwd+bwd, 16384 tokens,
-hidden 4096, intermediate 12288: docs/gpu_runs/run2_bench_rmsnorm_swiglu.md):
+hidden 4096, intermediate 12288):
 
 - Dense decoder layers (qwen3, llama, qwen2): the n-to-1 fusion `RMSNormSwiGLUMLP` over
   `(post_attention_layernorm, mlp)` instead of the 1-to-1 `SwiGLUMLP` Layout (+ the `RMSNorm` hub kernel on the

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from ._device import use_triton
+from ._custom_op import call, custom_op, differentiable_op
 from ._ops import add_op_namespace_prefix
 from .reference import (
     MAX_EXPERTS,
@@ -23,6 +24,27 @@ from .reference import (
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_logits(name: str, what: str, logits) -> None:
+    """A 2-D (tokens, experts) float tensor, or a TypeError / ValueError naming `what`."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{name}: {what} is a {type(logits).__name__}, not a tensor")
+    if logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: {what} has dtype {logits.dtype}; expected float32/float16/bfloat16")
+    if logits.dim() != 2:
+        raise ValueError(f"{name}: {what} must be 2-D (tokens, experts), got {tuple(logits.shape)}")
+
+
+def _check_routing_shape(name: str, shape, top_k: int) -> None:
+    """Non-empty (tokens, experts) logits, at most MAX_EXPERTS experts, 1 <= top_k <= experts."""
+    tokens, experts = shape
+    if tokens == 0 or experts == 0:
+        raise ValueError(f"{name}: empty router logits {tuple(shape)}")
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{name}: top_k={top_k} must be in [1, num_experts={experts}]")
 
 
 # ---------------------------------------------------------------- load-balancing loss
@@ -200,12 +222,7 @@ def load_balancing_loss(
     _check_int(name, "num_experts", num_experts)
     _check_int(name, "top_k", top_k)
     first = gate_logits[0]
-    if not isinstance(first, torch.Tensor):
-        raise TypeError(f"{name}: gate_logits[0] is a {type(first).__name__}, not a tensor")
-    if first.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name}: gate_logits have dtype {first.dtype}; expected float32/float16/bfloat16")
-    if first.dim() != 2:
-        raise ValueError(f"{name}: gate_logits[0] must be 2-D (tokens, experts), got {tuple(first.shape)}")
+    _check_logits(name, "gate_logits[0]", first)
     shape, dtype, device = first.shape, first.dtype, first.device
     # one cheap pass over the layers (this runs every step with ~50 layers); details only on failure
     if not all(isinstance(z, torch.Tensor) and z.dtype is dtype and z.shape == shape for z in gate_logits):
@@ -220,12 +237,7 @@ def load_balancing_loss(
     tokens, experts = shape
     if experts != num_experts:
         raise ValueError(f"{name}: num_experts={num_experts} does not match the logits' last dim {experts}")
-    if tokens == 0 or experts == 0:
-        raise ValueError(f"{name}: empty router logits {tuple(shape)}")
-    if experts > MAX_EXPERTS:
-        raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"{name}: top_k={top_k} must be in [1, num_experts={experts}]")
+    _check_routing_shape(name, shape, top_k)
     # HF computes on the first layer's device; the kernels need contiguous rows
     if not all(z.device == device and z.is_contiguous() for z in gate_logits):
         gate_logits = [z.to(device).contiguous() for z in gate_logits]
@@ -293,7 +305,7 @@ def _router_bwd_impl(d_scores, router_logits, stats, indices, normalize):
     return softmax_topk_bwd_reference(d_scores, router_logits, stats, indices, normalize)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_fwd"), mutates_args=())
+@custom_op("softmax_topk_fwd")
 def _router_fwd(
     router_logits: torch.Tensor, top_k: int, normalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -307,7 +319,7 @@ def _(router_logits, top_k, normalize):
             router_logits.new_empty(T, 2, dtype=torch.float32))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_bwd"), mutates_args=())
+@custom_op("softmax_topk_bwd")
 def _router_bwd(
     d_scores: torch.Tensor, router_logits: torch.Tensor, stats: torch.Tensor, indices: torch.Tensor,
     normalize: bool,
@@ -330,27 +342,10 @@ def _router_setup_context(ctx, inputs, output):
 
 def _router_backward(ctx, d_scores, _d_indices, _d_stats):
     router_logits, stats, indices = ctx.saved_tensors
-    return _router_bwd(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
+    return call(ctx, _router_bwd, d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
 
 
-_router_fwd.register_autograd(_router_backward, setup_context=_router_setup_context)
-
-
-class _softmax_topk_fwd(torch.autograd.Function):
-    """Eager twin of the custom op of the same name."""
-
-    @staticmethod
-    def forward(ctx, router_logits, top_k, normalize):
-        scores, indices, stats = _router_fwd_impl(router_logits, top_k, normalize)
-        ctx.mark_non_differentiable(indices)
-        ctx.save_for_backward(router_logits, stats, indices)
-        ctx.normalize = normalize
-        return scores, indices
-
-    @staticmethod
-    def backward(ctx, d_scores, _d_indices):
-        router_logits, stats, indices = ctx.saved_tensors
-        return _router_bwd_impl(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
+_router = differentiable_op(_router_fwd, _router_setup_context, _router_backward)
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True):
@@ -360,26 +355,13 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True
     exactly what `Qwen3MoeTopKRouter` / `Qwen3_5MoeTopKRouter` return after the linear. Ties go to the
     lower expert index (torch.topk's CUDA behaviour)."""
     name = "softmax_topk"
-    if not isinstance(router_logits, torch.Tensor):
-        raise TypeError(f"{name}: router_logits must be a tensor")
-    if router_logits.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name}: router_logits dtype {router_logits.dtype}; expected float32/float16/bfloat16")
-    if router_logits.dim() != 2:
-        raise ValueError(f"{name}: router_logits must be (tokens, experts), got {tuple(router_logits.shape)}")
+    _check_logits(name, "router_logits", router_logits)
     _check_int(name, "top_k", top_k)
-    tokens, experts = router_logits.shape
-    if tokens == 0 or experts == 0:
-        raise ValueError(f"{name}: empty router logits {tuple(router_logits.shape)}")
-    if experts > MAX_EXPERTS:
-        raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"{name}: top_k={top_k} must be in [1, experts={experts}]")
+    _check_routing_shape(name, router_logits.shape, top_k)
     if top_k > 64:
         raise ValueError(f"{name}: top_k={top_k} exceeds the supported maximum 64")
-    if torch.compiler.is_compiling():
-        scores, indices, _ = _router_fwd(router_logits.contiguous(), top_k, bool(normalize))
-        return scores, indices
-    return _softmax_topk_fwd.apply(router_logits.contiguous(), top_k, bool(normalize))
+    scores, indices, _ = _router(router_logits.contiguous(), top_k, bool(normalize))
+    return scores, indices
 
 
 def topk_router(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool = True):
