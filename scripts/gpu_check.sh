@@ -9,6 +9,8 @@
 #   bash scripts/gpu_check.sh train [bench.py args]  the training-step benchmark (scripts/bench.py)
 #   bash scripts/gpu_check.sh kernels-benchmark      `kernels benchmark` over every repo
 #   bash scripts/gpu_check.sh demo                   scripts/demo.py
+#   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
+#                                                    NPROC=1 (default) the --single-gpu proxy, NPROC=N torchrun
 # Carry `.whl` (transformers 5.22.2, kernels 0.17.2, liger-kernel 0.8.5, tabulate, tomlkit,
 # flash-linear-attention 0.6.0, fla-core 0.6.0; see docs/benchmarks.md). Logs go to $OUT (default ./out).
 # TEST_PATHS / MODEL_TEST_PATHS narrow the test selection, TEST_TIMEOUT (s) caps each pytest process.
@@ -65,6 +67,13 @@ case "$step" in
     tail -n 3 "$OUT/kernels_benchmark.log" ;;
   demo)
     python3 scripts/demo.py 2>&1 | tee "$OUT/demo.log" | tail -n 60 ;;
+  dist)
+    if [ "${NPROC:-1}" = 1 ]; then
+      python3 scripts/bench_distributed.py --single-gpu "$@"
+    else
+      python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" scripts/bench_distributed.py "$@"
+    fi 2>&1 | tee "$OUT/bench_distributed.log" | grep -v "^\[.*\] \(warm-up\|step\)" | tail -n 30
+    exit "${PIPESTATUS[0]}" ;;
   *)
-    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, kernels-benchmark, demo)" >&2; exit 2 ;;
+    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, kernels-benchmark, demo, dist)" >&2; exit 2 ;;
 esac

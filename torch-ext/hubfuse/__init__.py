@@ -4,11 +4,12 @@ As a hub kernel (the umbrella repo, assembled by `scripts/build.py`), `layers` e
 and Layouts; each family is also a sub-package (`rmsnorm`, ...) of the built umbrella. As a Python package
 (`pip install -e .`, the source tree, which holds no op package), it provides
 `KernelConfig`, the transformers `KernelConfig` that works for training and on CPU (imported lazily: the
-hub kernel itself needs nothing beyond torch), and `presets` (`kernel_mapping(family)`, `enable_losses(model,
-family)`: every kernel that applies to a model family).
+hub kernel itself needs nothing beyond torch), `presets` (`kernel_mapping(family)`, `enable_losses(model,
+family)`: every kernel that applies to a model family) and `distributed` (FSDP2 + expert parallelism over a
+kernelized model, HF-format checkpoints of the sharded model).
 """
-__all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state", "presets", "kernel_mapping",
-           "enable_losses"]
+__all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state", "presets", "distributed",
+           "kernel_mapping", "enable_losses"]
 
 
 def __getattr__(name):
@@ -20,10 +21,10 @@ def __getattr__(name):
         from . import kernel_config
 
         return getattr(kernel_config, name)
-    if name == "presets":
+    if name in ("presets", "distributed"):
         import importlib
 
-        return importlib.import_module(f"{__name__}.presets")
+        return importlib.import_module(f"{__name__}.{name}")
     if name in ("kernel_mapping", "enable_losses"):
         from . import presets
 

@@ -115,12 +115,15 @@ def kernel_repos(family: str, rope: bool = True) -> tuple[str, ...]:
 
 
 def enable_losses(model, family: str, org: str = "hubfuse", revision: str | None = None, version: int = 1,
-                  **ce_options):
+                  aux_loss_group=None, **ce_options):
     """Switch this model instance to the fused losses: the linear cross-entropy (loss from the last hidden
     states, no logits when labels are given) and, for MoE families, the fused router aux loss plugged into it.
 
     Per instance: the class and other instances keep HF's forward. `ce_options` go to the cross-entropy
-    kernel's `enable_fused_loss` (e.g. `z_loss_weight`, `return_logits=True`). Returns the model.
+    kernel's `enable_fused_loss` (e.g. `z_loss_weight`, `return_logits=True`). `aux_loss_group` (MoE, data
+    parallel: e.g. `torch.distributed.group.WORLD`): the aux loss's load-balancing statistics are reduced over
+    that process group (global-batch balancing, see docs/distributed.md); None: per rank, as transformers does.
+    Returns the model.
     """
     from kernels import get_kernel
 
@@ -130,7 +133,7 @@ def enable_losses(model, family: str, org: str = "hubfuse", revision: str | None
     ce.enable_fused_loss(model, **ce_options)
     if fam in MOE_FAMILIES:
         lbl = get_kernel(f"{org}/load-balancing-loss", **meta)
-        lbl.enable_fused_aux_loss(model)  # after enable_fused_loss: it fills that hook's aux_loss_fn slot
+        lbl.enable_fused_aux_loss(model, group=aux_loss_group)  # after enable_fused_loss: fills its aux_loss_fn
     return model
 
 

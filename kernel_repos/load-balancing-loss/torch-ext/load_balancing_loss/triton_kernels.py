@@ -292,33 +292,43 @@ def _lbl_launch(T: int, E: int, L: int, elem_bytes: int, cfg: dict):
     return grid, rows_per_program, meta
 
 
-def load_balancing_loss_fwd(gate_logits, mask, top_k: int, layers=None):
-    """(loss, dloss/dprob_sum). mask: None or (T,) of any dtype (0 = padding); layers: `layer_table` result."""
+def router_statistics(gate_logits, mask, top_k: int, layers=None):
+    """(2, E) fp32: the mask-weighted top-k selection counts and routing-probability sums over every layer's
+    rows (the loss's sufficient statistics). mask: None or (T,) of any dtype (0 = padding); layers: `layer_table`
+    result."""
     first = gate_logits[0]
     L, (T, E) = len(gate_logits), first.shape
     base, offsets, unit = layers or layer_table(gate_logits)
     grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), tuning("fwd", first.element_size()))
     num_parts = grid[0] * L
-    # per-program partials (counts, prob sums) and their totals in one allocation (no launch: torch.empty);
-    # loss and dloss are separate (custom-op outputs may not alias each other)
+    # per-program partials (counts, prob sums) and their totals in one allocation (no launch: torch.empty)
     buf = torch.empty(2 * (num_parts + 1) * E, dtype=torch.float32, device=first.device)
     parts, totals = buf[:2 * num_parts * E], buf[2 * num_parts * E:]
-    loss = torch.empty((), dtype=torch.float32, device=first.device)
-    dloss = torch.empty(E, dtype=torch.float32, device=first.device)
     launch(_lbl_fwd_kernel, grid,
         base, offsets, mask if mask is not None else parts, parts, T, rows_per_program, num_parts,
         DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, TOP_K=top_k,
         COL_BITS=max(2, (meta["BLOCK_E"] - 1).bit_length()), EXACT_KEYS=first.dtype != torch.float32, **meta,
     )
     # the partials are reduced in parallel over expert slices (it was one program serial over all parts:
-    # latency bound at ~1 MB), then one tiny program forms the scalar
+    # latency bound at ~1 MB); the loss is then one tiny program (load_balancing_loss_fwd)
     block_e = next_power_of_2(E)
     reduce_e = min(block_e, FINALIZE_EXPERTS)
     launch(_lbl_reduce_parts_kernel, (cdiv(E, reduce_e), 2),
         parts, totals, num_parts, E, BLOCK_P=max(1, min(1024, 4096 // reduce_e)), BLOCK_E=reduce_e, num_warps=4,
     )
+    return totals.view(2, E)
+
+
+def load_balancing_loss_fwd(gate_logits, mask, top_k: int, layers=None):
+    """(loss, dloss/dprob_sum). mask: None or (T,) of any dtype (0 = padding); layers: `layer_table` result."""
+    totals = router_statistics(gate_logits, mask, top_k, layers)
+    E = totals.shape[1]
+    block_e = next_power_of_2(E)
+    # loss and dloss are separate (custom-op outputs may not alias each other)
+    loss = torch.empty((), dtype=torch.float32, device=totals.device)
+    dloss = torch.empty(E, dtype=torch.float32, device=totals.device)
     launch(_lbl_loss_kernel, (1,), totals, loss, dloss, E, float(top_k), float(E), BLOCK_E=block_e,
-                           num_warps=4 if block_e <= 1024 else 8)
+           num_warps=4 if block_e <= 1024 else 8)
     return loss, dloss
 
 
