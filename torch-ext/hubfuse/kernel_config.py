@@ -135,6 +135,20 @@ def _mapping_value(value):
     return value if isinstance(value, tuple) else (value, {})
 
 
+def _with_default_meta(value):
+    """A hub value with neither `revision` nor `version` gets `revision="v1"` for a local build (LOCAL_KERNELS)
+    and `version=1` otherwise, so that one mapping serves the hub and `hubfuse.use_local_builds()` alike."""
+    from .sources import default_meta
+
+    if isinstance(value, dict):
+        return {device: _with_default_meta(v) for device, v in value.items()}
+    repo_name, meta = value if isinstance(value, tuple) else (value, {})
+    if not isinstance(repo_name, str) or not isinstance(meta, dict) or meta.get("revision") is not None \
+            or meta.get("version") is not None:
+        return value  # stock validation reports malformed values
+    return repo_name, {**meta, **default_meta(repo_name.partition(":")[0])}
+
+
 def anchor_hub_name_keys(mapping: dict, use_local_kernel: bool = False, layouts: dict | None = None) -> dict:
     """Rewrite plain hub-name keys whose kernel ships a Layout into anchored class-name regexes.
 
@@ -322,6 +336,8 @@ class KernelConfig(transformers.KernelConfig):
         mapping = self.__dict__["_kernel_mapping"]
         if self._preset:
             mapping = presets.kernel_mapping(family, **self._source)
+        elif not self.use_local_kernel:
+            mapping = {key: _with_default_meta(value) for key, value in mapping.items()}
         where = f"hubfuse.KernelConfig ({model_name})"
         loaded = {key: load_layer(*_mapping_value(value), use_local_kernel=self.use_local_kernel, where=where)
                   for key, value in mapping.items()}
