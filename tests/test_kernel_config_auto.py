@@ -147,6 +147,13 @@ def test_hub_load_without_local_builds_says_so(model_dirs, monkeypatch):
                         "hubfuse.KernelConfig(local=True)")
 
 
+def test_local_argument_builds_and_registers_every_repo(model_dirs, monkeypatch):
+    monkeypatch.delenv("LOCAL_KERNELS")
+    model = one_argument(model_dirs["qwen3"], local=True)
+    assert {"hubfuse/rmsnorm", "hubfuse/rotary", "hubfuse/swiglu", "hubfuse/cross-entropy"} <= set(hubfuse.local_builds())
+    assert bound_layers(model) == EXPECTED_BOUND["qwen3"]
+
+
 def test_version_on_a_local_build_points_to_revision(model_dirs):
     with pytest.raises(ValueError) as e:
         one_argument(model_dirs["qwen3"], kernel_mapping={"RMSNorm": ("hubfuse/rmsnorm:RMSNorm", {"version": 1})})

@@ -20,6 +20,12 @@ transformers registered under that name): it registers every kernel for every mo
 (inference, training, and their torch.compile forms), accepts cpu, binds a private copy of the compiled
 mapping to the model (so the user's object can be reused), and restores the global state it found once the
 model is built (or, after a load that raised, when the next load starts). `restore_global_state()` / `kernel_state_snapshot()` are also exported for manual use.
+
+On top of that, for the user: `KernelConfig()` with no mapping is the preset of the family being loaded
+(`config.model_type`, read when the load starts) with the fused losses switched on once the model is built; every
+kernel is loaded when the load starts, before the weights, with errors that name the cause (`sources.load_layer`);
+a mapping that binds nothing raises; hub layers the mapping leaves out are registered without a kernel, so
+`kernelize` does not warn once per module about them.
 """
 from __future__ import annotations
 
@@ -242,7 +248,6 @@ def restore_global_state():
 
 
 logger = logging.getLogger(__name__)
-_LOCAL_BUILDS_DONE = False
 
 
 class KernelConfig(transformers.KernelConfig):
@@ -274,9 +279,8 @@ class KernelConfig(transformers.KernelConfig):
                  *, family=None, org=None, revision=None, version=None, trust_remote_code=False, losses=None,
                  local=False):
         from . import presets
-        from .sources import ORG, use_local_builds
+        from .sources import ORG, clone_repo_names, local_builds, use_local_builds
 
-        global _LOCAL_BUILDS_DONE
         if kernel_mapping is not None and family is not None:
             raise ValueError("hubfuse.KernelConfig: pass a kernel mapping or a family, not both")
         if family is not None:
@@ -285,9 +289,8 @@ class KernelConfig(transformers.KernelConfig):
         self._family = family
         self._source = dict(org=org or ORG, revision=revision, version=version, trust_remote_code=trust_remote_code)
         self._losses = losses
-        if local and not _LOCAL_BUILDS_DONE:
-            use_local_builds(org=org or ORG)
-            _LOCAL_BUILDS_DONE = True
+        if local and not {f"{org or ORG}/{name}" for name in clone_repo_names()} <= set(local_builds()):
+            use_local_builds(org=org or ORG)  # once per process: later configs find the builds registered
         self._user_mapping = copy.deepcopy(kernel_mapping if kernel_mapping is not None else {})
         self._pending_state = None
         self._clean_global_state = clean_global_state
@@ -303,8 +306,8 @@ class KernelConfig(transformers.KernelConfig):
         # sees it unchanged.
         frame = sys._getframe(1)
         if self.__dict__.get("_fresh", False) and frame.f_globals.get("__name__", "").startswith("transformers."):
+            mapping = self._start_load(*_loading_model(frame))  # raises before anything global is touched
             self._fresh = False
-            mapping = self._start_load(*_loading_model(frame))
             if self._clean_global_state and self._pending_state is None:
                 _recover_from_failed_loads()
                 self._pending_state = _GlobalState()

@@ -1,11 +1,15 @@
 """Presets: one KernelConfig mapping per model family that turns on every hubfuse kernel that applies to it,
-plus the per-instance loss switches that KernelConfig cannot reach.
+plus the per-instance loss switches that KernelConfig cannot reach. `hubfuse.KernelConfig()` (no mapping) applies
+both for the family of the model being loaded; by hand:
 
     from hubfuse import KernelConfig, presets
     model = AutoModelForCausalLM.from_pretrained(ckpt, use_kernels=True,
                                                  kernel_config=KernelConfig(presets.kernel_mapping("qwen3")))
     presets.enable_losses(model, "qwen3")     # fused linear cross-entropy (+ fused aux loss for MoE)
     model.train()
+
+Kernel versions: `revision` if given, else `version` if given, else `revision="v1"` for a repo with a local build
+(LOCAL_KERNELS, `hubfuse.use_local_builds()`) and `version=1` (the hub) otherwise.
 
 Families: `qwen3` (dense), `qwen3_moe`, `qwen3_5_moe` (the text model classes; `qwen3_5_moe_text` is an alias),
 `llama`, `qwen2`.
