@@ -357,7 +357,7 @@ class KernelConfig(transformers.KernelConfig):
             namespace = _model_namespace(cls)
             if not any(e.matches_statically(namespace) for e in entries):
                 raise ValueError(self._binds_nothing(model_name, model_type, entries, family))
-        self._load = dict(entries=entries, family=family, losses=losses, model_type=model_type, cls=cls)
+        self._load = dict(entries=entries, family=family, losses=losses, model_type=model_type)
         return anchored
 
     def _binds_nothing(self, model_name, model_type, entries, family) -> str:
@@ -394,9 +394,11 @@ class KernelConfig(transformers.KernelConfig):
                                                  self._load["family"]))
         bound_names = {e.name for e in entries if applied[id(e)]}
         for e in entries:
-            if not applied[id(e)] and e.name not in bound_names:
-                # also keeps kernelize from binding the kernel to HF classes that carry its name as a hub name
-                self.kernel_mapping.pop(e.name, None)
+            if not applied[id(e)]:
+                self.kernel_mapping.pop(e.key, None)  # still there when no load start rewrote the keys
+                if e.name not in bound_names:
+                    # also keeps kernelize from binding the kernel to HF classes that carry its name as a hub name
+                    self.kernel_mapping.pop(e.name, None)
         unexpected = [e.user_key for e in entries if not applied[id(e)] and e.kind == "class" and not self._preset
                       and isinstance(e.user_key, str) and not e.user_key.isidentifier()
                       and e.user_key not in presets.OPTIONAL_KEYS]
