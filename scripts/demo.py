@@ -43,8 +43,8 @@ TINY_OVERRIDES = {"qwen3_moe": dict(output_router_logits=True, mlp_only_layers=[
 MEMORY_VOCAB, MEMORY_TOKENS = 151936, (2, 128)  # Qwen3's vocabulary; batch x sequence
 ROPE_HUB_FAMILIES = ("llama", "qwen2")  # their preset binds the process-wide `rotary_pos_emb` hub function
 PARITY_TOL = 1e-4  # fp32 on CPU
-BENCH = ["--configs", "eager", "compile", "ours", "--layers", "2", "--batch", "4", "--steps", "5", "--warmup", "2",
-         "--budget-s", "240"]
+BENCH = ["--slices", "qwen3_8b", "qwen3_30b_a3b", "qwen3_5_moe", "--configs", "eager", "compile", "ours",
+         "--layers", "2", "--batch", "4", "--steps", "5", "--warmup", "2", "--budget-s", "240"]
 
 
 def log(msg: str = "") -> None:

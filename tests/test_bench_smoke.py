@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SLICES = ("qwen3_8b", "qwen3_30b_a3b", "qwen3_5_moe")
+SLICES = ("qwen3_small", "qwen3_moe_small", "qwen3_5_moe")  # the smoke default: one per family
 CPU_CONFIGS = ("eager", "ours")
-GPU_ONLY = ("compile", "liger")
+GPU_ONLY = ("ours_graph", "compile", "compile_ro", "liger", "ours_ro", "ours_compile", "liger_compile")
 
 
 def test_bench_smoke(tmp_path):

@@ -8,10 +8,11 @@ directly, with the argument list Triton would have passed.
 
 The cache key holds everything Triton specialises a compiled kernel on: per tensor its dtype and whether its
 address is 16-byte aligned; per integer whether it is 1, whether it is a multiple of 16 and whether it fits in
-32 bits; the constexpr values; the launch options (num_warps, num_stages, ...); the current device. Keying on
-more than Triton does only costs an extra lookup through Triton's path. Anything else (tensor descriptors,
-launch hooks such as a profiler's, ROCm, the interpreter) takes Triton's own path, as does a Triton whose
-compiled kernels do not take this launch signature (checked once).
+32 bits; per tensor descriptor its dtype, block shape, padding and the same for its shape and strides; the
+constexpr values; the launch options (num_warps, num_stages, ...); the current device. Keying on more than
+Triton does only costs an extra lookup through Triton's path. Anything else (launch hooks such as a profiler's,
+ROCm, the interpreter, other argument types) takes Triton's own path, as does a Triton whose compiled kernels
+do not take this launch signature (checked once).
 """
 import torch
 import triton
@@ -24,6 +25,10 @@ _fast_path = torch.version.cuda is not None and getattr(torch.version, "hip", No
 
 class _Unkeyable(Exception):
     pass
+
+
+def _int_key(value: int):
+    return value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX
 
 
 class _LaunchState:
@@ -67,11 +72,14 @@ class _LaunchState:
             elif isinstance(value, torch.Tensor):
                 key.append((value.dtype, value.data_ptr() % 16 == 0))
             elif type(value) is int:
-                key.append((value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX))
+                key.append(_int_key(value))
             elif type(value) is float:
                 key.append(float)
             elif value is None or type(value) is bool:
                 key.append(value)
+            elif type(value).__name__ == "TensorDescriptor":  # a host-side TMA descriptor
+                key.append((value.base.dtype, tuple(value.block_shape), value.padding,
+                            tuple(_int_key(n) for n in (*value.shape, *value.strides))))
             else:
                 raise _Unkeyable
         return tuple(key)
@@ -85,9 +93,14 @@ def _state(kernel):
     return state
 
 
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps a HookChain (empty unless a profiler added a hook); older ones None or a function
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _hooks_set() -> bool:
     runtime = triton.knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
 def launch(kernel, grid, *args, **kwargs):

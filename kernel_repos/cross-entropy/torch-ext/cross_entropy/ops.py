@@ -35,11 +35,9 @@ CHUNK_ALIGN = 256
 #   vector_lse   row kernel pass 1 with per-lane running max/sum (no block reductions) instead of a scalar
 #   block_v      columns per block of the row kernel, 0 = automatic (see triton_kernels.GPU_MAX_BLOCK)
 #   num_warps    warps per row program, 0 = automatic
-#   label_check  "sync": labels out of range raise ValueError (one host sync per call);
-#                "async": on CUDA a device-side assert instead (no host sync); CPU always raises
 #   skip_unit_scale  backward of a scalar loss scales the saved gradients by the upstream gradient with a
 #                kernel that skips the work on the device when it is 1 (no sync); False: torch mul_
-TUNING = dict(vector_lse=False, block_v=0, num_warps=0, label_check="sync", skip_unit_scale=True)
+TUNING = dict(vector_lse=False, block_v=0, num_warps=0, skip_unit_scale=True)
 
 
 def _ce_rows(logits, labels, scale, ignore_index, label_smoothing, z_loss_weight, softcap, compute_grad):
@@ -57,11 +55,10 @@ def _ce_rows(logits, labels, scale, ignore_index, label_smoothing, z_loss_weight
 def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
     # (the kernel masks its label load, so a bad label never reads out of bounds; this is the error report)
     msg = f"labels must be in [0, {vocab}) or equal ignore_index={ignore_index}"
-    if labels.device.type == "cuda" and TUNING["label_check"] == "async":
+    if labels.device.type != "cpu":  # a device-side assert: no host sync (CUDA-graph capturable)
         valid = labels.masked_fill(labels == ignore_index, 0)
         torch._assert_async(((valid >= 0) & (valid < vocab)).all(), msg)
         return
-    # one host sync: min and max of the non-ignored labels in one transfer
     valid = labels.masked_fill(labels == ignore_index, 0)
     lo, hi = torch.stack(torch.aminmax(valid)).tolist()
     if lo < 0 or hi >= vocab:

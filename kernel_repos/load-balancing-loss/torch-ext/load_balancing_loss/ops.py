@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from ._device import use_triton
+from ._custom_op import call, custom_op, differentiable_op
 from ._ops import add_op_namespace_prefix
 from .reference import (
     MAX_EXPERTS,
@@ -227,7 +228,7 @@ def _router_bwd_impl(d_scores, router_logits, stats, indices, normalize):
     return softmax_topk_bwd_reference(d_scores, router_logits, stats, indices, normalize)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_fwd"), mutates_args=())
+@custom_op("softmax_topk_fwd")
 def _router_fwd(
     router_logits: torch.Tensor, top_k: int, normalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,7 +242,7 @@ def _(router_logits, top_k, normalize):
             router_logits.new_empty(T, 2, dtype=torch.float32))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_bwd"), mutates_args=())
+@custom_op("softmax_topk_bwd")
 def _router_bwd(
     d_scores: torch.Tensor, router_logits: torch.Tensor, stats: torch.Tensor, indices: torch.Tensor,
     normalize: bool,
@@ -264,27 +265,10 @@ def _router_setup_context(ctx, inputs, output):
 
 def _router_backward(ctx, d_scores, _d_indices, _d_stats):
     router_logits, stats, indices = ctx.saved_tensors
-    return _router_bwd(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
+    return call(ctx, _router_bwd, d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
 
 
-_router_fwd.register_autograd(_router_backward, setup_context=_router_setup_context)
-
-
-class _softmax_topk_fwd(torch.autograd.Function):
-    """Eager twin of the custom op of the same name."""
-
-    @staticmethod
-    def forward(ctx, router_logits, top_k, normalize):
-        scores, indices, stats = _router_fwd_impl(router_logits, top_k, normalize)
-        ctx.mark_non_differentiable(indices)
-        ctx.save_for_backward(router_logits, stats, indices)
-        ctx.normalize = normalize
-        return scores, indices
-
-    @staticmethod
-    def backward(ctx, d_scores, _d_indices):
-        router_logits, stats, indices = ctx.saved_tensors
-        return _router_bwd_impl(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
+_router = differentiable_op(_router_fwd, _router_setup_context, _router_backward)
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True):
@@ -299,10 +283,8 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True
     _check_routing_shape(name, router_logits.shape, top_k)
     if top_k > 64:
         raise ValueError(f"{name}: top_k={top_k} exceeds the supported maximum 64")
-    if torch.compiler.is_compiling():
-        scores, indices, _ = _router_fwd(router_logits.contiguous(), top_k, bool(normalize))
-        return scores, indices
-    return _softmax_topk_fwd.apply(router_logits.contiguous(), top_k, bool(normalize))
+    scores, indices, _ = _router(router_logits.contiguous(), top_k, bool(normalize))
+    return scores, indices
 
 
 def topk_router(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool = True):

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch
+
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _TARGET_PROGRAMS = 1024  # router: ~8 per SM on H100/H200, enough to hide latency
 
@@ -301,7 +303,7 @@ def load_balancing_loss_fwd(gate_logits, mask, top_k: int, layers=None):
     parts, totals = buf[:2 * num_parts * E], buf[2 * num_parts * E:]
     loss = torch.empty((), dtype=torch.float32, device=first.device)
     dloss = torch.empty(E, dtype=torch.float32, device=first.device)
-    _lbl_fwd_kernel[grid](
+    launch(_lbl_fwd_kernel, grid,
         base, offsets, mask if mask is not None else parts, parts, T, rows_per_program, num_parts,
         DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, TOP_K=top_k,
         COL_BITS=max(2, (meta["BLOCK_E"] - 1).bit_length()), EXACT_KEYS=first.dtype != torch.float32, **meta,
@@ -310,10 +312,10 @@ def load_balancing_loss_fwd(gate_logits, mask, top_k: int, layers=None):
     # latency bound at ~1 MB), then one tiny program forms the scalar
     block_e = triton.next_power_of_2(E)
     reduce_e = min(block_e, FINALIZE_EXPERTS)
-    _lbl_reduce_parts_kernel[(triton.cdiv(E, reduce_e), 2)](
+    launch(_lbl_reduce_parts_kernel, (triton.cdiv(E, reduce_e), 2),
         parts, totals, num_parts, E, BLOCK_P=max(1, min(1024, 4096 // reduce_e)), BLOCK_E=reduce_e, num_warps=4,
     )
-    _lbl_loss_kernel[(1,)](totals, loss, dloss, E, float(top_k), float(E), BLOCK_E=block_e,
+    launch(_lbl_loss_kernel, (1,), totals, loss, dloss, E, float(top_k), float(E), BLOCK_E=block_e,
                            num_warps=4 if block_e <= 1024 else 8)
     return loss, dloss
 
@@ -324,7 +326,7 @@ def load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss, layers=None):
     base, offsets, unit = layers or layer_table(gate_logits)
     grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), tuning("bwd", first.element_size()))
     grads = torch.empty(L, T, E, dtype=first.dtype, device=first.device)
-    _lbl_bwd_kernel[grid](
+    launch(_lbl_bwd_kernel, grid,
         base, offsets, grads, mask if mask is not None else dloss, dloss, grad_loss, T, rows_per_program,
         DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, **meta,
     )
@@ -432,7 +434,7 @@ def softmax_topk_fwd(router_logits, top_k: int, normalize: bool):
     scores = torch.empty(T, top_k, dtype=router_logits.dtype, device=router_logits.device)
     indices = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
     stats = torch.empty(T, 2, dtype=torch.float32, device=router_logits.device)
-    _router_fwd_kernel[(triton.cdiv(T, rows_per_program),)](
+    launch(_router_fwd_kernel, (triton.cdiv(T, rows_per_program),),
         router_logits, scores, indices, stats, T, E, router_logits.stride(0), rows_per_program,
         TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
@@ -445,7 +447,7 @@ def softmax_topk_bwd(d_scores, router_logits, stats, indices, normalize: bool):
     top_k = indices.shape[1]
     block_t, block_e, num_warps, rows_per_program = _router_launch_params(T, E, top_k)
     dz = torch.empty(T, E, dtype=router_logits.dtype, device=router_logits.device)
-    _router_bwd_kernel[(triton.cdiv(T, rows_per_program),)](
+    launch(_router_bwd_kernel, (triton.cdiv(T, rows_per_program),),
         d_scores, router_logits, stats, indices, dz, T, E, router_logits.stride(0), rows_per_program,
         TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,

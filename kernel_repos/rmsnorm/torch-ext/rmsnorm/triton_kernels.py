@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ._device import sm_count
+from ._launch import launch
 from .reference import GATED
 
 MAX_HIDDEN = 65536
@@ -122,7 +123,7 @@ def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     block_m, block_n, num_warps = _fwd_config(N)
     g = gate if gate is not None else x
-    _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+    launch(_rms_norm_fwd_kernel, (triton.cdiv(M, block_m),),
         x, weight, g, y, rstd, M, N, x.stride(0), g.stride(0), y.stride(0), eps,
         MODE=mode, ROUND_T=_round_t(x, weight, mode), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
@@ -139,7 +140,7 @@ def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int):
     dw_partial = torch.empty((grid, N), dtype=torch.float32, device=x.device)
     g = gate if gate is not None else x
     dg = dgate if gate is not None else dx
-    _rms_norm_bwd_kernel[(grid,)](
+    launch(_rms_norm_bwd_kernel, (grid,),
         dy, x, weight, g, rstd, dx, dg, dw_partial, M, N, rows_per_program,
         dy.stride(0), x.stride(0), g.stride(0), dx.stride(0), dg.stride(0),
         MODE=mode, ROUND_T=_round_t(x, weight, mode), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,

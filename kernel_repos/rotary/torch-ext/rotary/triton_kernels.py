@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._device import sm_count
+from ._launch import launch
 from .reference import NONE, STANDARD
 
 
@@ -487,7 +488,7 @@ def qk_rope_fwd(q, k, cos, sin, q_out, k_out, q_weight=None, k_weight=None, eps=
     wq = q_weight if q_weight is not None else cos
     wk = k_weight if k_weight is not None else cos
     sc_b, sc_s = _cos_strides(cos)
-    _fwd_kernel[(n_prog_q + n_prog_k,)](
+    launch(_fwd_kernel, (n_prog_q + n_prog_k,),
         q, k, q_out, k_out, wq, wk, cos, sin, Mq, Mk, rpp, rpp, n_prog_q, Hq, Hk, S,
         *_bhs(q), *_bhs(k), *_bhs(q_out), *_bhs(k_out), sc_b, sc_s, float(eps), D, R // 2,
         NORM=norm, ROUND_NORM=round_norm, ROUND_ROPE=_round(q_out.dtype),
@@ -532,7 +533,7 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
         dwq = dwk = cos
         qx, kx, wq, wk = dq_out, dk_out, cos, cos
     sc_b, sc_s = _cos_strides(cos)
-    _bwd_kernel[(n_prog_q + n_prog_k,)](
+    launch(_bwd_kernel, (n_prog_q + n_prog_k,),
         dq_out, dk_out, qx, kx, dq, dk, wq, wk, dwq, dwk, cos, sin,
         Mq, Mk, rpp_q, rpp_k, n_prog_q, Hq, Hk, S,
         *_bhs(dq_out), *_bhs(dk_out), *_bhs(qx), *_bhs(kx), *_bhs(dq), *_bhs(dk), sc_b, sc_s,
