@@ -210,6 +210,9 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the per-load "Loading weights" bars
+    # the plain Qwen3.5 reference runs transformers' own torch path for Gated DeltaNet on purpose
+    hf_logging.get_logger("transformers.integrations.hub_kernels").addFilter(
+        lambda record: "falling back to its reference PyTorch implementation" not in record.getMessage())
     t0 = time.time()
     log("building every kernel repo and loading them locally (hubfuse.use_local_builds()) ...")
     hubfuse.use_local_builds()

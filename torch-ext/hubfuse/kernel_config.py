@@ -227,9 +227,14 @@ def _loading_model(frame):
 
 def _model_namespace(cls) -> dict:
     """The module that defines the model class: its classes (what the class-name keys can patch) and hub
-    functions."""
-    module = sys.modules.get(cls.__module__)
-    return dict(vars(module)) if module is not None else {}
+    functions. Wrappers made at run time (FSDP2's `FSDP<Model>`) are skipped for the class they wrap."""
+    for c in cls.__mro__:
+        if "config_class" not in vars(c):  # mixins such as FSDPModule, or no model class at all
+            continue
+        module = sys.modules.get(c.__module__)
+        if module is not None and getattr(module, c.__name__, None) is c:
+            return dict(vars(module))
+    return {}
 
 
 def kernel_state_snapshot():
@@ -389,9 +394,10 @@ class KernelConfig(transformers.KernelConfig):
         entries, namespace = self._load["entries"], _model_namespace(type(model))
         applied = {id(e): e.applies(model, registered, namespace) for e in entries}
         if entries and not any(applied.values()):
+            message = self._binds_nothing(type(model).__name__, self._load["model_type"], entries,
+                                          self._load["family"])
             self._abort_load()
-            raise ValueError(self._binds_nothing(type(model).__name__, self._load["model_type"], entries,
-                                                 self._load["family"]))
+            raise ValueError(message)
         bound_names = {e.name for e in entries if applied[id(e)]}
         for e in entries:
             if not applied[id(e)]:
