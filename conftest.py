@@ -8,6 +8,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton fixes the interpreter mode of nested @triton.jit functions when it is first imported: import it
+    # now, so that a test which flips TRITON_INTERPRET=0 (the torch path) first cannot break later kernels
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
 
 
 def pytest_configure(config):

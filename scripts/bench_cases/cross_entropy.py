@@ -156,13 +156,12 @@ def run(h):
     def ce_inplace(x, y):
         return ce.cross_entropy(x, y, inplace=True)
     impls += [
-        ("hubfuse_inplace", cfg(ce_inplace)),  # scalar kernel 32768 x 32 warps, unit-scale skip, sync check
+        ("hubfuse_inplace", cfg(ce_inplace)),  # scalar kernel 32768 x 32 warps, unit-scale skip, device-side label check
         ("hubfuse_vector_lse_8192x16", cfg(ce_inplace, vector_lse=True)),
         ("hubfuse_vector_lse_16384x32", cfg(ce_inplace, vector_lse=True, block_v=16384, num_warps=32)),
         ("hubfuse_vector_lse_4096x8", cfg(ce_inplace, vector_lse=True, block_v=4096, num_warps=8)),
         ("hubfuse_scalar_16384x16", cfg(ce_inplace, block_v=16384, num_warps=16)),
         ("hubfuse_old_4096x8", cfg(ce_inplace, block_v=4096, num_warps=8)),
-        ("hubfuse_label_check_async", cfg(ce_inplace, label_check="async")),
         ("hubfuse_mul_scale", cfg(ce_inplace, skip_unit_scale=False)),
     ]
     _run_impls(h, op, impls, mk_ce, floor, "floor = read logits + write grad once (bf16)")

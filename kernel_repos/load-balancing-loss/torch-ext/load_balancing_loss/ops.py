@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
+from ._checks import first_order
 from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from .reference import (
@@ -97,6 +98,7 @@ def _lbl_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*gate_logits, *([mask] if mask is not None else []), output[1])
 
 
+@first_order("load_balancing_loss")
 def _lbl_backward(ctx, grad_loss, _grad_dloss):
     saved = ctx.saved_tensors
     gate_logits = list(saved[:ctx.num_layers])
@@ -124,6 +126,7 @@ class _load_balancing_loss_fwd(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @first_order("load_balancing_loss")
     def backward(ctx, grad_loss):
         mask, dloss_dprobsum, *gate_logits = ctx.saved_tensors
         grads = _lbl_bwd_impl(grad_loss.contiguous(), gate_logits, mask, dloss_dprobsum, ctx.layers)
@@ -262,6 +265,7 @@ def _router_setup_context(ctx, inputs, output):
     ctx.normalize = normalize
 
 
+@first_order("softmax_topk")
 def _router_backward(ctx, d_scores, _d_indices, _d_stats):
     router_logits, stats, indices = ctx.saved_tensors
     return _router_bwd(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
@@ -282,6 +286,7 @@ class _softmax_topk_fwd(torch.autograd.Function):
         return scores, indices
 
     @staticmethod
+    @first_order("softmax_topk")
     def backward(ctx, d_scores, _d_indices):
         router_logits, stats, indices = ctx.saved_tensors
         return _router_bwd_impl(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None

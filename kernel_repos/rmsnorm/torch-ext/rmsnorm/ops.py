@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ._checks import first_order
 from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from .reference import GATED, STANDARD, ZERO_CENTERED, rms_norm_bwd_reference, rms_norm_fwd_reference
@@ -70,6 +71,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mode = mode
 
 
+@first_order("rms_norm")
 def _backward(ctx, dy, _drstd):
     x, weight, gate, rstd = ctx.saved_tensors
     dx, dw, dgate = _rms_norm_bwd(dy.contiguous(), x, weight, gate, rstd, ctx.mode)
@@ -90,6 +92,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("rms_norm")
     def backward(ctx, dy):
         x, weight, gate, rstd = ctx.saved_tensors
         dx, dw, dgate = _bwd_impl(dy.contiguous(), x, weight, gate, rstd, ctx.mode)

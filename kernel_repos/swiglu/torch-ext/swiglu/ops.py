@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ._checks import first_order
 from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from ._rmsnorm.ops import rms_norm
@@ -62,6 +63,7 @@ def _swiglu_setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
 
+@first_order("swiglu")
 def _swiglu_backward(ctx, dh):
     (gate_up,) = ctx.saved_tensors
     return _swiglu_bwd(dh.contiguous(), gate_up)
@@ -115,6 +117,7 @@ def _swiglu_down_setup_context(ctx, inputs, output):
     ctx.has_down_bias = down_bias is not None
 
 
+@first_order("swiglu_mlp")
 def _swiglu_down_backward(ctx, dout):
     gate_up, down_weight = ctx.saved_tensors
     d_down_weight, d_down_bias = _swiglu_down_bwd(dout.contiguous(), gate_up, down_weight, ctx.has_down_bias)
