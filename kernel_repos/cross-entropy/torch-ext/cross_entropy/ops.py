@@ -354,7 +354,7 @@ def _nib_tensor(num_items_in_batch, device):
     return torch.tensor(float(num_items_in_batch), device=device)
 
 
-def _check_labels(name, labels, lead_shape, device):
+def _check_labels(name, labels, lead_shape, device, input_name):
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{name}: labels must be a tensor")
     if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
@@ -363,7 +363,7 @@ def _check_labels(name, labels, lead_shape, device):
         raise ValueError(f"{name}: labels shape {tuple(labels.shape)} does not match the token shape "
                          f"{tuple(lead_shape)}")
     if labels.device != device:
-        raise ValueError(f"{name}: labels are on {labels.device} but the inputs on {device}")
+        raise ValueError(f"{name}: labels are on {labels.device} but {input_name} on {device}")
 
 
 def linear_cross_entropy(
@@ -404,7 +404,7 @@ def linear_cross_entropy(
             raise ValueError(f"{name}: bias must be a ({weight.shape[0]},) tensor")
         if bias.dtype != weight.dtype or bias.device != weight.device:
             raise TypeError(f"{name}: bias dtype/device {bias.dtype}/{bias.device} does not match weight")
-    _check_labels(name, labels, hidden.shape[:-1], hidden.device)
+    _check_labels(name, labels, hidden.shape[:-1], hidden.device, "hidden")
     _check_options(name, reduction, label_smoothing, softcap, num_items_in_batch, ignore_index)
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"{name}: chunk_size must be >= 1, got {chunk_size}")
@@ -444,7 +444,7 @@ def cross_entropy(
         raise TypeError(f"{name}: logits must be floating point, got {logits.dtype}")
     if logits.dim() < 1 or logits.numel() == 0:
         raise ValueError(f"{name}: expected non-empty logits (..., V), got {tuple(logits.shape)}")
-    _check_labels(name, labels, logits.shape[:-1], logits.device)
+    _check_labels(name, labels, logits.shape[:-1], logits.device, "logits")
     _check_options(name, reduction, label_smoothing, softcap, num_items_in_batch, ignore_index)
     V = logits.shape[-1]
     if logits.is_contiguous():

@@ -208,7 +208,8 @@ def moe_experts(
     torch.compile alike: a ValueError on CPU; on a GPU a device-side assert (no host sync), which fails the
     next synchronising call and leaves the CUDA context unusable (as PyTorch's own index checks do).
     """
-    if isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
+    device_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
+    if device_type and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         # mixed-precision training (fp32 master weights under autocast): run the GEMMs in the autocast dtype,
         # as F.linear does in HF's eager path; the casts are differentiable
         dtype = torch.get_autocast_dtype(hidden_states.device.type)

@@ -113,11 +113,11 @@ def _check_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate: Option
         raise ValueError(f"{name}: hidden size {x.shape[-1]} of hidden_states does not match weight size "
                          f"{weight.shape[0]}")
     if x.numel() == 0:
-        raise ValueError(f"{name}: empty input {tuple(x.shape)}")
+        raise ValueError(f"{name}: hidden_states is empty, shape {tuple(x.shape)}")
     if weight.device != x.device:
         raise ValueError(f"{name}: weight is on {weight.device} but hidden_states on {x.device}")
     if x.shape[-1] > 65536:
-        raise ValueError(f"{name}: hidden size {x.shape[-1]} exceeds the supported maximum 65536")
+        raise ValueError(f"{name}: hidden size {x.shape[-1]} of hidden_states exceeds the supported maximum 65536")
     if gate is not None:
         if gate.shape != x.shape:
             raise ValueError(f"{name}: gate shape {tuple(gate.shape)} does not match hidden_states "

@@ -206,12 +206,20 @@ def _check_rope(name, q, k, cos, sin, unsqueeze_dim):
         raise ValueError(f"{name}: cos/sin {tuple(cos.shape)} do not match q {tuple(q.shape)}: expected "
                          f"({B} or 1, {S}, rotary_dim) for unsqueeze_dim={unsqueeze_dim}")
     if q.numel() == 0 or k.numel() == 0:
-        raise ValueError(f"{name}: empty input q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(f"{name}: q and k must not be empty, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     return head_pos
 
 
 def _last_contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin with a unit-stride last dim and one layout: the kernels read both with cos's strides."""
+    cos, sin = _last_contig(cos), _last_contig(sin)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
 
 
 def _cos_sin_need_grad(cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -226,7 +234,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
     head_pos = _check_rope("apply_rotary_pos_emb", q, k, cos, sin, unsqueeze_dim)
     if _cos_sin_need_grad(cos, sin):
         return apply_rotary_pos_emb_hf(q, k, cos, sin, head_pos)
-    return _rope_fwd(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
+    return _rope_fwd(_last_contig(q), _last_contig(k), *_cos_sin(cos, sin), head_pos)
 
 
 def apply_rotary_pos_emb_flat(q, k, cos, sin, unsqueeze_dim: int = 1):
@@ -235,7 +243,7 @@ def apply_rotary_pos_emb_flat(q, k, cos, sin, unsqueeze_dim: int = 1):
     if _cos_sin_need_grad(cos, sin):
         q_embed, k_embed = apply_rotary_pos_emb_hf(q, k, cos, sin, head_pos)
         return torch.cat([q_embed.reshape(-1), k_embed.reshape(-1)])
-    return _rope_fwd_flat(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
+    return _rope_fwd_flat(_last_contig(q), _last_contig(k), *_cos_sin(cos, sin), head_pos)
 
 
 # ------------------------------------------------------------------ in-place RoPE
@@ -292,13 +300,27 @@ def apply_rotary_pos_emb_(q, k, cos, sin, unsqueeze_dim: int = 1):
         raise TypeError(f"{name}: cos/sin {cos.dtype} would promote q {q.dtype}: in place needs cos.dtype <= q.dtype")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"{name}: q and k need a contiguous last dim to be rotated in place")
+    for what, t in (("q", q), ("k", k)):
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name}: {what} is expanded (stride 0 on a dim of size > 1, strides {t.stride()}): "
+                             "its elements share memory and cannot be rotated in place; use apply_rotary_pos_emb")
     if _cos_sin_need_grad(cos, sin):
         raise ValueError(f"{name}: cos and sin require grad, and their gradient needs the unrotated q and k, which "
                          "the in-place rotation overwrites: use apply_rotary_pos_emb, or detach cos and sin")
     if torch.compiler.is_compiling() and torch.__version__ < (2, 13):
         raise RuntimeError(f"{name}: torch.compile needs torch >= 2.13 here (older Dynamo can drop ctx.mark_dirty, "
                            "pytorch#184113); use apply_rotary_pos_emb")
-    cos, sin = _last_contig(cos), _last_contig(sin)
+    cos, sin = _cos_sin(cos, sin)
+    if torch.compiler.is_compiling():
+        # AOTAutograd loses the backward of an autograd.Function that marks a graph input dirty (torch 2.13: q / k
+        # passed into the compiled region got the identity as gradient): under compile rotate out of place and
+        # copy back, an input mutation that functionalization handles (one temporary of the rotated part)
+        R = cos.shape[-1]
+        q_rot, k_rot = q[..., :R], k[..., :R]
+        q_new, k_new = _rope_fwd(q_rot, k_rot, cos, sin, head_pos)
+        q_rot.copy_(q_new)
+        k_rot.copy_(k_new)
+        return q, k
     return _RopeInplace.apply(q, cos, sin, head_pos), _RopeInplace.apply(k, cos, sin, head_pos)
 
 
@@ -442,7 +464,7 @@ def _qk_norm_rope(name, q, k, q_weight, k_weight, cos, sin, eps, mode):
     if _cos_sin_need_grad(cos, sin):
         return qk_norm_rope_hf(q, k, q_weight, k_weight, cos, sin, float(eps), mode)
     return _qk_norm_rope_fwd(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
-                             _last_contig(cos), _last_contig(sin), float(eps), mode)
+                             *_cos_sin(cos, sin), float(eps), mode)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
@@ -467,7 +489,7 @@ def qk_norm_rope_flat(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, zer
         q_out, k_out = qk_norm_rope_hf(q, k, q_weight, k_weight, cos, sin, float(eps), mode)
         return torch.cat([q_out.reshape(-1), k_out.reshape(-1)])
     return _qk_norm_rope_fwd_flat(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
-                                  _last_contig(cos), _last_contig(sin), float(eps), mode)
+                                  *_cos_sin(cos, sin), float(eps), mode)
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "apply_rotary_pos_emb_", "qk_norm_rope",

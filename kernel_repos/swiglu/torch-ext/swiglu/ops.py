@@ -142,7 +142,7 @@ def _check_gate_up(name: str, gate_up: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected gate_up (..., 2 * intermediate) with an even last dimension, got "
                          f"{tuple(gate_up.shape)}")
     if gate_up.numel() == 0:
-        raise ValueError(f"{name}: empty input {tuple(gate_up.shape)}")
+        raise ValueError(f"{name}: gate_up is empty, shape {tuple(gate_up.shape)}")
 
 
 def _check_mlp(name, x, gate_up_weight, down_weight, gate_up_bias, down_bias) -> None:
@@ -198,8 +198,8 @@ def swiglu_mlp(
     in the HF module; the gradients flow back to the fp32 master weights through the casts), and the MLP runs
     with autocast off, in that dtype, forward and backward.
     """
-    if isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
-        device_type = hidden_states.device.type
+    device_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
+    if device_type and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         cast = torch.get_autocast_dtype(device_type)
         args = [t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 for t in (hidden_states, gate_up_weight, down_weight, gate_up_bias, down_bias)]
