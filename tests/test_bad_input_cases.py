@@ -231,7 +231,7 @@ def test_case8_moe_expert_ids_out_of_range_under_compile(path, backend, bad_id):
     bad = index.clone()
     bad[3, 1] = bad_id
     for call in (fn, moe.moe_experts):
-        with pytest.raises(ValueError, match=r"top_k_index values must be in \[0, 4\) or equal 4.*found " + str(bad_id)):
+        with pytest.raises(ValueError, match=rf"top_k_index values must be in \[0, 4\) or equal 4.*found {bad_id}"):
             call(hidden, bad, weights, gate_up, down)
     # the expert-parallel sentinel E is valid: that slot contributes nothing, as in HF's loop
     skip = index.clone()
