@@ -140,6 +140,34 @@ def test_case6_cross_entropy_double_backward_raises(path):
                          _leaf(torch.randn(3, 8)), _leaf(torch.randn(6, 8)))
 
 
+def _other_first_order_ops():
+    import load_balancing_loss as lbl
+
+    q, k, cos, sin = (torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8))
+    E = 4
+    moe_args = (torch.randn(5, 8), torch.randint(0, E, (5, 2)), torch.rand(5, 2), torch.randn(E, 12, 8),
+                torch.randn(E, 8, 6))
+    return {
+        "moe_experts": (lambda h: moe.moe_experts(h, *moe_args[1:]), moe_args[0]),
+        "apply_rotary_pos_emb": (lambda x: rotary.apply_rotary_pos_emb(x, k, cos, sin)[0], q),
+        "apply_rotary_pos_emb_flat": (lambda x: rotary.apply_rotary_pos_emb_flat(x, k, cos, sin), q),
+        "apply_rotary_pos_emb_": (lambda x: rotary.apply_rotary_pos_emb_(x * 1, k.clone(), cos, sin)[0], q),
+        "qk_norm_rope": (lambda x: rotary.qk_norm_rope(x, k.transpose(1, 2), torch.randn(8), torch.randn(8), cos,
+                                                      sin)[0], q.transpose(1, 2)),
+        "load_balancing_loss": (lambda x: lbl.load_balancing_loss([x, x * 2], 6, 2), torch.randn(7, 6)),
+        "softmax_topk": (lambda x: lbl.softmax_topk(x, 2)[0], torch.randn(7, 6)),
+    }
+
+
+@pytest.mark.parametrize("op", ["moe_experts", "apply_rotary_pos_emb", "apply_rotary_pos_emb_flat",
+                                "apply_rotary_pos_emb_", "qk_norm_rope", "load_balancing_loss", "softmax_topk"])
+def test_double_backward_raises_in_every_fused_backward(path, op):
+    torch.manual_seed(9)
+    fn, x = _other_first_order_ops()[op]
+    with pytest.raises(RuntimeError, match=f"{op.rstrip('_')}_?: {DOUBLE_BACKWARD}"):
+        _double_backward(fn, _leaf(x))
+
+
 def test_double_backward_under_compile_raises():
     # torch.compile's autograd refuses double backward with its own clear error
     torch._dynamo.reset()
