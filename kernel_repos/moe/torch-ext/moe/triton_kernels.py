@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._device import capability, sm_count
+from ._launch import cdiv, next_power_of_2, launch
 
 
 @triton.jit
@@ -579,18 +580,18 @@ class _RowTiles:
             offsets = self.expert_offsets
             E = offsets.numel() - 1
             # static bound on the number of row tiles: the grid size never depends on the routing
-            max_tiles = max(1, min(triton.cdiv(self.S, block_m) + E, self.S))
+            max_tiles = max(1, min(cdiv(self.S, block_m) + E, self.S))
             tile_expert = torch.empty(max_tiles, dtype=torch.int64, device=offsets.device)
             tile_start = torch.empty(E + 1, dtype=torch.int64, device=offsets.device)  # [E]: the tile count
-            block_e = triton.next_power_of_2(E)
+            block_e = next_power_of_2(E)
             # a (BLOCK_J, BLOCK_E) comparison per program, <= 4096 elements (16384 took 7-10 us per launch, this 2)
             block_j = max(16, min(1024, 4096 // block_e))
-            map_programs = triton.cdiv(max_tiles, block_j)
+            map_programs = cdiv(max_tiles, block_j)
             pos_programs = 0
             if self.sorted_slot is not None and self._pos is None:
                 self._pos = torch.empty_like(self.sorted_slot)
-                pos_programs = triton.cdiv(self.S, _POSITIONS_BLOCK)
-            _tile_map_kernel[(map_programs + pos_programs,)](
+                pos_programs = cdiv(self.S, _POSITIONS_BLOCK)
+            launch(_tile_map_kernel, (map_programs + pos_programs,),
                 offsets, tile_expert, tile_start, self.sorted_slot if pos_programs else tile_expert,
                 self._pos if pos_programs else tile_expert, E, max_tiles, self.S, map_programs, BLOCK_M=block_m,
                 BLOCK_E=block_e, BLOCK_J=block_j, BLOCK_P=_POSITIONS_BLOCK, num_warps=4)
@@ -680,10 +681,10 @@ def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype, refill=None)
     K = top_k_index.shape[1]
     out = torch.empty((T, H), dtype=out_dtype, device=y_rows.device)
     cfg = TUNING["combine"] if _on_gpu(y_rows) else dict(BLOCK_T=16, BLOCK_N=32, num_warps=4)
-    block_t, block_n = cfg["BLOCK_T"], min(cfg["BLOCK_N"], triton.next_power_of_2(H))
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_n))
+    block_t, block_n = cfg["BLOCK_T"], min(cfg["BLOCK_N"], next_power_of_2(H))
+    grid = (cdiv(T, block_t), cdiv(H, block_n))
     src = refill if refill is not None else y_rows
-    _combine_kernel[grid](
+    launch(_combine_kernel, grid,
         y_rows, pos, top_k_index, weights if weights is not None else y_rows, out, src, T, H, E,
         y_rows.stride(0), out.stride(0), src.stride(0), K=K, HAS_WEIGHT=weights is not None,
         REFILL=refill is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=cfg["num_warps"],
@@ -695,9 +696,9 @@ def _gather_rows(src, sorted_slot, top_k, dst):
     """dst[r] = src[token of row r] (token = sorted_slot[r] // top_k), dst (S, N) in src's dtype."""
     S, N = dst.shape
     cfg = TUNING["gather_rows"] if _on_gpu(src) else dict(BLOCK_R=8, BLOCK_N=32, num_warps=4)
-    block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(N))
-    grid = (triton.cdiv(S, cfg["BLOCK_R"]), triton.cdiv(N, block_n))
-    _gather_rows_kernel[grid](src, sorted_slot, dst, S, N, top_k, src.stride(0), dst.stride(0),
+    block_n = min(cfg["BLOCK_N"], next_power_of_2(N))
+    grid = (cdiv(S, cfg["BLOCK_R"]), cdiv(N, block_n))
+    launch(_gather_rows_kernel, grid, src, sorted_slot, dst, S, N, top_k, src.stride(0), dst.stride(0),
                               BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n, num_warps=cfg["num_warps"])
     return dst
 
@@ -707,9 +708,9 @@ def _swiglu_bwd_rows(g_act, gate_up_out, sorted_slot, top_k_weights, expert_offs
     act_w, returns the routing-weight grad (T, K) in the weights' dtype (zero for slots routed outside [0, E))."""
     S, inter = g_act.shape
     cfg = TUNING["swiglu_bwd_rows"] if _on_gpu(g_act) else dict(BLOCK_R=4, BLOCK_N=16, num_warps=4)
-    block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(inter))
+    block_n = min(cfg["BLOCK_N"], next_power_of_2(inter))
     dweights = torch.empty_like(top_k_weights)
-    _swiglu_bwd_rows_kernel[(triton.cdiv(S, cfg["BLOCK_R"]),)](
+    launch(_swiglu_bwd_rows_kernel, (cdiv(S, cfg["BLOCK_R"]),),
         g_act, gate_up_out, sorted_slot, top_k_weights, expert_offsets, dgate_up_out, dweights, S, inter,
         expert_offsets.numel() - 1, g_act.stride(0), gate_up_out.stride(0), dgate_up_out.stride(0),
         BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n, num_warps=cfg["num_warps"],
@@ -783,7 +784,7 @@ def _weight_grad_triton(name, rows_a, rows_b, sorted_slot, top_k, expert_offsets
     E, M, N = like.shape
     cfg = _config(name, rows_a, sorted_slot.numel(), E)
     out = torch.empty_like(like)
-    _weight_grad_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)](
+    launch(_weight_grad_kernel, (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), E),
         rows_a, rows_b, sorted_slot, expert_offsets, out, M, N, top_k, rows_a.stride(0), rows_b.stride(0),
         out.stride(0),
         out.stride(1), PREC=_prec(rows_a.dtype), EVEN_M=M % cfg["BLOCK_M"] == 0, EVEN_N=N % cfg["BLOCK_N"] == 0,
@@ -801,13 +802,13 @@ def _down_bwd_act(dout, dout_sorted, down_proj, sorted_slot, top_k_weights, row_
     E, H, inter = down_proj.shape
     cfg = _config("down_bwd_act", dout, S, E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-    tiles_i = triton.cdiv(inter, cfg["BLOCK_N"])
+    tiles_i = cdiv(inter, cfg["BLOCK_N"])
     act_w = torch.empty((S, inter), dtype=dout.dtype, device=dout.device)
     dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=dout.device)
     even_k = H % cfg["BLOCK_K"] == 0
     w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     a_op, tma_a = _rows_operand(dout, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]]) if dout_sorted else (dout, False)
-    _down_bwd_act_kernel[(_persistent_grid(cfg, tiles_i * max_tiles, dout.device),)](
+    launch(_down_bwd_act_kernel, (_persistent_grid(cfg, tiles_i * max_tiles, dout.device),),
         dout, a_op, w_down, sorted_slot, top_k_weights, tile_expert, tile_start, expert_offsets, gate_up_out,
         dgate_up_out, act_w, dw_part, H, inter, E, top_k_weights.shape[1], tiles_i, dout.stride(0),
         down_proj.stride(0), down_proj.stride(1), gate_up_out.stride(0), dgate_up_out.stride(0), act_w.stride(0),
@@ -828,13 +829,13 @@ def _rows_gemm(name, a, w, row_tiles, expert_offsets, out):
     N, K = (w.shape[1], w.shape[2]) if b_nk else (w.shape[2], w.shape[1])
     cfg = _config(name, a, a.shape[0], E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-    tiles_n = triton.cdiv(N, cfg["BLOCK_N"])
+    tiles_n = cdiv(N, cfg["BLOCK_N"])
     # a TMA weight tile must not straddle two experts' slices of the 2-D view: along N for (E, N, K), along K else
     in_expert = (N if b_nk else K) % (cfg["BLOCK_N"] if b_nk else cfg["BLOCK_K"]) == 0
     block = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
     w_op, tma = _weight_operand(w, cfg, block, in_expert)
     a_op, tma_a = _rows_operand(a, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    _rows_gemm_kernel[(_persistent_grid(cfg, tiles_n * max_tiles, a.device),)](
+    launch(_rows_gemm_kernel, (_persistent_grid(cfg, tiles_n * max_tiles, a.device),),
         a, a_op, w_op, tile_expert, tile_start, expert_offsets, out,
         N, K, E, tiles_n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         PREC=_prec(a.dtype), EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, TMA=tma, TMA_A=tma_a,
@@ -852,9 +853,9 @@ def _gate_up_fwd(hidden, gate_up_proj, sorted_slot, top_k, row_tiles, expert_off
     inter = two_i // 2
     cfg = _config("gate_up_fwd", hidden, gate_up_out.shape[0], E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-    tiles_n = triton.cdiv(inter, cfg["BLOCK_N"])
+    tiles_n = cdiv(inter, cfg["BLOCK_N"])
     w_gu, tma = _gate_up_operand(gate_up_proj, cfg)
-    _gate_up_fwd_kernel[(_persistent_grid(cfg, tiles_n * max_tiles, hidden.device),)](
+    launch(_gate_up_fwd_kernel, (_persistent_grid(cfg, tiles_n * max_tiles, hidden.device),),
         hidden, w_gu, sorted_slot, tile_expert, tile_start, expert_offsets, gate_up_out, act,
         H, inter, E, top_k, tiles_n, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
         gate_up_out.stride(0), act.stride(0), PREC=_prec(hidden.dtype), EVEN_N=inter % cfg["BLOCK_N"] == 0,

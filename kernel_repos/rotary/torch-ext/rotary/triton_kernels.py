@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._device import sm_count
+from ._launch import cdiv, next_power_of_2, launch
 from .reference import NONE, STANDARD
 
 
@@ -443,9 +444,9 @@ def _blocks(kind: str, D: int, R: int, has_pass: bool):
     pass-through part and TUNING[kind]["row_tile"]), else the column-group
     kernels (ROW_BLOCK 0)."""
     cfg = TUNING[kind]
-    half_block = triton.next_power_of_2(max(R // 2, 1))
-    pass_block = triton.next_power_of_2(D - R) if has_pass else 1
-    row_block = triton.next_power_of_2(D) if has_pass and cfg["row_tile"] else 0
+    half_block = next_power_of_2(max(R // 2, 1))
+    pass_block = next_power_of_2(D - R) if has_pass else 1
+    row_block = next_power_of_2(D) if has_pass and cfg["row_tile"] else 0
     row_elems = row_block or 2 * half_block + (pass_block if has_pass else 0)
     block_m = _pow2_floor(cfg["block_elems"] // row_elems)
     num_warps = min(8, _pow2_floor(block_m * row_elems // cfg["elems_per_warp"]))
@@ -483,11 +484,11 @@ def qk_rope_fwd(q, k, cos, sin, q_out, k_out, q_weight=None, k_weight=None, eps=
     kind = "rope_fwd" if norm == NONE else "norm_fwd"
     block_m, half_block, pass_block, row_block, num_warps = _blocks(kind, D, R, has_pass)
     rpp = block_m
-    n_prog_q, n_prog_k = triton.cdiv(Mq, rpp), triton.cdiv(Mk, rpp)
+    n_prog_q, n_prog_k = cdiv(Mq, rpp), cdiv(Mk, rpp)
     wq = q_weight if q_weight is not None else cos
     wk = k_weight if k_weight is not None else cos
     sc_b, sc_s = _cos_strides(cos)
-    _fwd_kernel[(n_prog_q + n_prog_k,)](
+    launch(_fwd_kernel, (n_prog_q + n_prog_k,),
         q, k, q_out, k_out, wq, wk, cos, sin, Mq, Mk, rpp, rpp, n_prog_q, Hq, Hk, S,
         *_bhs(q), *_bhs(k), *_bhs(q_out), *_bhs(k_out), sc_b, sc_s, float(eps), D, R // 2,
         NORM=norm, ROUND_NORM=round_norm, ROUND_ROPE=_round(q_out.dtype),
@@ -514,16 +515,16 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
     Mq, Mk = B * Hq * S, B * Hk * S
     kind = "rope_bwd" if norm == NONE else "norm_bwd"
     block_m, half_block, pass_block, row_block, num_warps = _blocks(kind, D, R, D > R)
-    blocks_q, blocks_k = triton.cdiv(Mq, block_m), triton.cdiv(Mk, block_m)
+    blocks_q, blocks_k = cdiv(Mq, block_m), cdiv(Mk, block_m)
     programs = _num_programs(dq_out.device)
     if norm == NONE or programs <= 0:  # one tile of rows per program
         rpp_q = rpp_k = block_m
     else:  # programs looping over rows, split between q and k by row count
         n_q = max(1, min(blocks_q, programs * Mq // (Mq + Mk)))
         n_k = max(1, min(blocks_k, programs * Mk // (Mq + Mk)))
-        rpp_q = triton.cdiv(blocks_q, n_q) * block_m
-        rpp_k = triton.cdiv(blocks_k, n_k) * block_m
-    n_prog_q, n_prog_k = triton.cdiv(Mq, rpp_q), triton.cdiv(Mk, rpp_k)
+        rpp_q = cdiv(blocks_q, n_q) * block_m
+        rpp_k = cdiv(blocks_k, n_k) * block_m
+    n_prog_q, n_prog_k = cdiv(Mq, rpp_q), cdiv(Mk, rpp_k)
     if norm != NONE:
         dwq = torch.empty((n_prog_q, D), dtype=torch.float32, device=dq.device)
         dwk = torch.empty((n_prog_k, D), dtype=torch.float32, device=dq.device)
@@ -532,7 +533,7 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
         dwq = dwk = cos
         qx, kx, wq, wk = dq_out, dk_out, cos, cos
     sc_b, sc_s = _cos_strides(cos)
-    _bwd_kernel[(n_prog_q + n_prog_k,)](
+    launch(_bwd_kernel, (n_prog_q + n_prog_k,),
         dq_out, dk_out, qx, kx, dq, dk, wq, wk, dwq, dwk, cos, sin,
         Mq, Mk, rpp_q, rpp_k, n_prog_q, Hq, Hk, S,
         *_bhs(dq_out), *_bhs(dk_out), *_bhs(qx), *_bhs(kx), *_bhs(dq), *_bhs(dk), sc_b, sc_s,
