@@ -8,6 +8,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton fixes the interpreter mode of nested @triton.jit functions when it is first imported: import it
+    # now, so that a test which flips TRITON_INTERPRET=0 (the torch path) first cannot break later kernels
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
 
 
 def pytest_configure(config):
@@ -24,3 +30,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the bad-input matrix report when its cells ran (tests/test_bad_input_matrix.py); with
+    HUBFUSE_BAD_INPUT_REPORT=<path> also write it there (docs/bad_input_matrix.md)."""
+    import sys
+
+    matrix = sys.modules.get("tests.bad_input_matrix")
+    if matrix is None or not matrix.RESULTS:
+        return
+    text = matrix.report(matrix.RESULTS, seconds=sum(o.seconds for o in matrix.RESULTS))
+    terminalreporter.write_sep("=", "bad-input matrix")
+    for line in text.splitlines():
+        terminalreporter.write_line(line)
+    path = os.environ.get("HUBFUSE_BAD_INPUT_REPORT")
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+        terminalreporter.write_line(f"bad-input matrix report written to {path}")

@@ -9,8 +9,9 @@ Stock transformers 5.22.2 has three faults when hub kernels are used for trainin
 3. A kernelized load leaves process-global state behind: class patch mappings, checkpoint conversion
    mappings (which also grow with every load) and patched output recorders. A later plain load of the same
    architecture gets our Layouts, un-kernelized, and loses recorded outputs (router logits, attentions).
-   A load that fails half-way also leaves transformers' module classes swapped (`apply_patches` has no
-   try/finally). Also, the config object is rewritten in place and cannot serve a second load.
+   A load that fails half-way (a Layout that cannot be built, a missing layer, a checkpoint that does not fit)
+   also leaves transformers' module classes swapped (`apply_patches` has no try/finally). Also, the config
+   object is rewritten in place and cannot serve a second load.
 
 4. With a kernel that ships a Layout, every key is a class-name regex, so a hub-name key over-matches
    ("RMSNorm" also swaps `Qwen3_5MoeRMSNorm` and `Qwen3_5MoeRMSNormGated` for the standard norm).
@@ -19,7 +20,10 @@ This subclass takes the same mapping forms and fixes all four (hub-name keys sel
 transformers registered under that name): it registers every kernel for every mode
 (inference, training, and their torch.compile forms), accepts cpu, binds a private copy of the compiled
 mapping to the model (so the user's object can be reused), and restores the global state it found once the
-model is built (or, after a load that raised, when the next load starts). `restore_global_state()` / `kernel_state_snapshot()` are also exported for manual use.
+model is built. A load that raises restores it before the exception reaches the caller: creating a
+hubfuse.KernelConfig wraps `PreTrainedModel.from_pretrained` once per process (`_guard_from_pretrained`; loads
+without a hubfuse.KernelConfig run unchanged through it). `restore_global_state()` / `kernel_state_snapshot()`
+are also exported for manual use.
 
 On top of that, for the user: `KernelConfig()` with no mapping is the preset of the family being loaded
 (`config.model_type`, read when the load starts) with the fused losses switched on once the model is built; every
@@ -30,6 +34,7 @@ a mapping that binds nothing raises; hub layers the mapping leaves out are regis
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import re
 import sys
@@ -87,14 +92,43 @@ class _GlobalState:
                     setattr(module, attr, cls)
 
 
-# States captured at the start of a kernelized load and not yet restored: a load that raised leaves its
-# entry here, and the next load (through any hubfuse.KernelConfig) restores it before starting.
+# States captured at the start of a kernelized load and not yet restored. The `from_pretrained` guard restores
+# them when a load raises; the next load (through any hubfuse.KernelConfig) also restores any left before
+# starting (a load that did not go through the guard).
 _UNFINISHED: list[_GlobalState] = []
 
 
 def _recover_from_failed_loads():
     while _UNFINISHED:
         _UNFINISHED.pop().restore()  # the oldest is restored last: it holds the state before all of them
+
+
+def _guard_from_pretrained():
+    """Wrap `PreTrainedModel.from_pretrained` (once per process): a load given a hubfuse.KernelConfig that raises
+    restores transformers' global state, and the config's own mapping, before the exception propagates.
+
+    transformers registers the class patches and conversion mappings before it builds the model and has no
+    try/finally around the build or the checkpoint load, so there is no hook inside the load to do it from.
+    Loads without a hubfuse.KernelConfig call the stock function unchanged."""
+    from transformers import PreTrainedModel
+
+    stock = PreTrainedModel.__dict__["from_pretrained"].__func__
+    if getattr(stock, "_hubfuse_guard", False):
+        return
+
+    @functools.wraps(stock)
+    def from_pretrained(cls, *args, **kwargs):
+        kernel_config = kwargs.get("kernel_config")
+        if not isinstance(kernel_config, KernelConfig):
+            return stock(cls, *args, **kwargs)
+        try:
+            return stock(cls, *args, **kwargs)
+        except BaseException:
+            kernel_config._abort_load()
+            raise
+
+    from_pretrained._hubfuse_guard = True
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
 
 
 def _snapshot_output_recorders():
@@ -301,6 +335,7 @@ class KernelConfig(transformers.KernelConfig):
         self._clean_global_state = clean_global_state
         self._load = None  # what the load in progress resolved (entries, family, losses)
         super().__init__(copy.deepcopy(self._user_mapping), use_local_kernel, inherit_mapping)
+        _guard_from_pretrained()
 
     # transformers reads `kernel_mapping` first thing in `from_pretrained` (before it registers patches and
     # builds the model): that read is our hook to resolve the mapping for the model being loaded, check it,
@@ -454,15 +489,14 @@ class KernelConfig(transformers.KernelConfig):
         self._finish_load(model)
 
     def _abort_load(self):
-        """A load this config refused after the model was built: put the global state back now."""
-        state, self._pending_state = self._pending_state, None
+        """After a load that raised, or one this config refused once the model was built: the global state as it
+        was before (with any other load's left behind), and the user's mapping back (so this object can serve
+        another load)."""
+        self._pending_state = None
         self._load = None
         self.registered_layer_names = {}
         self.kernel_mapping = copy.deepcopy(self._user_mapping)
-        if state is not None:
-            if state in _UNFINISHED:
-                _UNFINISHED.remove(state)
-            state.restore()
+        _recover_from_failed_loads()
 
     def _finish_load(self, model):
         load, self._load = self._load, None

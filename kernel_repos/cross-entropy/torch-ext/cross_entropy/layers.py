@@ -1,8 +1,9 @@
 """Layers (stateless, for the hub names) and Layouts (stateful modules with a reference forward).
 
-`CrossEntropyLoss` replaces `torch.nn.CrossEntropyLoss` (same `forward(input, target)`, reads the host's
-`ignore_index`, `reduction`, `label_smoothing`; class weights are not supported). It does not overwrite the
-caller's logits unless the host module sets `inplace = True`.
+`CrossEntropyLoss` replaces `torch.nn.CrossEntropyLoss` (same `forward(input, target)` and shapes: input (C,),
+(N, C) or (N, C, d1, ..., dk) with the classes on dim 1, target (), (N,) or (N, d1, ..., dk) of class indices;
+reads the host's `ignore_index`, `reduction`, `label_smoothing`; class weights and class-probability targets
+are not supported). It does not overwrite the caller's logits unless the host module sets `inplace = True`.
 
 `LinearCrossEntropyLoss` is for custom training loops: `forward(hidden, weight, labels, bias=None)` with
 the options read from the host module (`LinearCrossEntropyLossLayout` carries them). There is no HF class
@@ -32,6 +33,23 @@ def _check_no_class_weights(module) -> None:
         raise ValueError("CrossEntropyLoss: per-class weights are not supported by the fused kernel")
 
 
+def _classes_last(input, target) -> torch.Tensor:
+    """`torch.nn.CrossEntropyLoss`'s shapes -> logits with the classes last: input (C,) / (N, C) as they are,
+    (N, C, d1, ..., dk) -> (N, d1, ..., dk, C) (a view). Checks the target against torch's expected shape."""
+    if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError("CrossEntropyLoss: input and target must be tensors")
+    if target.is_floating_point():
+        raise TypeError(f"CrossEntropyLoss: target must hold class indices (an integer tensor); class "
+                        f"probabilities ({target.dtype}) are not supported")
+    if input.dim() == 0:
+        raise ValueError("CrossEntropyLoss: input must be (C,), (N, C) or (N, C, d1, ..., dk), got a scalar")
+    expected = (input.shape[0], *input.shape[2:]) if input.dim() > 1 else ()
+    if tuple(target.shape) != expected:
+        raise ValueError(f"CrossEntropyLoss: target shape {tuple(target.shape)} does not match input "
+                         f"{tuple(input.shape)}: expected {expected} (classes on dim 1, as torch.nn.CrossEntropyLoss)")
+    return input.movedim(1, -1) if input.dim() > 2 else input
+
+
 class CrossEntropyLoss(nn.Module):
     """Drop-in for `nn.CrossEntropyLoss` on (N, C) or (..., C) logits with integer targets."""
 
@@ -40,7 +58,11 @@ class CrossEntropyLoss(nn.Module):
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         _check_no_class_weights(self)
-        return cross_entropy(input, target, inplace=getattr(self, "inplace", False), **_options(self))
+        inplace = getattr(self, "inplace", False)
+        logits = _classes_last(input, target)
+        if inplace and logits is not input:
+            logits = logits.contiguous()  # K-dimensional input: the gradient is written into this copy
+        return cross_entropy(logits, target, inplace=inplace, **_options(self))
 
 
 class CrossEntropyLossLayout(nn.Module):
@@ -58,7 +80,9 @@ class CrossEntropyLossLayout(nn.Module):
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         _check_no_class_weights(self)
-        return cross_entropy_reference(input, target, **_options(self))[0]
+        options = _options(self)
+        loss = cross_entropy_reference(_classes_last(input, target), target, **options)[0]
+        return loss.view(target.shape) if options["reduction"] == "none" else loss
 
 
 class LinearCrossEntropyLoss(nn.Module):

@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._checks import check_range, first_order
 from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from .reference import REDUCTIONS, ce_rows_reference
@@ -52,18 +53,12 @@ def _ce_rows(logits, labels, scale, ignore_index, label_smoothing, z_loss_weight
                              compute_grad)
 
 
-def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    # (the kernel masks its label load, so a bad label never reads out of bounds; this is the error report)
-    msg = f"labels must be in [0, {vocab}) or equal ignore_index={ignore_index}"
-    if labels.device.type != "cpu":  # a device-side assert: no host sync (CUDA-graph capturable)
-        valid = labels.masked_fill(labels == ignore_index, 0)
-        torch._assert_async(((valid >= 0) & (valid < vocab)).all(), msg)
-        return
-    valid = labels.masked_fill(labels == ignore_index, 0)
-    lo, hi = torch.stack(torch.aminmax(valid)).tolist()
-    if lo < 0 or hi >= vocab:
-        bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-        raise ValueError(f"{msg}; found {labels[bad][0].item()}")
+def _check_label_range(name: str, labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    # Called inside the custom ops, so eager mode and torch.compile check alike: a ValueError on CPU, a
+    # device-side assert elsewhere (no host sync). The kernel masks its label load, so a bad label never reads
+    # out of bounds before the assert fires.
+    check_range(labels, 0, vocab, f"{name}: labels must be in [0, {vocab}) or equal ignore_index={ignore_index}",
+                ignore=ignore_index)
 
 
 def _loss_scale(labels, ignore_index, reduction, num_items_in_batch) -> torch.Tensor:
@@ -148,7 +143,7 @@ def _linear_ce_fwd(
     num_items_in_batch: Optional[torch.Tensor], ignore_index: int, reduction: int, label_smoothing: float,
     z_loss_weight: float, softcap: float, chunk_size: int, grad_flags: int, weight_grad_fp32: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_label_range(labels, weight.shape[0], ignore_index)
+    _check_label_range("linear_cross_entropy", labels, weight.shape[0], ignore_index)
     scale = _loss_scale(labels, ignore_index, reduction, num_items_in_batch)
     loss_rows, z_rows, dh, dw, db = _linear_ce_chunks(
         hidden, weight, bias, labels, scale, False, ignore_index, label_smoothing, z_loss_weight, softcap,
@@ -261,6 +256,7 @@ def _(t, g):
     return None
 
 
+@first_order("linear_cross_entropy")
 def _lce_backward(ctx, grad_loss, _grad_z, _gdh, _gdw, _gdb):
     flags = ctx.grad_flags
     if ctx.reduction == NONE:
@@ -291,7 +287,7 @@ def _ce_fwd_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss and z-loss of (rows, V) logits; with `compute_grad` the logits are overwritten with the gradient
     of the reduced loss (for reduction="none": of the plain per-row sum)."""
-    _check_label_range(labels, logits.shape[1], ignore_index)
+    _check_label_range("cross_entropy", labels, logits.shape[1], ignore_index)
     scale = _loss_scale(labels, ignore_index, reduction, num_items_in_batch)
     loss_rows, z_rows = _ce_rows(logits, labels, scale, ignore_index, label_smoothing, z_loss_weight, softcap,
                                  compute_grad)
@@ -315,7 +311,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, labels, num_items_in_batch, ignore_index, reduction, label_smoothing,
                 z_loss_weight, softcap, inplace):
         compute_grad = ctx.needs_input_grad[0]
-        buffer = logits if (inplace or not compute_grad) else logits.clone()
+        # the kernels need unit-stride rows, and rows that do not overlap where they write (`cross_entropy`
+        # passes such logits for inplace=True with a gradient)
+        buffer = logits if (inplace or not compute_grad) else logits.clone(memory_format=torch.contiguous_format)
         loss, z = _ce_fwd_(buffer, labels, num_items_in_batch, ignore_index, reduction, label_smoothing,
                            z_loss_weight, softcap, compute_grad)
         ctx.reduction = reduction
@@ -325,6 +323,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return loss, z
 
     @staticmethod
+    @first_order("cross_entropy")
     def backward(ctx, grad_loss, _grad_z):
         (dlogits,) = ctx.saved_tensors
         if ctx.reduction == NONE:
@@ -355,7 +354,7 @@ def _nib_tensor(num_items_in_batch, device):
     return torch.tensor(float(num_items_in_batch), device=device)
 
 
-def _check_labels(name, labels, lead_shape, device):
+def _check_labels(name, labels, lead_shape, device, input_name):
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{name}: labels must be a tensor")
     if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
@@ -364,7 +363,7 @@ def _check_labels(name, labels, lead_shape, device):
         raise ValueError(f"{name}: labels shape {tuple(labels.shape)} does not match the token shape "
                          f"{tuple(lead_shape)}")
     if labels.device != device:
-        raise ValueError(f"{name}: labels are on {labels.device} but the inputs on {device}")
+        raise ValueError(f"{name}: labels are on {labels.device} but {input_name} on {device}")
 
 
 def linear_cross_entropy(
@@ -405,7 +404,7 @@ def linear_cross_entropy(
             raise ValueError(f"{name}: bias must be a ({weight.shape[0]},) tensor")
         if bias.dtype != weight.dtype or bias.device != weight.device:
             raise TypeError(f"{name}: bias dtype/device {bias.dtype}/{bias.device} does not match weight")
-    _check_labels(name, labels, hidden.shape[:-1], hidden.device)
+    _check_labels(name, labels, hidden.shape[:-1], hidden.device, "hidden")
     _check_options(name, reduction, label_smoothing, softcap, num_items_in_batch, ignore_index)
     if chunk_size is not None and int(chunk_size) < 1:
         raise ValueError(f"{name}: chunk_size must be >= 1, got {chunk_size}")
@@ -445,15 +444,20 @@ def cross_entropy(
         raise TypeError(f"{name}: logits must be floating point, got {logits.dtype}")
     if logits.dim() < 1 or logits.numel() == 0:
         raise ValueError(f"{name}: expected non-empty logits (..., V), got {tuple(logits.shape)}")
-    _check_labels(name, labels, logits.shape[:-1], logits.device)
+    _check_labels(name, labels, logits.shape[:-1], logits.device, "logits")
     _check_options(name, reduction, label_smoothing, softcap, num_items_in_batch, ignore_index)
     V = logits.shape[-1]
     if logits.is_contiguous():
         flat = logits.view(-1, V)
     else:
-        if inplace and logits.requires_grad:
-            raise ValueError(f"{name}: inplace=True needs contiguous logits")
+        if inplace and logits.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name}: inplace=True needs contiguous logits (the gradient is written into them), "
+                             f"got strides {logits.stride()} for shape {tuple(logits.shape)}; pass inplace=False")
+        # a view where possible; the kernels read rows of unit column stride (transposed or expanded logits
+        # are copied once)
         flat = logits.reshape(-1, V)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
     loss, z = _CrossEntropyFunction.apply(
         flat, labels.reshape(-1).contiguous(), _nib_tensor(num_items_in_batch, logits.device), ignore_index,
         REDUCTIONS[reduction], float(label_smoothing), float(z_loss_weight), float(softcap or 0.0), bool(inplace))

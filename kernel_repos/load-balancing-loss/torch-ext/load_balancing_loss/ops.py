@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
+from ._checks import first_order
 from ._device import use_triton
 from ._custom_op import call, custom_op, differentiable_op
 from ._ops import add_op_namespace_prefix
@@ -36,13 +37,13 @@ def _check_logits(name: str, what: str, logits) -> None:
         raise ValueError(f"{name}: {what} must be 2-D (tokens, experts), got {tuple(logits.shape)}")
 
 
-def _check_routing_shape(name: str, shape, top_k: int) -> None:
+def _check_routing_shape(name: str, what: str, shape, top_k: int) -> None:
     """Non-empty (tokens, experts) logits, at most MAX_EXPERTS experts, 1 <= top_k <= experts."""
     tokens, experts = shape
     if tokens == 0 or experts == 0:
-        raise ValueError(f"{name}: empty router logits {tuple(shape)}")
+        raise ValueError(f"{name}: {what} is empty, shape {tuple(shape)}")
     if experts > MAX_EXPERTS:
-        raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
+        raise ValueError(f"{name}: {what} has {experts} experts, more than the supported maximum {MAX_EXPERTS}")
     if not 1 <= top_k <= experts:
         raise ValueError(f"{name}: top_k={top_k} must be in [1, num_experts={experts}]")
 
@@ -99,6 +100,7 @@ def _lbl_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*gate_logits, *([mask] if mask is not None else []), output[1])
 
 
+@first_order("load_balancing_loss")
 def _lbl_backward(ctx, grad_loss, _grad_dloss):
     saved = ctx.saved_tensors
     gate_logits = list(saved[:ctx.num_layers])
@@ -126,6 +128,7 @@ class _load_balancing_loss_fwd(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @first_order("load_balancing_loss")
     def backward(ctx, grad_loss):
         mask, dloss_dprobsum, *gate_logits = ctx.saved_tensors
         grads = _lbl_bwd_impl(grad_loss.contiguous(), gate_logits, mask, dloss_dprobsum, ctx.layers)
@@ -157,6 +160,7 @@ class _RouterStatistics(torch.autograd.Function):
         return totals
 
     @staticmethod
+    @first_order("load_balancing_loss")
     def backward(ctx, grad_totals):
         mask, *gate_logits = ctx.saved_tensors
         one = torch.ones((), dtype=torch.float32, device=grad_totals.device)
@@ -237,7 +241,7 @@ def load_balancing_loss(
     tokens, experts = shape
     if experts != num_experts:
         raise ValueError(f"{name}: num_experts={num_experts} does not match the logits' last dim {experts}")
-    _check_routing_shape(name, shape, top_k)
+    _check_routing_shape(name, "gate_logits", shape, top_k)
     # HF computes on the first layer's device; the kernels need contiguous rows
     if not all(z.device == device and z.is_contiguous() for z in gate_logits):
         gate_logits = [z.to(device).contiguous() for z in gate_logits]
@@ -340,6 +344,7 @@ def _router_setup_context(ctx, inputs, output):
     ctx.normalize = normalize
 
 
+@first_order("softmax_topk")
 def _router_backward(ctx, d_scores, _d_indices, _d_stats):
     router_logits, stats, indices = ctx.saved_tensors
     return call(ctx, _router_bwd, d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
@@ -357,7 +362,7 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True
     name = "softmax_topk"
     _check_logits(name, "router_logits", router_logits)
     _check_int(name, "top_k", top_k)
-    _check_routing_shape(name, router_logits.shape, top_k)
+    _check_routing_shape(name, "router_logits", router_logits.shape, top_k)
     if top_k > 64:
         raise ValueError(f"{name}: top_k={top_k} exceeds the supported maximum 64")
     scores, indices, _ = _router(router_logits.contiguous(), top_k, bool(normalize))
@@ -367,11 +372,21 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True
 def topk_router(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool = True):
     """HF MoE router: `logits = hidden @ weight.T` (cuBLAS), then the fused softmax-top-k.
     Returns (router_logits, scores, indices) like `Qwen3MoeTopKRouter.forward`."""
+    name = "topk_router"
     if not isinstance(hidden_states, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError("topk_router: hidden_states and weight must be tensors")
-    if weight.dim() != 2 or hidden_states.shape[-1] != weight.shape[1]:
-        raise ValueError(f"topk_router: hidden size {hidden_states.shape[-1]} does not match the router weight "
-                         f"{tuple(weight.shape)} (experts, hidden)")
+        raise TypeError(f"{name}: hidden_states and weight must be tensors")
+    if hidden_states.dtype not in _FLOAT_DTYPES or weight.dtype != hidden_states.dtype:
+        raise TypeError(f"{name}: hidden_states and weight must share one dtype of float32/float16/bfloat16, got "
+                        f"{hidden_states.dtype} and {weight.dtype}")
+    if weight.device != hidden_states.device:
+        raise ValueError(f"{name}: weight is on {weight.device} but hidden_states on {hidden_states.device}")
+    if weight.dim() != 2 or hidden_states.dim() == 0 or hidden_states.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{name}: the hidden size of hidden_states {tuple(hidden_states.shape)} does not match the "
+                         f"router weight {tuple(weight.shape)}: expected (..., hidden) and (experts, hidden)")
+    if not 1 <= weight.shape[0] <= MAX_EXPERTS:
+        raise ValueError(f"{name}: weight has {weight.shape[0]} experts (rows); expected 1 to {MAX_EXPERTS}")
+    if hidden_states.numel() == 0:
+        raise ValueError(f"{name}: hidden_states is empty, shape {tuple(hidden_states.shape)}")
     router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, weight.shape[1]), weight)
     scores, indices = softmax_topk(router_logits, top_k, normalize)
     return router_logits, scores, indices

@@ -40,6 +40,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ._checks import check_range
+
 DISTRIBUTED = torch.distributed.is_available()
 if DISTRIBUTED:
     import torch.distributed as dist
@@ -338,6 +340,9 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
             or top_k_index.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"expert parallelism: expected hidden_states (T, H), top_k_index and top_k_weights (T, K), "
                          f"got {tuple(hidden_states.shape)}, {tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+    E = num_local * dist.get_world_size(group)
+    check_range(top_k_index, 0, E + 1, f"expert parallelism: top_k_index values must be in [0, {E}) or equal {E} "
+                "(the expert-parallel skip sentinel)")
     route = _route(top_k_index, num_local, group)
     hidden_rows = _GatherRows.apply(hidden_states, route.send_token, route.table)
     weight_rows = _GatherRows.apply(top_k_weights, route.send_token, route.table)

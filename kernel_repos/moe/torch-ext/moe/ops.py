@@ -10,6 +10,7 @@ host sync, so the CUDA path is graph-capturable.
 
 import torch
 
+from ._checks import check_range, first_order
 from ._device import use_triton
 from ._custom_op import call, custom_op, differentiable_op
 from .reference import moe_bwd_reference, moe_fwd_reference, route
@@ -22,6 +23,10 @@ MAX_SLOTS = 2**31 - 1  # tokens x top_k
 def _experts_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
     """Returns (out, gate_up_out, sorted_slot, expert_offsets, pos); the last four are saved for backward (the
     activation is recomputed there from gate_up_out; pos[slot] = the slot's row in expert-sorted order)."""
+    E = gate_up_proj.shape[0]
+    # here, in the op's implementation, so that torch.compile (which runs it as an opaque op) checks too
+    check_range(top_k_index, 0, E + 1, f"moe_experts: top_k_index values must be in [0, {E}) or equal {E} (the "
+                f"expert-parallel skip sentinel)")
     if use_triton(hidden):
         from .triton_kernels import moe_fwd
 
@@ -100,6 +105,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs, *output[1:])
 
 
+@first_order("moe_experts")
 def _backward(ctx, dout, *_unused):
     saved = ctx.saved_tensors
     dhidden, dweights, dgate_up, ddown = call(ctx, moe_experts_bwd, dout.to(saved[0].dtype).contiguous(), *saved)
@@ -156,13 +162,7 @@ def _check_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -
                       (gate_up_proj, "gate_up_proj"), (down_proj, "down_proj")):
         if arg.device != hidden.device:
             raise ValueError(f"{name}: {what} is on {arg.device} but hidden_states on {hidden.device}")
-    # Range check only where it costs no device sync (CPU). On accelerators an index outside [0, E)
-    # (e.g. the expert-parallel sentinel E) is dropped: that slot contributes nothing, like HF's eager loop.
-    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
-        lo, hi = int(top_k_index.min()), int(top_k_index.max())
-        if lo < 0 or hi > E:
-            raise ValueError(f"{name}: top_k_index values must be in [0, {E}) (or {E}, the skipped sentinel), "
-                             f"got range [{lo}, {hi}]")
+    # the values of top_k_index are checked in the op itself (`_experts_fwd`): no host sync on a GPU
 
 
 def moe_experts(
@@ -173,9 +173,17 @@ def moe_experts(
 
     hidden_states (T, H); top_k_index (T, K) int; top_k_weights (T, K) float; gate_up_proj (E, 2I, H) with the
     gate rows first; down_proj (E, H, I). Returns (T, H) in the dtype of hidden_states. Differentiable in
-    hidden_states, top_k_weights, gate_up_proj and down_proj; deterministic (no atomics).
+    hidden_states, top_k_weights, gate_up_proj and down_proj (first order only: a double backward raises);
+    deterministic (no atomics).
+
+    Expert ids: `top_k_index` values are in [0, E), or equal E: the expert-parallel "skip" sentinel (a slot
+    routed to an expert on another rank), which contributes nothing to the output and gets a zero weight
+    gradient, as in HF's eager loop. Any other value (negative, or > E) is an error, in eager mode and under
+    torch.compile alike: a ValueError on CPU; on a GPU a device-side assert (no host sync), which fails the
+    next synchronising call and leaves the CUDA context unusable (as PyTorch's own index checks do).
     """
-    if isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
+    device_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
+    if device_type and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         # mixed-precision training (fp32 master weights under autocast): run the GEMMs in the autocast dtype,
         # as F.linear does in HF's eager path; the casts are differentiable
         dtype = torch.get_autocast_dtype(hidden_states.device.type)

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from ._checks import first_order
 from ._device import use_triton
 from ._custom_op import call, custom_op, differentiable_op
 from .reference import GATED, STANDARD, ZERO_CENTERED, rms_norm_bwd_reference, rms_norm_fwd_reference
@@ -70,6 +71,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mode = mode
 
 
+@first_order("rms_norm")
 def _backward(ctx, dy, _drstd):
     x, weight, gate, rstd = ctx.saved_tensors
     dx, dw, dgate = call(ctx, _rms_norm_bwd, dy.contiguous(), x, weight, gate, rstd, ctx.mode)
@@ -93,11 +95,11 @@ def _check_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate: Option
         raise ValueError(f"{name}: hidden size {x.shape[-1]} of hidden_states does not match weight size "
                          f"{weight.shape[0]}")
     if x.numel() == 0:
-        raise ValueError(f"{name}: empty input {tuple(x.shape)}")
+        raise ValueError(f"{name}: hidden_states is empty, shape {tuple(x.shape)}")
     if weight.device != x.device:
         raise ValueError(f"{name}: weight is on {weight.device} but hidden_states on {x.device}")
     if x.shape[-1] > 65536:
-        raise ValueError(f"{name}: hidden size {x.shape[-1]} exceeds the supported maximum 65536")
+        raise ValueError(f"{name}: hidden size {x.shape[-1]} of hidden_states exceeds the supported maximum 65536")
     if gate is not None:
         if gate.shape != x.shape:
             raise ValueError(f"{name}: gate shape {tuple(gate.shape)} does not match hidden_states "

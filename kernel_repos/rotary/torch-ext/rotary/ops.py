@@ -9,10 +9,15 @@ Output memory layout follows HF so that downstream attention kernels see the sam
 full RoPE keeps the input's layout (`q * cos` does), partial RoPE is contiguous (`torch.cat` makes it so).
 Input grads take the input's layout (as `torch.empty_like` lays it out): a grad laid out otherwise is copied
 again by autograd (AccumulateGrad into a transposed leaf, `view`'s backward of a transposed projection).
+
+The fused backwards give no gradient to cos / sin (in HF they come from the rotary embedding's buffers and need
+none). When cos or sin require grad (with grad mode on), the out-of-place functions take the HF torch
+expression instead, which autograd differentiates in every input; the in-place one raises.
 """
 
 import torch
 
+from ._checks import first_order
 from ._device import use_triton
 from ._custom_op import call, custom_op, differentiable_op
 from .reference import (
@@ -132,6 +137,7 @@ def _rope_setup_context(ctx, inputs, output):
     ctx.orders = (_dim_order(q), _dim_order(k))
 
 
+@first_order("apply_rotary_pos_emb")
 def _rope_backward(ctx, dq_out, dk_out):
     cos, sin = ctx.saved_tensors
     dq_out = dq_out if dq_out is not None and dq_out.stride(-1) == 1 else _grad_or_zeros(dq_out, ctx, 0)
@@ -150,6 +156,7 @@ def _grad_or_zeros(g, ctx, i):
 _rope = differentiable_op(_rope_fwd, _rope_setup_context, _rope_backward)
 
 
+@first_order("apply_rotary_pos_emb_flat")
 def _rope_flat_backward(ctx, dflat):
     cos, sin = ctx.saved_tensors
     dflat = dflat.contiguous()
@@ -199,7 +206,7 @@ def _check_rope(name, q, k, cos, sin, unsqueeze_dim):
         raise ValueError(f"{name}: cos/sin {tuple(cos.shape)} do not match q {tuple(q.shape)}: expected "
                          f"({B} or 1, {S}, rotary_dim) for unsqueeze_dim={unsqueeze_dim}")
     if q.numel() == 0 or k.numel() == 0:
-        raise ValueError(f"{name}: empty input q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(f"{name}: q and k must not be empty, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     return head_pos
 
 
@@ -207,18 +214,36 @@ def _last_contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin with a unit-stride last dim and one layout: the kernels read both with cos's strides."""
+    cos, sin = _last_contig(cos), _last_contig(sin)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
+def _cos_sin_need_grad(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The fused backwards give cos / sin no gradient: True when one is needed (the torch path runs then)."""
+    return torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+
+
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
     """HF `apply_rotary_pos_emb`, full or partial (rotary dim = `cos.shape[-1]` <= head_dim), q and k in one
     launch. q: (B, Hq, S, D) and k: (B, Hk, S, D) for unsqueeze_dim=1, (B, S, H, D) for 2; cos/sin (B or 1, S, R).
     Returns (q_embed, k_embed) in `promote(q.dtype, cos.dtype)`."""
     head_pos = _check_rope("apply_rotary_pos_emb", q, k, cos, sin, unsqueeze_dim)
-    return _rope(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
+    if _cos_sin_need_grad(cos, sin):
+        return apply_rotary_pos_emb_hf(q, k, cos, sin, head_pos)
+    return _rope(_last_contig(q), _last_contig(k), *_cos_sin(cos, sin), head_pos)
 
 
 def apply_rotary_pos_emb_flat(q, k, cos, sin, unsqueeze_dim: int = 1):
     """`torch.cat([q_embed.flatten(), k_embed.flatten()])` written directly by the kernel (one 1-D output)."""
     head_pos = _check_rope("apply_rotary_pos_emb_flat", q, k, cos, sin, unsqueeze_dim)
-    return _rope_flat(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
+    if _cos_sin_need_grad(cos, sin):
+        q_embed, k_embed = apply_rotary_pos_emb_hf(q, k, cos, sin, head_pos)
+        return torch.cat([q_embed.reshape(-1), k_embed.reshape(-1)])
+    return _rope_flat(_last_contig(q), _last_contig(k), *_cos_sin(cos, sin), head_pos)
 
 
 # ------------------------------------------------------------------ in-place RoPE
@@ -257,6 +282,7 @@ class _RopeInplace(torch.autograd.Function):
         return x
 
     @staticmethod
+    @first_order("apply_rotary_pos_emb_")
     def backward(ctx, dx_out):
         cos, sin = ctx.saved_tensors
         dx_out = _last_contig(dx_out)
@@ -276,10 +302,27 @@ def apply_rotary_pos_emb_(q, k, cos, sin, unsqueeze_dim: int = 1):
         raise TypeError(f"{name}: cos/sin {cos.dtype} would promote q {q.dtype}: in place needs cos.dtype <= q.dtype")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"{name}: q and k need a contiguous last dim to be rotated in place")
+    for what, t in (("q", q), ("k", k)):
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name}: {what} is expanded (stride 0 on a dim of size > 1, strides {t.stride()}): "
+                             "its elements share memory and cannot be rotated in place; use apply_rotary_pos_emb")
+    if _cos_sin_need_grad(cos, sin):
+        raise ValueError(f"{name}: cos and sin require grad, and their gradient needs the unrotated q and k, which "
+                         "the in-place rotation overwrites: use apply_rotary_pos_emb, or detach cos and sin")
     if torch.compiler.is_compiling() and torch.__version__ < (2, 13):
         raise RuntimeError(f"{name}: torch.compile needs torch >= 2.13 here (older Dynamo can drop ctx.mark_dirty, "
                            "pytorch#184113); use apply_rotary_pos_emb")
-    cos, sin = _last_contig(cos), _last_contig(sin)
+    cos, sin = _cos_sin(cos, sin)
+    if torch.compiler.is_compiling():
+        # AOTAutograd loses the backward of an autograd.Function that marks a graph input dirty (torch 2.13: q / k
+        # passed into the compiled region got the identity as gradient): under compile rotate out of place and
+        # copy back, an input mutation that functionalization handles (one temporary of the rotated part)
+        R = cos.shape[-1]
+        q_rot, k_rot = q[..., :R], k[..., :R]
+        q_new, k_new = _rope(q_rot, k_rot, cos, sin, head_pos)
+        q_rot.copy_(q_new)
+        k_rot.copy_(k_new)
+        return q, k
     return _RopeInplace.apply(q, cos, sin, head_pos), _RopeInplace.apply(k, cos, sin, head_pos)
 
 
@@ -358,6 +401,7 @@ def _norm_rope_setup_context(ctx, inputs, output):
     ctx.eps, ctx.mode = eps, mode
 
 
+@first_order("qk_norm_rope")
 def _norm_rope_backward(ctx, dq_out, dk_out):
     q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
     B, S, Hq, D = q.shape
@@ -392,6 +436,7 @@ def _(q, k, q_weight, k_weight, cos, sin, eps, mode):
     return q.new_empty(q.numel() + k.numel(), dtype=_norm_dtypes(q, q_weight, cos, mode)[1])
 
 
+@first_order("qk_norm_rope_flat")
 def _norm_rope_flat_backward(ctx, dflat):
     q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
     B, S, Hq, D = q.shape
@@ -420,8 +465,10 @@ def _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin):
 
 def _qk_norm_rope(name, q, k, q_weight, k_weight, cos, sin, eps, mode):
     _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin)
+    if _cos_sin_need_grad(cos, sin):
+        return qk_norm_rope_hf(q, k, q_weight, k_weight, cos, sin, float(eps), mode)
     return _qk_norm_rope_op(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
-                            _last_contig(cos), _last_contig(sin), float(eps), mode)
+                            *_cos_sin(cos, sin), float(eps), mode)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
@@ -441,9 +488,12 @@ def qk_norm_rope_flat(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, zer
     """`torch.cat([q_out.flatten(), k_out.flatten()])` of `qk_norm_rope` (or `_zero_centered`), written directly."""
     name = "qk_norm_rope_flat"
     _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin)
+    mode = ZERO_CENTERED if zero_centered else STANDARD
+    if _cos_sin_need_grad(cos, sin):
+        q_out, k_out = qk_norm_rope_hf(q, k, q_weight, k_weight, cos, sin, float(eps), mode)
+        return torch.cat([q_out.reshape(-1), k_out.reshape(-1)])
     return _qk_norm_rope_flat_op(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
-                                 _last_contig(cos), _last_contig(sin), float(eps),
-                                 ZERO_CENTERED if zero_centered else STANDARD)
+                                 *_cos_sin(cos, sin), float(eps), mode)
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "apply_rotary_pos_emb_", "qk_norm_rope",

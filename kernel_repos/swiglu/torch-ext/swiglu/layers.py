@@ -18,7 +18,8 @@ the entries, before the model is built (from the `conversion_mapping` access), a
 `RMSNormSwiGLUMLPLayout.__init__` if it receives a swapped MLP. The fusion needs a gate/up/down MLP under every
 matched layer: in MoE layers (`*SparseMoeBlock`) its `__init__` raises and points at the 1-to-1 Layout. (An
 exception inside model construction leaves transformers' module classes patched: transformers' `apply_patches`
-has no try/finally. Start a fresh process after such a failure.)
+has no try/finally. `hubfuse.KernelConfig` puts them back before the exception reaches the caller; with stock
+transformers' `KernelConfig`, start a fresh process after such a failure.)
 
 A Layer has no `__init__` and no state: `kernelize` binds its `forward` to the Layout instance.
 """

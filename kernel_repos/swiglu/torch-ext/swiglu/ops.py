@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ._checks import first_order
 from ._device import use_triton
 from ._custom_op import call, custom_op, differentiable_op
 from ._rmsnorm.ops import rms_norm
@@ -63,6 +64,7 @@ def _swiglu_setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
 
+@first_order("swiglu")
 def _swiglu_backward(ctx, dh):
     (gate_up,) = ctx.saved_tensors
     return call(ctx, _swiglu_bwd, dh.contiguous(), gate_up)
@@ -116,6 +118,7 @@ def _swiglu_down_setup_context(ctx, inputs, output):
     ctx.has_down_bias = down_bias is not None
 
 
+@first_order("swiglu_mlp")
 def _swiglu_down_backward(ctx, dout):
     gate_up, down_weight = ctx.saved_tensors
     d_down_weight, d_down_bias = call(ctx, _swiglu_down_bwd, dout.contiguous(), gate_up, down_weight,
@@ -141,7 +144,7 @@ def _check_gate_up(name: str, gate_up: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected gate_up (..., 2 * intermediate) with an even last dimension, got "
                          f"{tuple(gate_up.shape)}")
     if gate_up.numel() == 0:
-        raise ValueError(f"{name}: empty input {tuple(gate_up.shape)}")
+        raise ValueError(f"{name}: gate_up is empty, shape {tuple(gate_up.shape)}")
 
 
 def _check_mlp(name, x, gate_up_weight, down_weight, gate_up_bias, down_bias) -> None:
@@ -197,8 +200,8 @@ def swiglu_mlp(
     in the HF module; the gradients flow back to the fp32 master weights through the casts), and the MLP runs
     with autocast off, in that dtype, forward and backward.
     """
-    if isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
-        device_type = hidden_states.device.type
+    device_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
+    if device_type and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         cast = torch.get_autocast_dtype(device_type)
         args = [t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 for t in (hidden_states, gate_up_weight, down_weight, gate_up_bias, down_bias)]

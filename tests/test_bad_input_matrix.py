@@ -1,0 +1,132 @@
+"""The bad-input matrix (tests/bad_input_matrix.py): every sampled cell gives torch's float64 result, forward and
+backward, or a clear error; silent wrong = 0. CPU: the torch path and the Triton kernels under the interpreter;
+the `gpu` variant runs the same cells on CUDA, and the value checks (device-side asserts, which poison the CUDA
+context) in subprocesses. The run prints the report (root conftest); `HUBFUSE_BAD_INPUT_REPORT=<path>` also
+writes it (docs/bad_input_matrix.md is that file).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.utils import ROOT, use_staged_packages
+
+use_staged_packages()
+
+from tests import bad_input_matrix as matrix  # noqa: E402
+
+CELLS = matrix.generate(("ref", "interp"))
+# on CUDA an out-of-range id is a device-side assert: those cells run in a subprocess (test_gpu_value_checks);
+# generated only where they run (some thousand skipped items cost the CPU run time)
+GPU_CELLS = [c for c in matrix.generate(("cuda",)) if not c.values.startswith("id_") or c.values == "id_sentinel"
+             ] if torch.cuda.is_available() else []
+
+
+def _check(outcome):
+    matrix.RESULTS.append(outcome)
+    assert outcome.category in ("correct", "clear_error"), f"{outcome.category}: {outcome.detail}"
+    # the matrix can fail: a target that raised on everything would pass every bad cell with a "clear error"
+    assert outcome.category == "correct" or not matrix.is_base(outcome.cell), outcome.detail
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.id)
+def test_cell(cell):
+    _check(matrix.run_cell(cell))
+
+
+def test_every_public_name_is_in_the_matrix():
+    assert matrix.uncovered_names() == []
+
+
+def test_every_target_has_a_base_cell():
+    assert {c.target for c in CELLS if matrix.is_base(c)} == set(matrix.TARGETS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", GPU_CELLS, ids=lambda c: c.id)
+def test_cell_gpu(cell):
+    _check(matrix.run_cell(cell, device="cuda"))
+
+
+# A device-side assert leaves the CUDA context unusable: each bad value runs in its own process, which must
+# die with the assert at the next synchronisation (and not before: no host sync).
+_VALUE_CHECK = textwrap.dedent("""
+    import sys
+    import torch
+    sys.path.insert(0, {staged!r})
+    import cross_entropy, moe
+    case, mode = sys.argv[1], sys.argv[2]
+    dev = "cuda"
+    torch.manual_seed(0)
+    if case.startswith("ce"):
+        fn = lambda x, y: cross_entropy.cross_entropy(x, y, inplace=False)
+        if case == "ce_linear":
+            w = torch.randn(37, 16, device=dev)
+            fn = lambda x, y: cross_entropy.linear_cross_entropy(x, w, y)
+            x = torch.randn(6, 16, device=dev)
+        else:
+            x = torch.randn(6, 37, device=dev)
+        y = torch.randint(0, 37, (6,), device=dev)
+        bad = y.clone()
+        bad[3] = 37 if case != "ce_low" else -1
+        args_ok, args_bad = (x, y), (x, bad)
+    else:
+        E = 4
+        h, w = torch.randn(5, 16, device=dev), torch.rand(5, 2, device=dev)
+        gu, d = torch.randn(E, 16, 16, device=dev), torch.randn(E, 16, 8, device=dev)
+        idx = torch.randint(0, E, (5, 2), device=dev)
+        bad = idx.clone()
+        bad[2, 1] = -1 if case == "moe_low" else E + 1
+        fn = lambda i: moe.moe_experts(h, i, w, gu, d)
+        args_ok, args_bad = (idx,), (bad,)
+    if mode == "compile":
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    fn(*args_ok)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a host sync in the op would raise here
+    fn(*args_bad)  # queued: no error yet
+    torch.cuda.set_sync_debug_mode("default")
+    print("QUEUED", flush=True)
+    torch.cuda.synchronize()
+    print("NO ASSERT", flush=True)
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("case", ["ce_low", "ce_high", "ce_linear", "moe_low", "moe_high"])
+def test_gpu_value_checks(case, mode, tmp_path):
+    script = tmp_path / "value_check.py"
+    script.write_text(_VALUE_CHECK.format(staged=str(ROOT / ".staged")))
+    run = subprocess.run([sys.executable, str(script), case, mode], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
+    assert "QUEUED" in run.stdout, run.stderr[-3000:]  # the check itself did not sync the host
+    assert "NO ASSERT" not in run.stdout and run.returncode != 0
+    assert "device-side assert" in run.stderr or "Assertion" in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_gpu_value_checks_do_not_sync_the_host():
+    # valid ids and labels: forward and backward of the ops with value checks run with no host sync at all
+    import cross_entropy
+    import moe
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 37, device="cuda", requires_grad=True)
+    y = torch.randint(0, 37, (8,), device="cuda")
+    h, w = torch.randn(8, 16, device="cuda", requires_grad=True), torch.randn(37, 16, device="cuda")
+    hm, wm = torch.randn(5, 16, device="cuda", requires_grad=True), torch.rand(5, 2, device="cuda")
+    gu, d = torch.randn(4, 16, 16, device="cuda"), torch.randn(4, 16, 8, device="cuda")
+    idx = torch.randint(0, 5, (5, 2), device="cuda")  # 4 = the expert-parallel sentinel: valid
+    for checked in (False, True):  # the first round compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            cross_entropy.cross_entropy(x * 1, y).backward()
+            cross_entropy.linear_cross_entropy(h, w, y).backward()
+            moe.moe_experts(hm, idx, wm, gu, d).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
