@@ -1,0 +1,1 @@
+"""hubfuse gated delta rule (placeholder during development)."""
