@@ -30,9 +30,10 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = L2NORM_EPS) -> torch.Ten
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
-def _prepare_hf(query, key, value, g, beta, use_qk_l2norm_in_kernel, scale=None):
-    """(q * scale, k, v, beta, g) as fp32 (B, H, T, .) tensors, q and k l2-normalised if asked."""
-    query, key, value, beta, g = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+def _prepare_hf(query, key, value, g, beta, use_qk_l2norm_in_kernel, scale, compute_dtype):
+    """(q * scale, k, v, beta, g) as (B, H, T, .) tensors in compute_dtype (transformers: fp32), q and k
+    l2-normalised if asked."""
+    query, key, value, beta, g = [x.transpose(1, 2).to(compute_dtype, memory_format=torch.contiguous_format)
                                   for x in (query, key, value, beta, g)]
     if use_qk_l2norm_in_kernel:
         query, key = l2norm(query), l2norm(key)
@@ -42,13 +43,14 @@ def _prepare_hf(query, key, value, g, beta, use_qk_l2norm_in_kernel, scale=None)
 
 def chunk_gated_delta_rule_hf(query, key, value, g, beta, chunk_size: int = CHUNK, initial_state=None,
                               output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                              scale=None, **kwargs):
+                              scale=None, compute_dtype=torch.float32, **kwargs):
     """transformers' `torch_chunk_gated_delta_rule` (q, k: (B, T, H, K), v: (B, T, H, V), g, beta: (B, T, H)).
-    Returns (o in q's dtype, fp32 final state (B, H, K, V) or None)."""
+    Returns (o in q's dtype, final state (B, H, K, V) in compute_dtype, or None). `compute_dtype=torch.float64`
+    gives the float64 run of the same code (transformers hard-codes fp32)."""
     out_dtype = query.dtype
     B, T, _, K = key.shape
     H, V = value.shape[-2:]
-    q, k, v, beta, g = _prepare_hf(query, key, value, g, beta, use_qk_l2norm_in_kernel, scale)
+    q, k, v, beta, g = _prepare_hf(query, key, value, g, beta, use_qk_l2norm_in_kernel, scale, compute_dtype)
     pad = (chunk_size - T % chunk_size) % chunk_size
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
@@ -77,12 +79,13 @@ def chunk_gated_delta_rule_hf(query, key, value, g, beta, chunk_size: int = CHUN
 
 
 def recurrent_gated_delta_rule_hf(query, key, value, g, beta, initial_state=None, output_final_state: bool = False,
-                                  use_qk_l2norm_in_kernel: bool = False, scale=None, **kwargs):
+                                  use_qk_l2norm_in_kernel: bool = False, scale=None, compute_dtype=torch.float32,
+                                  **kwargs):
     """transformers' `torch_recurrent_gated_delta_rule`: the token-by-token recurrence (decode path)."""
     out_dtype = query.dtype
     B, T, _, K = key.shape
     H, V = value.shape[-2:]
-    q, k, v, beta, g = _prepare_hf(query, key, value, g, beta, use_qk_l2norm_in_kernel, scale)
+    q, k, v, beta, g = _prepare_hf(query, key, value, g, beta, use_qk_l2norm_in_kernel, scale, compute_dtype)
     state = (torch.zeros(B, H, K, V, dtype=v.dtype, device=v.device) if initial_state is None
              else initial_state.to(v))
     out = torch.zeros_like(v)
@@ -151,7 +154,8 @@ def _expand_heads(x, n_rep):
     return x.repeat_interleave(n_rep, dim=2) if n_rep > 1 else x
 
 
-def gdn_fwd_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, output_final_state):
+def gdn_fwd_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, output_final_state,
+                      compute_dtype=torch.float32):
     """Chunked gated delta rule with shared key heads (H | HV) and packed sequences, transformers' numerics.
 
     q, k: (B, T, H, K); v: (B, T, HV, V); g (log decay), beta: (B, T, HV). With `cu_seqlens` B is 1 and every
@@ -166,11 +170,13 @@ def gdn_fwd_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk
             h0 = initial_state if cu_seqlens is None else initial_state[i:i + 1]
         if qs.shape[1] == 0:  # empty sequence: the state passes through
             outs.append(qs.new_empty((*qs.shape[:3], vs.shape[-1])))
-            states.append(h0.float() if h0 is not None else
-                          torch.zeros(1, vs.shape[2], qs.shape[-1], vs.shape[-1], device=qs.device))
+            states.append(h0.to(compute_dtype) if h0 is not None else
+                          torch.zeros(1, vs.shape[2], qs.shape[-1], vs.shape[-1], dtype=compute_dtype,
+                                      device=qs.device))
             continue
         o, ht = chunk_gated_delta_rule_hf(qs, ks, vs, gs, bs, initial_state=h0, output_final_state=True,
-                                          use_qk_l2norm_in_kernel=use_qk_l2norm, scale=scale)
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm, scale=scale,
+                                          compute_dtype=compute_dtype)
         outs.append(o)
         states.append(ht)
     o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
