@@ -164,6 +164,27 @@ def test_qwen3_5_gates_in_kernel_vs_float64(dtype, path):
         _close(x, y, REDUCTION_TOL[dtype] if name in ("dA_log", "ddt_bias") else tol, name)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("gates_in_kernel", [False, True])
+def test_decode_without_grad_vs_float64(T, gates_in_kernel, path):
+    """A few tokens with no gradient (decode) take the token-by-token kernel: same results as the float64 rule."""
+    q, k, v, g, beta, h0 = _inputs(2, T, 1, 2, 16, 16, torch.float32, seed=11 + T)
+    a, b = torch.randn(2, T, 2, device=DEV), torch.randn(2, T, 2, device=DEV)
+    A_log, dt_bias = torch.randn(2, device=DEV) * 0.5, torch.randn(2, device=DEV)
+    with torch.no_grad():
+        if gates_in_kernel:
+            o, ht = gdn.gated_delta_rule_qwen3_5(q, k, v, a, b, A_log, dt_bias, initial_state=h0,
+                                                 output_final_state=True)
+            g, beta = R.gdn_gate_hf(a.double(), b.double(), A_log.double(), dt_bias.double())
+        else:
+            o, ht = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+        o_ref, ht_ref = _float64_rule(q.double(), k.double(), v.double(), g.double(), beta.double(), h0.double(),
+                                      None, True)
+    _close(o, o_ref, TOL[torch.float32], "o")
+    _close(ht, ht_ref, TOL[torch.float32], "final state")
+
+
 def test_reference_is_transformers():
     """The oracle's code is transformers' own: bitwise equal in fp32 (chunked and recurrent rules, conv fns)."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as M
@@ -238,6 +259,12 @@ def test_conv_fn_layout_and_update(path):
         want = R.causal_conv1d_update_hf(new, state_ref, w, b, "silu")
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(state, state_ref)
+    w_leaf = w.clone().requires_grad_()
+    out = gdn.causal_conv1d_update(new, state.clone(), w_leaf, b, "silu")
+    (grad,) = torch.autograd.grad(out.sum(), w_leaf)
+    w_ref = w.clone().requires_grad_()
+    (want,) = torch.autograd.grad(R.causal_conv1d_update_hf(new, state.clone(), w_ref, b, "silu").sum(), w_ref)
+    torch.testing.assert_close(grad, want)
 
 
 # ------------------------------------------------------------------ the fused GatedDeltaNet core

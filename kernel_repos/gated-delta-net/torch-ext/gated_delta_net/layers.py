@@ -73,7 +73,7 @@ class CausalConv1dFn(nn.Module):
 class CausalConv1dUpdate(nn.Module):
     """transformers' `causal_conv1d_update` hook: new tokens (B, C, L), conv_state updated in place."""
 
-    has_backward = False
+    has_backward = True
     can_torch_compile = True
 
     def forward(self, hidden_states, conv_state, weight, bias=None, activation=None):

@@ -7,7 +7,8 @@ sees one opaque node per call; in eager mode the same implementations run throug
 `autograd.Function` (less dispatcher overhead). Each op dispatches on the tensor's device at run time: Triton on
 CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise. Packed sequences
 (`cu_seqlens`) need no host synchronisation: the chunk metadata is computed on the device from a static bound.
-The backward recomputes the chunk intermediates from the inputs: only the inputs are saved.
+The backward recomputes the chunk intermediates from the inputs: only the inputs are saved. Calls of at most
+`RECURRENT_MAX_TOKENS` tokens that need no gradient (decode) run the token-by-token kernel instead (one launch).
 """
 from typing import Optional
 
@@ -175,6 +176,39 @@ class _GDNFunction(torch.autograd.Function):
         return _gdn_grads_out(ctx, grads)
 
 
+# decode: a few tokens, no gradient -> the token-by-token kernel (one launch, no chunk work)
+RECURRENT_MAX_TOKENS = 16
+
+
+@torch.library.custom_op(add_op_namespace_prefix("gdn_recurrent_fwd"), mutates_args=())
+def _gdn_recurrent_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+    scale: float, l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(q):
+        from .triton_kernels import recurrent_fwd
+
+        return recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, l2norm)
+    from .reference import recurrent_gated_delta_rule_hf
+
+    if A_log is not None:
+        g, beta = gdn_gate_hf(g, beta, A_log, dt_bias)
+    n_rep = v.shape[2] // q.shape[2]
+    q, k = (q.repeat_interleave(n_rep, 2), k.repeat_interleave(n_rep, 2)) if n_rep > 1 else (q, k)
+    return recurrent_gated_delta_rule_hf(q, k, v, g, beta, initial_state, True, l2norm, scale)
+
+
+@_gdn_recurrent_fwd.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, l2norm):
+    B, T, HV, V = v.shape
+    return q.new_empty(B, T, HV, V), q.new_empty(B, HV, q.shape[-1], V, dtype=torch.float32)
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _check_tensor(name, what, t, dtypes=_DTYPES):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: {what} must be a tensor, got {type(t).__name__}")
@@ -253,6 +287,9 @@ def _apply_gdn(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scal
     g, beta = g.contiguous(), beta.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
     cu = cu_seqlens.contiguous() if cu_seqlens is not None else None
+    if cu is None and q.shape[1] <= RECURRENT_MAX_TOKENS and not _wants_grad(q, k, v, g, beta, A_log, dt_bias, h0):
+        o, ht = _gdn_recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, h0, float(scale), bool(l2norm))
+        return o, (ht if output_final_state else None)
     args = (q, k, v, g, beta, A_log, dt_bias, h0, cu, float(scale), bool(l2norm), bool(output_final_state))
     if torch.compiler.is_compiling():
         o, ht = _gdn_fwd(*args)
@@ -446,7 +483,9 @@ def _(x, conv_state, weight, bias, activation):
 
 def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None):
     """transformers' `causal_conv1d_update`: hidden_states (B, C, L) new tokens, conv_state (B, C, state_len)
-    updated in place (the last state_len inputs), returns (B, C, L). Inference only (no backward)."""
+    updated in place (the last state_len inputs), returns (B, C, L). One launch; when a gradient is needed
+    (hidden_states, weight or bias require grad) it runs transformers' torch code instead, which autograd
+    differentiates."""
     name = "causal_conv1d_update"
     _check_conv(name, hidden_states, weight, bias, 1)
     _check_tensor(name, "conv_state", conv_state)
@@ -455,6 +494,10 @@ def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activatio
         raise ValueError(f"{name}: conv_state must be ({B}, {C}, >= {weight.shape[1] - 1}), got "
                          f"{tuple(conv_state.shape)}")
     _check_device(name, "conv_state", conv_state, hidden_states)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden_states, weight, bias)):
+        from .reference import causal_conv1d_update_hf
+
+        return causal_conv1d_update_hf(hidden_states, conv_state, weight, bias, activation)
     return _conv_update(hidden_states, conv_state, weight.contiguous(), bias, _activation_flag(name, activation))
 
 
