@@ -35,11 +35,12 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
+def _dot(a, b, IEEE: tl.constexpr, acc=None):
+    """a @ b (+ acc) with fp32 accumulation; exact fp32 products for fp32 operands."""
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -144,9 +145,8 @@ def _intra_kernel(
     q_base = Q + hk * stride_qh
     k_base = K_ + hk * stride_kh
 
-    q_f = _load_qk(q_base, rows, m_c, stride_qt, o_k, K, L2NORM)
-    k_f = _load_qk(k_base, rows, m_c, stride_kt, o_k, K, L2NORM)
-    q_d, k_d = q_f.to(DT), k_f.to(DT)
+    q_d = _load_qk(q_base, rows, m_c, stride_qt, o_k, K, L2NORM).to(DT)
+    k_d = _load_qk(k_base, rows, m_c, stride_kt, o_k, K, L2NORM).to(DT)
     if L2NORM:  # the normalised q, k for the recurrence kernels (one program per key head and chunk)
         qk_offs = (rows[:, None].to(tl.int64) * H + hk) * K + o_k[None, :]
         qk_mask = m_c[:, None] & (o_k[None, :] < K)
@@ -234,17 +234,18 @@ def _intra_kernel(
         cc_offs = (rows[:, None].to(tl.int64) * HV + hv) * 64 + o_c[None, :]
         tl.store(M + cc_offs, att.to(M.dtype.element_ty), mask=m_c[:, None])
         tl.debug_barrier()  # T's blocks are in memory: read it back as one [64, 64] tile
-        Tm = tl.load(A + cc_offs, mask=m_c[:, None], other=0.0)
-        kbg = (k_f * (beta * tl.exp(gc))[:, None]).to(DT)
-        w = _dot(Tm, kbg, IEEE)
+        Tm = tl.load(A + cc_offs, mask=m_c[:, None], other=0.0).to(tl.float32)
+        # w = T (beta G k) = (T diag(beta G)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
+        w = _dot((Tm * (beta * tl.exp(gc))[None, :]).to(DT), k_d, IEEE)
+        Tb = (Tm * beta[None, :]).to(DT)
         tl.store(W + (rows[:, None].to(tl.int64) * HV + hv) * K + o_k[None, :], w.to(W.dtype.element_ty),
                  mask=m_c[:, None] & (o_k[None, :] < K))
         for v0 in range(0, V, BV):
             o_v = v0 + tl.arange(0, BV)
             vmask = m_c[:, None] & (o_v[None, :] < V)
             vv = tl.load(V_ + rows[:, None].to(tl.int64) * stride_vt + hv * stride_vh + o_v[None, :], mask=vmask,
-                         other=0.0).to(tl.float32)
-            u = _dot(Tm, (vv * beta[:, None]).to(DT), IEEE)
+                         other=0.0)
+            u = _dot(Tb, vv.to(DT), IEEE)
             tl.store(U + (rows[:, None].to(tl.int64) * HV + hv) * V + o_v[None, :], u.to(U.dtype.element_ty),
                      mask=vmask)
 
@@ -300,19 +301,19 @@ def _recurrence_fwd_kernel(
             tl.store(VN + vn_offs, v_new, mask=vmask)
         gc = tl.load(GC + rows.to(tl.int64) * HV + hv, mask=m_c, other=0.0)
         g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
-        if COMPUTE_O:
+        if COMPUTE_O:  # o = s diag(G) q h + M v'
             q = tl.load(QN + rows[:, None].to(tl.int64) * stride_qt + hk * stride_qh + o_k[None, :],
-                        mask=m_c[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            qg = (q * (scale * tl.exp(gc))[:, None]).to(DT)
+                        mask=m_c[:, None] & m_k[None, :], other=0.0)
             att = tl.load(M + (rows[:, None].to(tl.int64) * HV + hv) * 64 + o_c[None, :], mask=m_c[:, None],
                           other=0.0)
-            o = _dot(qg, h_d, IEEE) + _dot(att, v_new, IEEE)
+            o = (scale * tl.exp(gc))[:, None] * _dot(q, h_d, IEEE)
+            o = _dot(att, v_new, IEEE, o)
             tl.store(O + vn_offs, o.to(O.dtype.element_ty), mask=vmask)
-        # h <- exp(g_last) h + (k exp(g_last - g))^T v', k^T read through transposed pointers
+        # h <- exp(g_last) h + k^T diag(exp(g_last - g)) v', k^T read through transposed pointers
         kt = tl.load(KN + rows[None, :].to(tl.int64) * stride_kt + hk * stride_kh + o_k[:, None],
-                     mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-        kt = (kt * tl.where(m_c, tl.exp(g_last - gc), 0.0)[None, :]).to(DT)
-        h = h * tl.exp(g_last) + _dot(kt, v_new, IEEE)
+                     mask=m_k[:, None] & m_c[None, :], other=0.0)
+        v_dec = (v_new.to(tl.float32) * tl.where(m_c, tl.exp(g_last - gc), 0.0)[:, None]).to(DT)
+        h = _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
     if STORE_FINAL:
         tl.store(HT + state_offs, h, mask=m_k[:, None] & m_v[None, :])
 
@@ -367,16 +368,19 @@ def _recurrence_bwd_kernel(
         att_t = tl.load(M + (rows[None, :].to(tl.int64) * HV + hv) * 64 + o_c[:, None], mask=m_c[None, :],
                         other=0.0)
         k = tl.load(KN + rows[:, None].to(tl.int64) * stride_kt + hk * stride_kh + o_k[None, :],
-                    mask=m_c[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        ke = (k * tl.where(m_c, tl.exp(g_last - gc), 0.0)[:, None]).to(DT)
-        dv_new = (_dot(att_t, do, IEEE) + _dot(ke, dh_d, IEEE)).to(DT)
+                    mask=m_c[:, None] & m_k[None, :], other=0.0)
+        # dv' = M^T do + diag(exp(g_last - g)) k dh
+        dv_new = tl.where(m_c, tl.exp(g_last - gc), 0.0)[:, None] * _dot(k, dh_d, IEEE)
+        dv_new = _dot(att_t, do, IEEE, dv_new).to(DT)
         tl.store(DVN + vn_offs, dv_new, mask=vmask)
+        # dh <- exp(g_last) dh + s q^T diag(G) do - w^T dv'
         qt = tl.load(QN + rows[None, :].to(tl.int64) * stride_qt + hk * stride_qh + o_k[:, None],
-                     mask=m_k[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-        qt = (qt * (scale * tl.exp(gc))[None, :]).to(DT)
+                     mask=m_k[:, None] & m_c[None, :], other=0.0)
         wt = tl.load(W + (rows[None, :].to(tl.int64) * HV + hv) * K + o_k[:, None],
                      mask=m_k[:, None] & m_c[None, :], other=0.0)
-        dh = dh * tl.exp(g_last) + _dot(qt, do, IEEE) - _dot(wt, dv_new, IEEE)
+        do_g = (do.to(tl.float32) * (scale * tl.exp(gc))[:, None]).to(DT)
+        dh = _dot(qt, do_g, IEEE, dh * tl.exp(g_last))
+        dh = _dot(wt, -dv_new, IEEE, dh)
     if STORE_DH0:
         tl.store(DH0 + state_offs, dh, mask=m_k[:, None] & m_v[None, :])
 
@@ -421,9 +425,8 @@ def _grads_kernel(
                      other=0.0)
         kn = tl.load(K_ + rows[:, None].to(tl.int64) * stride_kt + hk * stride_kh + o_k[None, :], mask=qk_mask,
                      other=0.0)
-    qn_f, kn_f = qn.to(tl.float32), kn.to(tl.float32)
     P = _dot(kn, tl.trans(kn), IEEE)                          # k k^T
-    QK = _dot(qn, tl.trans(kn), IEEE)                          # q k^T
+    QK = _dot(qn, tl.trans(kn), IEEE)                         # q k^T
     dq = tl.zeros([64, BK], dtype=tl.float32)
     dk = tl.zeros([64, BK], dtype=tl.float32)
     strict = (o_c[:, None] > o_c[None, :]) & m_c[:, None] & m_c[None, :]
@@ -432,6 +435,9 @@ def _grads_kernel(
     cc = o_c[:, None] * 64 + o_c[None, :]
     cc_t = o_c[None, :] * 64 + o_c[:, None]
     last = tl.minimum(t0 + 63, seqlen - 1) - t0
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    vmask = m_c[:, None] & m_v[None, :]
     for j in range(GROUP):
         hv = hk * GROUP + j
         g_raw, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, rows, m_c, hv, HV, GATE, ROUND_BETA)
@@ -440,83 +446,61 @@ def _grads_kernel(
         Gd = tl.where(m_c, tl.exp(gc), 0.0)
         e = tl.where(m_c, tl.exp(g_last - gc), 0.0)
         gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        cc_offs = (rows[:, None].to(tl.int64) * HV + hv) * 64 + o_c[None, :]
-        Tm = tl.load(A + cc_offs, mask=m_c[:, None], other=0.0)
+        # T^T through transposed pointers
         Tt = tl.load(A + (rows[None, :].to(tl.int64) * HV + hv) * 64 + o_c[:, None], mask=m_c[None, :], other=0.0)
         state = (chunk * HV + hv) * K * V
-        dqh = tl.zeros([64, BK], dtype=tl.float32)              # do h^T
-        dkh = tl.zeros([64, BK], dtype=tl.float32)              # v' dh^T
-        dw = tl.zeros([64, BK], dtype=tl.float32)               # -dv' h^T
-        dM = tl.zeros([64, 64], dtype=tl.float32)               # do v'^T
-        dTv = tl.zeros([64, 64], dtype=tl.float32)              # dv' (beta v)^T
-        dbeta = tl.zeros([64], dtype=tl.float32)
-        hdh = tl.zeros([BK], dtype=tl.float32)
-        for v0 in range(0, V, BV):
-            o_v = v0 + tl.arange(0, BV)
-            m_v = o_v < V
-            vmask = m_c[:, None] & m_v[None, :]
-            vn_offs = (rows[:, None].to(tl.int64) * HV + hv) * V + o_v[None, :]
-            # h^T and dh^T through transposed pointers: [BV, BK]
-            hs_t = tl.load(HS + state + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
-            dhs_t = tl.load(DHS + state + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :],
-                            other=0.0)
-            do = tl.load(DO + vn_offs, mask=vmask, other=0.0)
-            vn = tl.load(VN + vn_offs, mask=vmask, other=0.0)
-            dvn = tl.load(DVN + vn_offs, mask=vmask, other=0.0)
-            vv = tl.load(V_ + rows[:, None].to(tl.int64) * stride_vt + hv * stride_vh + o_v[None, :], mask=vmask,
-                         other=0.0).to(tl.float32)
-            vn_t = tl.load(VN + (rows[None, :].to(tl.int64) * HV + hv) * V + o_v[:, None],
-                           mask=m_v[:, None] & m_c[None, :], other=0.0)
-            vb_t = (tl.load(V_ + rows[None, :].to(tl.int64) * stride_vt + hv * stride_vh + o_v[:, None],
-                            mask=m_v[:, None] & m_c[None, :], other=0.0).to(tl.float32) * beta[None, :]).to(DT)
-            dqh += _dot(do, hs_t, IEEE)
-            dkh += _dot(vn, dhs_t, IEEE)
-            dw -= _dot(dvn, hs_t, IEEE)
-            dM += _dot(do, vn_t, IEEE)
-            dTv += _dot(dvn, vb_t, IEEE)
-            dvb = _dot(Tt, dvn, IEEE)                            # T^T dv'
-            tl.store(DV + rows[:, None].to(tl.int64) * stride_dvt + hv * stride_dvh + o_v[None, :],
-                     (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
-            dbeta += tl.sum(dvb * vv, 1)
-            hdh += tl.sum(hs_t.to(tl.float32) * dhs_t.to(tl.float32), 0)
-        # o = s (q G) h + M v'
-        dq_j = (scale * Gd)[:, None] * dqh
-        dgc = tl.sum(dq_j * qn_f, 1)
+        vn_offs = (rows[:, None].to(tl.int64) * HV + hv) * V + o_v[None, :]
+        # h^T and dh^T (state at the chunk start, its gradient at the chunk end) through transposed pointers
+        hs_t = tl.load(HS + state + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        dhs_t = tl.load(DHS + state + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        do = tl.load(DO + vn_offs, mask=vmask, other=0.0)
+        vn = tl.load(VN + vn_offs, mask=vmask, other=0.0)
+        dvn = tl.load(DVN + vn_offs, mask=vmask, other=0.0)
+        vv = tl.load(V_ + rows[:, None].to(tl.int64) * stride_vt + hv * stride_vh + o_v[None, :], mask=vmask,
+                     other=0.0)
+        # o = s diag(G) q h + M v'
+        dq_h = (scale * Gd)[:, None] * _dot(do, hs_t, IEEE)
+        dgc = tl.sum(dq_h * qn.to(tl.float32), 1)
+        dq += dq_h
         att = scale * QK * gam
-        dM = tl.where(incl, dM, 0.0)
+        dM = tl.where(incl, _dot(do, tl.trans(vn), IEEE), 0.0)
         dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
         dqk = (scale * dM * gam).to(DT)
-        dq_j += _dot(dqk, kn, IEEE)
+        dq = _dot(dqk, kn, IEEE, dq)
         tl.store(scratch + cc, dqk)
-        tl.debug_barrier()
-        dk_j = _dot(tl.load(scratch + cc_t), qn, IEEE)          # (dM * Gamma)^T q
         # h+ = exp(g_last) h + (k e)^T v'
-        dke = e[:, None] * dkh
-        dk_j += dke
-        dke_row = tl.sum(dke * kn_f, 1)
+        dke = e[:, None] * _dot(vn, dhs_t, IEEE)
+        dk += dke
+        dke_row = tl.sum(dke * kn.to(tl.float32), 1)
         dgc -= dke_row
-        dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(hdh, 0)
-        # w = T (beta G k), u = T (beta v)
+        dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(tl.sum(hs_t.to(tl.float32) * dhs_t.to(tl.float32), 1), 0)
+        # u = T diag(beta) v
+        dvb = _dot(Tt, dvn, IEEE)                                # T^T dv'
+        tl.store(DV + rows[:, None].to(tl.int64) * stride_dvt + hv * stride_dvh + o_v[None, :],
+                 (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
+        dbeta = tl.sum(dvb * vv.to(tl.float32), 1)
+        dT = beta[None, :] * _dot(dvn, tl.trans(vv), IEEE)       # dv' (beta v)^T
+        # w = T diag(beta G) k, v' = u - w h
+        dw = (-_dot(dvn, hs_t, IEEE)).to(DT)
         bG = beta * Gd
-        kbg = (kn_f * bG[:, None]).to(DT)
-        dw_d = dw.to(DT)
-        dkbg = _dot(Tt, dw_d, IEEE)                              # T^T dw
-        dbeta += Gd * tl.sum(dkbg * kn_f, 1)
-        dk_j += bG[:, None] * dkbg
-        dgc += tl.sum(dkbg * kbg.to(tl.float32), 1)
-        dT = _dot(dw_d, tl.trans(kbg), IEEE) + dTv
+        dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
+        dkbg_k = tl.sum(dkbg * kn.to(tl.float32), 1)
+        dbeta += Gd * dkbg_k
+        dgc += bG * dkbg_k
+        dk += bG[:, None] * dkbg
+        dT = bG[None, :] * _dot(dw, tl.trans(kn), IEEE) + dT    # + dw (beta G k)^T
+        # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
         dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
         dL = tl.where(strict, dL, 0.0)
-        gam_s = tl.where(strict, gam, 0.0)
-        D = dL * gam_s
+        D = dL * gam
         dbeta += tl.sum(D * P, 1)
-        D_d = D.to(DT)
-        dk_j += beta[:, None] * _dot(D_d, kn, IEEE)
-        tl.store(scratch + 64 * 64 + cc, D_d)
-        tl.debug_barrier()
-        dk_j += _dot(tl.load(scratch + 64 * 64 + cc_t), (kn_f * beta[:, None]).to(DT), IEEE)   # D^T (beta k)
-        dLL = dL * (beta[:, None] * P * gam_s)
+        dk += beta[:, None] * _dot(D.to(DT), kn, IEEE)
+        tl.store(scratch + 64 * 64 + cc, (D * beta[:, None]).to(DT))
+        dLL = dL * (beta[:, None] * P * gam)
         dgc += tl.sum(dLL, 1) - tl.sum(dLL, 0)
+        tl.debug_barrier()  # the two scratch tiles are written: read them transposed
+        dk = _dot(tl.load(scratch + cc_t), qn, IEEE, dk)              # (dM Gamma)^T q
+        dk = _dot(tl.load(scratch + 64 * 64 + cc_t), kn, IEEE, dk)    # (diag(beta) D)^T k
         dgc = tl.where(o_c == last, dgc + dg_last, dgc)
         dgc = tl.where(m_c, dgc, 0.0)
         dg = tl.cumsum(dgc, 0, reverse=True)                     # through the within-chunk cumsum
@@ -535,8 +519,6 @@ def _grads_kernel(
         else:
             tl.store(DG + gate_offs, dg.to(DG.dtype.element_ty), mask=m_c)
             tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
-        dq += dq_j
-        dk += dk_j
         tl.debug_barrier()  # the next value head reuses the scratch tiles
     if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
         q = tl.load(Q + rows[:, None].to(tl.int64) * stride_qt + hk * stride_qh + o_k[None, :], mask=qk_mask,
@@ -567,7 +549,7 @@ def _varlen_meta_kernel(CU, CHUNK_INFO, CHUNK_OFFSETS, SEQ_IDX, N, N_SLOTS, TOTA
     slot_first = tl.zeros([BLOCK], dtype=tl.int32)
     slot_found = tl.zeros([BLOCK], dtype=tl.int32)
     tok_seq = tl.zeros([BLOCK], dtype=tl.int32)
-    carry = 0
+    carry = tl.sum(tl.zeros([BLOCK_N], dtype=tl.int32), 0)  # chunks of the sequences before this block
     for n0 in range(0, N, BLOCK_N):
         ns = n0 + tl.arange(0, BLOCK_N)
         mn = ns < N
@@ -738,7 +720,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
            dq, dk, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.H, p.HV, p.K, p.V, scale,
            q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
            dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-           GROUP=p.group, BK=p.BK, BV=_block(p.V, 64), L2NORM=l2norm, GATE=gate,
+           GROUP=p.group, BK=p.BK, BV=_block(p.V), L2NORM=l2norm, GATE=gate,
            ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     dA_log = ddt_bias = None
