@@ -44,6 +44,15 @@ def _dot(a, b, IEEE: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """fp32 [16, 16] products of the triangular solve: exact (fp32 inputs, tests) or 3xTF32 (tensor cores)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
 def _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN: tl.constexpr):
     """(sequence, chunk within it, first token row, sequence length) of a chunk slot; sequence -1: unused slot."""
     if VARLEN:
@@ -61,20 +70,21 @@ def _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _load_qk(base, rows, row_mask, stride_t, o_k, K, L2NORM: tl.constexpr):
-    """fp32 [rows, BK] tile of q or k (one head), l2-normalised over K if asked (transformers' l2norm)."""
-    x = tl.load(base + rows[:, None].to(tl.int64) * stride_t + o_k[None, :],
-                mask=row_mask[:, None] & (o_k[None, :] < K), other=0.0).to(tl.float32)
+def _load_qk(base, o_r, row_mask, stride_t, o_k, K, L2NORM: tl.constexpr):
+    """fp32 [rows, BK] tile of q or k (one head; `base` points at the first row), l2-normalised over K if asked
+    (transformers' l2norm). Scalar int64 bases, int32 in-tile offsets (no 64-bit pointer tensors)."""
+    x = tl.load(base + o_r[:, None] * stride_t + o_k[None, :], mask=row_mask[:, None] & (o_k[None, :] < K),
+                other=0.0).to(tl.float32)
     if L2NORM:
         x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
     return x
 
 
 @triton.jit
-def _gate(G_IN, B_IN, A_LOG, DT_BIAS, rows, row_mask, hv, HV, GATE: tl.constexpr, ROUND_BETA: tl.constexpr):
-    """(log decay g, beta) in fp32 for token rows of value head hv. GATE: g = -exp(A_log) softplus(a + dt_bias)
-    and beta = sigmoid(b) rounded to b's dtype (transformers computes it in that dtype)."""
-    offs = rows.to(tl.int64) * HV + hv
+def _gate(G_IN, B_IN, A_LOG, DT_BIAS, offs, row_mask, hv, GATE: tl.constexpr, ROUND_BETA: tl.constexpr):
+    """(log decay g, beta) in fp32 at element offsets `offs` of the (rows, HV) gate inputs, value head hv.
+    GATE: g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) rounded to b's dtype (transformers
+    computes it in that dtype)."""
     if GATE:
         a = tl.load(G_IN + offs, mask=row_mask, other=0.0).to(tl.float32)
         x = a + tl.load(DT_BIAS + hv).to(tl.float32)
@@ -112,9 +122,10 @@ def _invert_unit_lower(L, o_s):
 
 
 @triton.jit
-def _store_block(A, rows, row_mask, col0, o_s, val, HV, hv):
-    ptr = A + (rows[:, None].to(tl.int64) * HV + hv) * 64 + col0 + o_s[None, :]
-    tl.store(ptr, val.to(A.dtype.element_ty), mask=row_mask[:, None])
+def _store_block(base, row0, o_s, row_mask, col0, val, row_stride):
+    """A [16, 16] block of T at rows row0.., columns col0.. of the (rows, HV, 64) buffer (`base`: first row)."""
+    tl.store(base + (row0 + o_s)[:, None] * row_stride + col0 + o_s[None, :], val.to(base.dtype.element_ty),
+             mask=row_mask[:, None])
 
 
 @triton.jit
@@ -136,32 +147,29 @@ def _intra_kernel(
         bos = (i_bh // H).to(tl.int64) * T
         it = slot
     t0 = it * 64
+    row0 = bos + t0                                          # first token row of the chunk (int64 scalar)
     o_c = tl.arange(0, 64)
     o_s = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     m_c = t0 + o_c < seqlen
-    rows = bos + t0 + o_c
     DT = Q.dtype.element_ty
-    q_base = Q + hk * stride_qh
-    k_base = K_ + hk * stride_kh
-
-    q_d = _load_qk(q_base, rows, m_c, stride_qt, o_k, K, L2NORM).to(DT)
-    k_d = _load_qk(k_base, rows, m_c, stride_kt, o_k, K, L2NORM).to(DT)
+    q_base = Q + row0 * stride_qt + hk * stride_qh
+    k_base = K_ + row0 * stride_kt + hk * stride_kh
+    q_d = _load_qk(q_base, o_c, m_c, stride_qt, o_k, K, L2NORM).to(DT)
+    k_d = _load_qk(k_base, o_c, m_c, stride_kt, o_k, K, L2NORM).to(DT)
     if L2NORM:  # the normalised q, k for the recurrence kernels (one program per key head and chunk)
-        qk_offs = (rows[:, None].to(tl.int64) * H + hk) * K + o_k[None, :]
+        qk_offs = o_c[:, None] * (H * K) + o_k[None, :]
         qk_mask = m_c[:, None] & (o_k[None, :] < K)
-        tl.store(QN + qk_offs, q_d, mask=qk_mask)
-        tl.store(KN + qk_offs, k_d, mask=qk_mask)
+        tl.store(QN + (row0 * H + hk) * K + qk_offs, q_d, mask=qk_mask)
+        tl.store(KN + (row0 * H + hk) * K + qk_offs, k_d, mask=qk_mask)
     qk = _dot(q_d, tl.trans(k_d), IEEE)                     # [64, 64] q k^T, shared by the value heads
 
     # the 16-row sub-blocks of k and their Gram blocks P_rc = k_r k_c^T (r >= c), shared by the value heads
-    r0 = bos + t0 + o_s
-    r1, r2, r3 = r0 + 16, r0 + 32, r0 + 48
     m0, m1, m2, m3 = t0 + o_s < seqlen, t0 + 16 + o_s < seqlen, t0 + 32 + o_s < seqlen, t0 + 48 + o_s < seqlen
-    k0 = _load_qk(k_base, r0, m0, stride_kt, o_k, K, L2NORM).to(DT)
-    k1 = _load_qk(k_base, r1, m1, stride_kt, o_k, K, L2NORM).to(DT)
-    k2 = _load_qk(k_base, r2, m2, stride_kt, o_k, K, L2NORM).to(DT)
-    k3 = _load_qk(k_base, r3, m3, stride_kt, o_k, K, L2NORM).to(DT)
+    k0 = _load_qk(k_base, o_s, m0, stride_kt, o_k, K, L2NORM).to(DT)
+    k1 = _load_qk(k_base, o_s + 16, m1, stride_kt, o_k, K, L2NORM).to(DT)
+    k2 = _load_qk(k_base, o_s + 32, m2, stride_kt, o_k, K, L2NORM).to(DT)
+    k3 = _load_qk(k_base, o_s + 48, m3, stride_kt, o_k, K, L2NORM).to(DT)
     P00 = _dot(k0, tl.trans(k0), IEEE)
     P10 = _dot(k1, tl.trans(k0), IEEE)
     P11 = _dot(k1, tl.trans(k1), IEEE)
@@ -175,18 +183,19 @@ def _intra_kernel(
 
     for j in range(GROUP):
         hv = hk * GROUP + j
-        g, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, rows, m_c, hv, HV, GATE, ROUND_BETA)
+        gate_base = row0 * HV + hv
+        g, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
         gc = tl.cumsum(g, 0)
-        tl.store(GC + rows.to(tl.int64) * HV + hv, gc, mask=m_c)
+        tl.store(GC + gate_base + o_c * HV, gc, mask=m_c)
         tl.debug_barrier()  # the sub-block reads below see the same cumulative decay
-        g0 = tl.load(GC + r0.to(tl.int64) * HV + hv, mask=m0, other=0.0)
-        g1 = tl.load(GC + r1.to(tl.int64) * HV + hv, mask=m1, other=0.0)
-        g2 = tl.load(GC + r2.to(tl.int64) * HV + hv, mask=m2, other=0.0)
-        g3 = tl.load(GC + r3.to(tl.int64) * HV + hv, mask=m3, other=0.0)
-        _, b0 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, r0, m0, hv, HV, GATE, ROUND_BETA)
-        _, b1 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, r1, m1, hv, HV, GATE, ROUND_BETA)
-        _, b2 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, r2, m2, hv, HV, GATE, ROUND_BETA)
-        _, b3 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, r3, m3, hv, HV, GATE, ROUND_BETA)
+        g0 = tl.load(GC + gate_base + o_s * HV, mask=m0, other=0.0)
+        g1 = tl.load(GC + gate_base + (o_s + 16) * HV, mask=m1, other=0.0)
+        g2 = tl.load(GC + gate_base + (o_s + 32) * HV, mask=m2, other=0.0)
+        g3 = tl.load(GC + gate_base + (o_s + 48) * HV, mask=m3, other=0.0)
+        _, b0 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_s * HV, m0, hv, GATE, ROUND_BETA)
+        _, b1 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 16) * HV, m1, hv, GATE, ROUND_BETA)
+        _, b2 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 32) * HV, m2, hv, GATE, ROUND_BETA)
+        _, b3 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 48) * HV, m3, hv, GATE, ROUND_BETA)
         # L_rc = beta_r P_rc Gamma_rc (strictly lower overall)
         L00 = b0[:, None] * P00 * _decay_block(g0, g0, m0, m0, True, o_s, o_s)
         L11 = b1[:, None] * P11 * _decay_block(g1, g1, m1, m1, True, o_s, o_s)
@@ -202,51 +211,51 @@ def _intra_kernel(
         T11 = _invert_unit_lower(L11, o_s)
         T22 = _invert_unit_lower(L22, o_s)
         T33 = _invert_unit_lower(L33, o_s)
-        # off-diagonal blocks of the inverse: T_rc = -T_rr sum_{c <= m < r} L_rm T_mc (exact fp32 dots)
-        T10 = -tl.dot(T11, tl.dot(L10, T00, input_precision="ieee"), input_precision="ieee")
-        T21 = -tl.dot(T22, tl.dot(L21, T11, input_precision="ieee"), input_precision="ieee")
-        T32 = -tl.dot(T33, tl.dot(L32, T22, input_precision="ieee"), input_precision="ieee")
-        T20 = -tl.dot(T22, tl.dot(L20, T00, input_precision="ieee") + tl.dot(L21, T10, input_precision="ieee"),
-                      input_precision="ieee")
-        T31 = -tl.dot(T33, tl.dot(L31, T11, input_precision="ieee") + tl.dot(L32, T21, input_precision="ieee"),
-                      input_precision="ieee")
-        T30 = -tl.dot(T33, tl.dot(L30, T00, input_precision="ieee") + tl.dot(L31, T10, input_precision="ieee")
-                      + tl.dot(L32, T20, input_precision="ieee"), input_precision="ieee")
+        # off-diagonal blocks of the inverse: T_rc = -T_rr sum_{c <= m < r} L_rm T_mc, fp32 operands (3xTF32 on
+        # tensor cores: fp32-level accuracy; exact fp32 for fp32 inputs)
+        T10 = -_mm(T11, _mm(L10, T00, IEEE), IEEE)
+        T21 = -_mm(T22, _mm(L21, T11, IEEE), IEEE)
+        T32 = -_mm(T33, _mm(L32, T22, IEEE), IEEE)
+        T20 = -_mm(T22, _mm(L20, T00, IEEE) + _mm(L21, T10, IEEE), IEEE)
+        T31 = -_mm(T33, _mm(L31, T11, IEEE) + _mm(L32, T21, IEEE), IEEE)
+        T30 = -_mm(T33, _mm(L30, T00, IEEE) + _mm(L31, T10, IEEE) + _mm(L32, T20, IEEE), IEEE)
         zero = tl.zeros([16, 16], dtype=tl.float32)
-        _store_block(A, r0, m0, 0, o_s, T00, HV, hv)
-        _store_block(A, r0, m0, 16, o_s, zero, HV, hv)
-        _store_block(A, r0, m0, 32, o_s, zero, HV, hv)
-        _store_block(A, r0, m0, 48, o_s, zero, HV, hv)
-        _store_block(A, r1, m1, 0, o_s, T10, HV, hv)
-        _store_block(A, r1, m1, 16, o_s, T11, HV, hv)
-        _store_block(A, r1, m1, 32, o_s, zero, HV, hv)
-        _store_block(A, r1, m1, 48, o_s, zero, HV, hv)
-        _store_block(A, r2, m2, 0, o_s, T20, HV, hv)
-        _store_block(A, r2, m2, 16, o_s, T21, HV, hv)
-        _store_block(A, r2, m2, 32, o_s, T22, HV, hv)
-        _store_block(A, r2, m2, 48, o_s, zero, HV, hv)
-        _store_block(A, r3, m3, 0, o_s, T30, HV, hv)
-        _store_block(A, r3, m3, 16, o_s, T31, HV, hv)
-        _store_block(A, r3, m3, 32, o_s, T32, HV, hv)
-        _store_block(A, r3, m3, 48, o_s, T33, HV, hv)
+        a_base = A + gate_base * 64
+        rs = HV * 64
+        _store_block(a_base, 0, o_s, m0, 0, T00, rs)
+        _store_block(a_base, 0, o_s, m0, 16, zero, rs)
+        _store_block(a_base, 0, o_s, m0, 32, zero, rs)
+        _store_block(a_base, 0, o_s, m0, 48, zero, rs)
+        _store_block(a_base, 16, o_s, m1, 0, T10, rs)
+        _store_block(a_base, 16, o_s, m1, 16, T11, rs)
+        _store_block(a_base, 16, o_s, m1, 32, zero, rs)
+        _store_block(a_base, 16, o_s, m1, 48, zero, rs)
+        _store_block(a_base, 32, o_s, m2, 0, T20, rs)
+        _store_block(a_base, 32, o_s, m2, 16, T21, rs)
+        _store_block(a_base, 32, o_s, m2, 32, T22, rs)
+        _store_block(a_base, 32, o_s, m2, 48, zero, rs)
+        _store_block(a_base, 48, o_s, m3, 0, T30, rs)
+        _store_block(a_base, 48, o_s, m3, 16, T31, rs)
+        _store_block(a_base, 48, o_s, m3, 32, T32, rs)
+        _store_block(a_base, 48, o_s, m3, 48, T33, rs)
         # intra-chunk attention M = s q k^T Gamma (diagonal included)
         att = scale * qk * _decay_block(gc, gc, m_c, m_c, False, o_c, o_c)
-        cc_offs = (rows[:, None].to(tl.int64) * HV + hv) * 64 + o_c[None, :]
-        tl.store(M + cc_offs, att.to(M.dtype.element_ty), mask=m_c[:, None])
+        cc_offs = o_c[:, None] * rs + o_c[None, :]
+        tl.store(M + gate_base * 64 + cc_offs, att.to(M.dtype.element_ty), mask=m_c[:, None])
         tl.debug_barrier()  # T's blocks are in memory: read it back as one [64, 64] tile
-        Tm = tl.load(A + cc_offs, mask=m_c[:, None], other=0.0).to(tl.float32)
+        Tm = tl.load(a_base + cc_offs, mask=m_c[:, None], other=0.0).to(tl.float32)
         # w = T (beta G k) = (T diag(beta G)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
         w = _dot((Tm * (beta * tl.exp(gc))[None, :]).to(DT), k_d, IEEE)
         Tb = (Tm * beta[None, :]).to(DT)
-        tl.store(W + (rows[:, None].to(tl.int64) * HV + hv) * K + o_k[None, :], w.to(W.dtype.element_ty),
+        tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
                  mask=m_c[:, None] & (o_k[None, :] < K))
+        v_base = V_ + row0 * stride_vt + hv * stride_vh
         for v0 in range(0, V, BV):
             o_v = v0 + tl.arange(0, BV)
             vmask = m_c[:, None] & (o_v[None, :] < V)
-            vv = tl.load(V_ + rows[:, None].to(tl.int64) * stride_vt + hv * stride_vh + o_v[None, :], mask=vmask,
-                         other=0.0)
+            vv = tl.load(v_base + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask, other=0.0)
             u = _dot(Tb, vv.to(DT), IEEE)
-            tl.store(U + (rows[:, None].to(tl.int64) * HV + hv) * V + o_v[None, :], u.to(U.dtype.element_ty),
+            tl.store(U + gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :], u.to(U.dtype.element_ty),
                      mask=vmask)
 
 
@@ -278,44 +287,45 @@ def _recurrence_fwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    state_offs = (i_nh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
+    state_tile = o_k[:, None] * V + o_v[None, :]
+    state_mask = m_k[:, None] & m_v[None, :]
     if USE_H0:
-        h = tl.load(H0 + state_offs, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        h = tl.load(H0 + i_nh.to(tl.int64) * K * V + state_tile, mask=state_mask, other=0.0).to(tl.float32)
     else:
         h = tl.zeros([BK, BV], dtype=tl.float32)
+    kv_tile = o_c[:, None] * (HV * K) + o_k[None, :]       # (token, k) in (rows, HV, K) buffers
+    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]       # (token, v) in (rows, HV, V) buffers
     for it in range(n_chunks):
         t0 = it * 64
+        row0 = bos + t0
         m_c = t0 + o_c < seqlen
-        rows = bos + t0 + o_c
         if STORE_STATES:
-            tl.store(HS + ((first_chunk + it) * HV + hv) * K * V + o_k[:, None] * V + o_v[None, :], h.to(DT),
-                     mask=m_k[:, None] & m_v[None, :])
-        w = tl.load(W + (rows[:, None].to(tl.int64) * HV + hv) * K + o_k[None, :],
-                    mask=m_c[:, None] & m_k[None, :], other=0.0)
+            tl.store(HS + ((first_chunk + it) * HV + hv) * K * V + state_tile, h.to(DT), mask=state_mask)
+        w = tl.load(W + (row0 * HV + hv) * K + kv_tile, mask=m_c[:, None] & m_k[None, :], other=0.0)
         vmask = m_c[:, None] & m_v[None, :]
-        vn_offs = (rows[:, None].to(tl.int64) * HV + hv) * V + o_v[None, :]
-        u = tl.load(U + vn_offs, mask=vmask, other=0.0).to(tl.float32)
+        v_base = (row0 * HV + hv) * V
+        u = tl.load(U + v_base + vv_tile, mask=vmask, other=0.0).to(tl.float32)
         h_d = h.to(DT)
         v_new = (u - _dot(w, h_d, IEEE)).to(DT)
         if STORE_STATES:
-            tl.store(VN + vn_offs, v_new, mask=vmask)
-        gc = tl.load(GC + rows.to(tl.int64) * HV + hv, mask=m_c, other=0.0)
+            tl.store(VN + v_base + vv_tile, v_new, mask=vmask)
+        gc = tl.load(GC + (row0 * HV + hv) + o_c * HV, mask=m_c, other=0.0)
         g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
         if COMPUTE_O:  # o = s diag(G) q h + M v'
-            q = tl.load(QN + rows[:, None].to(tl.int64) * stride_qt + hk * stride_qh + o_k[None, :],
+            q = tl.load(QN + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :],
                         mask=m_c[:, None] & m_k[None, :], other=0.0)
-            att = tl.load(M + (rows[:, None].to(tl.int64) * HV + hv) * 64 + o_c[None, :], mask=m_c[:, None],
+            att = tl.load(M + (row0 * HV + hv) * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], mask=m_c[:, None],
                           other=0.0)
             o = (scale * tl.exp(gc))[:, None] * _dot(q, h_d, IEEE)
             o = _dot(att, v_new, IEEE, o)
-            tl.store(O + vn_offs, o.to(O.dtype.element_ty), mask=vmask)
+            tl.store(O + v_base + vv_tile, o.to(O.dtype.element_ty), mask=vmask)
         # h <- exp(g_last) h + k^T diag(exp(g_last - g)) v', k^T read through transposed pointers
-        kt = tl.load(KN + rows[None, :].to(tl.int64) * stride_kt + hk * stride_kh + o_k[:, None],
+        kt = tl.load(KN + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
                      mask=m_k[:, None] & m_c[None, :], other=0.0)
         v_dec = (v_new.to(tl.float32) * tl.where(m_c, tl.exp(g_last - gc), 0.0)[:, None]).to(DT)
         h = _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
     if STORE_FINAL:
-        tl.store(HT + state_offs, h, mask=m_k[:, None] & m_v[None, :])
+        tl.store(HT + i_nh.to(tl.int64) * K * V + state_tile, h, mask=state_mask)
 
 
 @triton.jit
@@ -346,43 +356,44 @@ def _recurrence_bwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    state_offs = (i_nh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
+    state_tile = o_k[:, None] * V + o_v[None, :]
+    state_mask = m_k[:, None] & m_v[None, :]
     if USE_DHT:
-        dh = tl.load(DHT + state_offs, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + state_tile, mask=state_mask, other=0.0).to(tl.float32)
     else:
         dh = tl.zeros([BK, BV], dtype=tl.float32)
+    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
     for i in range(n_chunks):
         it = n_chunks - 1 - i
         t0 = it * 64
+        row0 = bos + t0
         m_c = t0 + o_c < seqlen
-        rows = bos + t0 + o_c
         dh_d = dh.to(DT)
-        tl.store(DHS + ((first_chunk + it) * HV + hv) * K * V + o_k[:, None] * V + o_v[None, :], dh_d,
-                 mask=m_k[:, None] & m_v[None, :])
-        gc = tl.load(GC + rows.to(tl.int64) * HV + hv, mask=m_c, other=0.0)
+        tl.store(DHS + ((first_chunk + it) * HV + hv) * K * V + state_tile, dh_d, mask=state_mask)
+        gc = tl.load(GC + (row0 * HV + hv) + o_c * HV, mask=m_c, other=0.0)
         g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
         vmask = m_c[:, None] & m_v[None, :]
-        vn_offs = (rows[:, None].to(tl.int64) * HV + hv) * V + o_v[None, :]
-        do = tl.load(DO + vn_offs, mask=vmask, other=0.0)
+        v_base = (row0 * HV + hv) * V
+        do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
         # M^T through transposed pointers: att_t[j, i] = M[i, j]
-        att_t = tl.load(M + (rows[None, :].to(tl.int64) * HV + hv) * 64 + o_c[:, None], mask=m_c[None, :],
+        att_t = tl.load(M + (row0 * HV + hv) * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :],
                         other=0.0)
-        k = tl.load(KN + rows[:, None].to(tl.int64) * stride_kt + hk * stride_kh + o_k[None, :],
+        k = tl.load(KN + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :],
                     mask=m_c[:, None] & m_k[None, :], other=0.0)
         # dv' = M^T do + diag(exp(g_last - g)) k dh
         dv_new = tl.where(m_c, tl.exp(g_last - gc), 0.0)[:, None] * _dot(k, dh_d, IEEE)
         dv_new = _dot(att_t, do, IEEE, dv_new).to(DT)
-        tl.store(DVN + vn_offs, dv_new, mask=vmask)
+        tl.store(DVN + v_base + vv_tile, dv_new, mask=vmask)
         # dh <- exp(g_last) dh + s q^T diag(G) do - w^T dv'
-        qt = tl.load(QN + rows[None, :].to(tl.int64) * stride_qt + hk * stride_qh + o_k[:, None],
+        qt = tl.load(QN + row0 * stride_qt + hk * stride_qh + o_c[None, :] * stride_qt + o_k[:, None],
                      mask=m_k[:, None] & m_c[None, :], other=0.0)
-        wt = tl.load(W + (rows[None, :].to(tl.int64) * HV + hv) * K + o_k[:, None],
+        wt = tl.load(W + (row0 * HV + hv) * K + o_c[None, :] * (HV * K) + o_k[:, None],
                      mask=m_k[:, None] & m_c[None, :], other=0.0)
         do_g = (do.to(tl.float32) * (scale * tl.exp(gc))[:, None]).to(DT)
         dh = _dot(qt, do_g, IEEE, dh * tl.exp(g_last))
         dh = _dot(wt, -dv_new, IEEE, dh)
     if STORE_DH0:
-        tl.store(DH0 + state_offs, dh, mask=m_k[:, None] & m_v[None, :])
+        tl.store(DH0 + i_nh.to(tl.int64) * K * V + state_tile, dh, mask=state_mask)
 
 
 @triton.jit
@@ -409,21 +420,21 @@ def _grads_kernel(
     else:
         chunk = slot.to(tl.int64)
     t0 = it * 64
+    row0 = bos + t0
     o_c = tl.arange(0, 64)
     o_k = tl.arange(0, BK)
     m_c = t0 + o_c < seqlen
     m_k = o_k < K
-    rows = bos + t0 + o_c
     DT = Q.dtype.element_ty
     qk_mask = m_c[:, None] & m_k[None, :]
     if L2NORM:
-        qk_offs = (rows[:, None].to(tl.int64) * H + hk) * K + o_k[None, :]
-        qn = tl.load(QN + qk_offs, mask=qk_mask, other=0.0)
-        kn = tl.load(KN + qk_offs, mask=qk_mask, other=0.0)
+        qk_tile = o_c[:, None] * (H * K) + o_k[None, :]
+        qn = tl.load(QN + (row0 * H + hk) * K + qk_tile, mask=qk_mask, other=0.0)
+        kn = tl.load(KN + (row0 * H + hk) * K + qk_tile, mask=qk_mask, other=0.0)
     else:
-        qn = tl.load(Q + rows[:, None].to(tl.int64) * stride_qt + hk * stride_qh + o_k[None, :], mask=qk_mask,
+        qn = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
                      other=0.0)
-        kn = tl.load(K_ + rows[:, None].to(tl.int64) * stride_kt + hk * stride_kh + o_k[None, :], mask=qk_mask,
+        kn = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
                      other=0.0)
     P = _dot(kn, tl.trans(kn), IEEE)                          # k k^T
     QK = _dot(qn, tl.trans(kn), IEEE)                         # q k^T
@@ -438,25 +449,29 @@ def _grads_kernel(
     o_v = tl.arange(0, BV)
     m_v = o_v < V
     vmask = m_c[:, None] & m_v[None, :]
+    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
+    state_t_tile = o_k[None, :] * V + o_v[:, None]            # h^T: [BV, BK] view of a (K, V) state
+    state_t_mask = m_v[:, None] & m_k[None, :]
     for j in range(GROUP):
         hv = hk * GROUP + j
-        g_raw, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, rows, m_c, hv, HV, GATE, ROUND_BETA)
-        gc = tl.load(GC + rows.to(tl.int64) * HV + hv, mask=m_c, other=0.0)
-        g_last = tl.load(GC + (bos + t0 + last) * HV + hv)
+        gate_base = row0 * HV + hv
+        g_raw, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
+        gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
+        g_last = tl.load(GC + gate_base + last * HV)
         Gd = tl.where(m_c, tl.exp(gc), 0.0)
         e = tl.where(m_c, tl.exp(g_last - gc), 0.0)
         gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
         # T^T through transposed pointers
-        Tt = tl.load(A + (rows[None, :].to(tl.int64) * HV + hv) * 64 + o_c[:, None], mask=m_c[None, :], other=0.0)
+        Tt = tl.load(A + gate_base * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :], other=0.0)
         state = (chunk * HV + hv) * K * V
-        vn_offs = (rows[:, None].to(tl.int64) * HV + hv) * V + o_v[None, :]
+        v_base = gate_base * V
         # h^T and dh^T (state at the chunk start, its gradient at the chunk end) through transposed pointers
-        hs_t = tl.load(HS + state + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
-        dhs_t = tl.load(DHS + state + o_k[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_k[None, :], other=0.0)
-        do = tl.load(DO + vn_offs, mask=vmask, other=0.0)
-        vn = tl.load(VN + vn_offs, mask=vmask, other=0.0)
-        dvn = tl.load(DVN + vn_offs, mask=vmask, other=0.0)
-        vv = tl.load(V_ + rows[:, None].to(tl.int64) * stride_vt + hv * stride_vh + o_v[None, :], mask=vmask,
+        hs_t = tl.load(HS + state + state_t_tile, mask=state_t_mask, other=0.0)
+        dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
+        do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
+        vn = tl.load(VN + v_base + vv_tile, mask=vmask, other=0.0)
+        dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
+        vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask,
                      other=0.0)
         # o = s diag(G) q h + M v'
         dq_h = (scale * Gd)[:, None] * _dot(do, hs_t, IEEE)
@@ -473,10 +488,11 @@ def _grads_kernel(
         dk += dke
         dke_row = tl.sum(dke * kn.to(tl.float32), 1)
         dgc -= dke_row
-        dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(tl.sum(hs_t.to(tl.float32) * dhs_t.to(tl.float32), 1), 0)
+        dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(tl.sum(hs_t.to(tl.float32) * dhs_t.to(tl.float32),
+                                                                      1), 0)
         # u = T diag(beta) v
         dvb = _dot(Tt, dvn, IEEE)                                # T^T dv'
-        tl.store(DV + rows[:, None].to(tl.int64) * stride_dvt + hv * stride_dvh + o_v[None, :],
+        tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
                  (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
         dbeta = tl.sum(dvb * vv.to(tl.float32), 1)
         dT = beta[None, :] * _dot(dvn, tl.trans(vv), IEEE)       # dv' (beta v)^T
@@ -504,7 +520,7 @@ def _grads_kernel(
         dgc = tl.where(o_c == last, dgc + dg_last, dgc)
         dgc = tl.where(m_c, dgc, 0.0)
         dg = tl.cumsum(dgc, 0, reverse=True)                     # through the within-chunk cumsum
-        gate_offs = rows.to(tl.int64) * HV + hv
+        gate_offs = gate_base + o_c * HV
         if GATE:
             a = tl.load(G_IN + gate_offs, mask=m_c, other=0.0).to(tl.float32)
             x = a + tl.load(DT_BIAS + hv).to(tl.float32)
@@ -521,17 +537,17 @@ def _grads_kernel(
             tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
         tl.debug_barrier()  # the next value head reuses the scratch tiles
     if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
-        q = tl.load(Q + rows[:, None].to(tl.int64) * stride_qt + hk * stride_qh + o_k[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        k = tl.load(K_ + rows[:, None].to(tl.int64) * stride_kt + hk * stride_kh + o_k[None, :], mask=qk_mask,
+        q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
                     other=0.0).to(tl.float32)
         rq = tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-        rk = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
         dq = rq * (dq - q * rq * tl.sum(q * rq * dq, 1)[:, None])
+        k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)
+        rk = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
         dk = rk * (dk - k * rk * tl.sum(k * rk * dk, 1)[:, None])
-    tl.store(DQ + rows[:, None].to(tl.int64) * stride_dqt + hk * stride_dqh + o_k[None, :],
+    tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_c[:, None] * stride_dqt + o_k[None, :],
              dq.to(DQ.dtype.element_ty), mask=qk_mask)
-    tl.store(DK + rows[:, None].to(tl.int64) * stride_dkt + hk * stride_dkh + o_k[None, :],
+    tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_c[:, None] * stride_dkt + o_k[None, :],
              dk.to(DK.dtype.element_ty), mask=qk_mask)
 
 
@@ -762,8 +778,7 @@ def _recurrent_kernel(Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, H0, O, HT, T, H, HV
             q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
             k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
         v = tl.load(V_ + b * stride_vb + t * stride_vt + hv * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
-        row = zero + (b * T + t).to(tl.int32)
-        g, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, row, zero == 0, hv, HV, GATE, ROUND_BETA)
+        g, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, zero + (b * T + t) * HV + hv, zero == 0, hv, GATE, ROUND_BETA)
         h = h * tl.exp(tl.sum(g, 0))
         delta = (v - tl.sum(h * k[:, None], 0)) * tl.sum(beta, 0)
         h = h + k[:, None] * delta[None, :]
