@@ -3,7 +3,8 @@
 accuracy against a float64 run of transformers' code, a sweep of our launch settings, and the peers
 (transformers' torch path; flash-linear-attention 0.6.0 with its Hopper guard bypassed, timing anchor only).
 
-    python scripts/probe_gated_delta_net.py [--budget SECONDS] [--sections timing,accuracy,eager,sweep,fla,layer]
+    python scripts/probe_gated_delta_net.py [--budget SECONDS]
+        [--sections timing,eager,fla,bench_ops,accuracy,sweep,layer]
 
 Shapes: transformers' Qwen3_5MoeTextConfig defaults (16 key / 32 value heads, head dims 128, bf16), batch
 8 x 1024 and 2 x 8192, use_qk_l2norm_in_kernel=True. Sections run in the given order while the budget lasts;
@@ -156,13 +157,13 @@ def section_eager(kg, budget):
         torch.cuda.empty_cache()
 
 
-def section_fla(budget):
+def section_fla(budget, layouts=(("repeated", HV),)):
     fla = _fla()
     if fla is None:
         RESULTS["notes"].append("flash-linear-attention not importable")
         return
     for B, T in SHAPES:
-        for label, heads in (("repeated", HV), ("native", HK)):
+        for label, heads in layouts:
             if left(budget) < 40:
                 return
             t0 = time.time()
@@ -178,6 +179,18 @@ def section_fla(budget):
             torch.cuda.empty_cache()
 
 
+def section_bench_ops(kg, budget):
+    """scripts/bench_ops.py's gated_delta_net case in this process (FLA's autotuning is shared with the fla
+    section): fwd+bwd do_bench, GPU kernel time, peak extra memory, I/O floor. Writes $OUT/bench_ops.md."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_ops as h
+
+    h.measure_ceilings()
+    h._LOADED["gated-delta-net"] = kg
+    _case.run(h)
+    h.report(Path(os.environ.get("OUT", ROOT / "out")))
+
+
 def _errors(out, grads, ref_out, ref_grads):
     rows = {}
     for name, a, r in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], [out, *grads], [ref_out, *ref_grads]):
@@ -187,7 +200,7 @@ def _errors(out, grads, ref_out, ref_grads):
     return rows
 
 
-def section_accuracy(kg, budget, shapes=((1, 300), (2, 1024))):
+def section_accuracy(kg, budget, shapes=((1, 300), (2, 1024)), with_fla=True):
     """bf16 inputs; float64 oracle = transformers' chunked code in float64 on the same inputs (key heads repeated
     in the graph, so every impl's dq/dk are per key head)."""
     fla = _fla()
@@ -210,8 +223,8 @@ def section_accuracy(kg, budget, shapes=((1, 300), (2, 1024))):
                   dtype=torch.float64)
         impls = [("transformers torch path, bf16 in (eager)", eager_fn(kg), True),
                  ("hubfuse (native)", ours_fn(kg), False), ("hubfuse (repeated)", ours_fn(kg), True)]
-        if fla is not None:
-            impls.append(("FLA 0.6.0 (native, guard bypassed)", fla_fn(fla), False))
+        if fla is not None and with_fla:
+            impls.append(("FLA 0.6.0 (repeated, guard bypassed)", fla_fn(fla), True))
         for name, fn, repeat in impls:
             try:
                 errs = _errors(*run(fn, repeat=repeat), *ref)
@@ -224,20 +237,16 @@ def section_accuracy(kg, budget, shapes=((1, 300), (2, 1024))):
 
 
 SWEEP = [
+    ("grads nw8", {"grads": dict(num_warps=8, num_stages=2)}),
+    ("solve nw2 bk32", {"solve": dict(num_warps=2, num_stages=2, block_k=32)}),
     ("recurrence nw4 ns2 bv32", {"recurrence": dict(num_warps=4, num_stages=2, block_v=32)}),
-    ("recurrence nw8 ns2 bv32", {"recurrence": dict(num_warps=8, num_stages=2, block_v=32)}),
-    ("recurrence nw8 ns2 bv64", {"recurrence": dict(num_warps=8, num_stages=2, block_v=64)}),
-    ("recurrence nw4 ns3 bv64", {"recurrence": dict(num_warps=4, num_stages=3, block_v=64)}),
-    ("intra nw8", {"intra": dict(num_warps=8, num_stages=2)}),
-    ("grads nw4", {"grads": dict(num_warps=4, num_stages=2)}),
-    ("grads nw8 ns1", {"grads": dict(num_warps=8, num_stages=1)}),
-    ("grads nw8 ns3", {"grads": dict(num_warps=8, num_stages=3)}),
+    ("wu nw8", {"wu": dict(num_warps=8, num_stages=2, block_v=64)}),
 ]
 
 
 def section_sweep(kg, tk, budget):
     default = {k: dict(v) for k, v in tk.CONFIG.items()}
-    for label, change in [("default " + json.dumps(default), {})] + SWEEP:
+    for label, change in SWEEP:
         if left(budget) < 45:
             return
         for key, cfg in change.items():
@@ -305,7 +314,7 @@ def report(out_dir: Path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=480)
-    ap.add_argument("--sections", default="timing,accuracy,eager,sweep,fla,layer")
+    ap.add_argument("--sections", default="timing,eager,fla,bench_ops,accuracy,sweep,layer")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", ROOT / "out"))
     RESULTS["meta"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -323,6 +332,7 @@ def main():
              "eager": lambda: section_eager(kg, args.budget),
              "sweep": lambda: section_sweep(kg, tk, args.budget),
              "fla": lambda: section_fla(args.budget),
+             "bench_ops": lambda: section_bench_ops(kg, args.budget),
              "layer": lambda: section_layer(kg, args.budget)}[name]()
         except Exception as e:  # noqa: BLE001 - keep what was measured
             RESULTS["notes"].append(f"section {name}: {type(e).__name__}: {str(e)[:300]}")

@@ -7,7 +7,8 @@ sees one opaque node per call; in eager mode the same implementations run throug
 `autograd.Function` (less dispatcher overhead). Each op dispatches on the tensor's device at run time: Triton on
 CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise. Packed sequences
 (`cu_seqlens`) need no host synchronisation: the chunk metadata is computed on the device from a static bound.
-The backward recomputes the chunk intermediates from the inputs: only the inputs are saved. Calls of at most
+The backward recomputes the chunk intermediates from the inputs and the forward's WY matrices T and decays
+(saved: (tokens, value heads, 64) in the input dtype and (tokens, value heads) fp32). Calls of at most
 `RECURRENT_MAX_TOKENS` tokens that need no gradient (decode) run the token-by-token kernel instead (one launch).
 """
 from typing import Optional
@@ -63,23 +64,25 @@ def _gdn_fwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2nor
         from .triton_kernels import chunk_fwd
 
         meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1])
-        o, ht = chunk_fwd(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta,
-                          scale, l2norm, output_final_state)
-        return o, (ht if output_final_state else _empty(q))
+        o, ht, A, gc = chunk_fwd(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta, scale, l2norm,
+                                 output_final_state)
+        return o, (ht if output_final_state else _empty(q)), A, gc
     if A_log is not None:
         g, beta = gdn_gate_hf(g, beta, A_log, dt_bias)
     o, ht = gdn_fwd_reference(q, k, v, g, beta, scale, h0, cu_seqlens, l2norm, output_final_state)
-    return o, (ht if output_final_state else _empty(q))
+    return o, (ht if output_final_state else _empty(q)), _empty(q), _empty(q)
 
 
 def _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm, dq=None, dk=None,
-                  dv=None, meta=None):
-    """(dq, dk, dv, d(g or a), d(beta or b), dA_log, ddt_bias, dh0); absent ones are None."""
+                  dv=None, meta=None, A=None, gc=None):
+    """(dq, dk, dv, d(g or a), d(beta or b), dA_log, ddt_bias, dh0); absent ones are None. A, gc: the forward's
+    WY matrices and cumulative decays (Triton path), solved again when not given."""
     if use_triton(q):
         from .triton_kernels import chunk_bwd
 
         meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1])
-        return chunk_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta, scale, l2norm, dq, dk, dv)
+        return chunk_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta, scale, l2norm, dq, dk, dv,
+                         _opt(A), _opt(gc))
     gate = A_log is not None
     gd, bd = gdn_gate_hf(g, beta, A_log, dt_bias) if gate else (g, beta)
     rq, rk, rv, rg, rb, dh0 = gdn_bwd_reference(q, k, v, gd, bd, scale, h0, do, dht, cu_seqlens, l2norm)
@@ -97,7 +100,7 @@ def _gdn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], scale: float, l2norm: bool, output_final_state: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _gdn_fwd_impl(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, l2norm,
                          output_final_state)
 
@@ -107,22 +110,33 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, l2norm
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ht = q.new_empty(N, HV, q.shape[-1], V, dtype=torch.float32) if output_final_state else q.new_empty(0)
-    return q.new_empty(B, T, HV, V), ht
+    return q.new_empty(B, T, HV, V), ht, *_saved_shapes(q, v)
+
+
+def _saved_shapes(q, v):
+    """Fake (A, gc) the forward hands to the backward: (rows, HV, 64) in q's dtype, (rows, HV) fp32 on the
+    Triton path; empty on the torch path."""
+    if not use_triton(q):
+        return q.new_empty(0), q.new_empty(0)
+    rows, HV = q.shape[0] * q.shape[1], v.shape[2]
+    return q.new_empty(rows, HV, 64), q.new_empty(rows, HV, dtype=torch.float32)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("gdn_bwd"), mutates_args=())
 def _gdn_bwd(
     do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
-    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float, l2norm: bool,
+    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], A: torch.Tensor, gc: torch.Tensor,
+    scale: float, l2norm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
-    grads = _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, l2norm)
+    grads = _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, l2norm,
+                          A=A, gc=gc)
     return tuple(x if x is not None else _empty(q) for x in grads)
 
 
 @_gdn_bwd.register_fake
-def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, l2norm):
+def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, A, gc, scale, l2norm):
     gate = A_log is not None
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), torch.empty_like(A_log) if gate else q.new_empty(0),
@@ -133,23 +147,22 @@ def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scal
 
 def _gdn_setup_context(ctx, inputs, output):
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm, output_final_state = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, output[2], output[3])
     ctx.scale, ctx.l2norm = scale, l2norm
 
 
-def _gdn_grads_out(ctx, grads):
+def _gdn_grads_out(ctx, grads, h0):
     dq, dk, dv, dg, db, dA_log, ddt_bias, dh0 = grads
-    h0 = ctx.saved_tensors[7]
     dh0 = dh0.to(h0.dtype) if h0 is not None and dh0 is not None else None
     return dq, dk, dv, dg, db, _opt(dA_log), _opt(ddt_bias), dh0, None, None, None, None
 
 
-def _gdn_backward(ctx, do, dht):
-    q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens = ctx.saved_tensors
+def _gdn_backward(ctx, do, dht, _dA, _dgc):
+    q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc = ctx.saved_tensors
     dht = dht.contiguous() if dht is not None and dht.numel() > 0 else None
     do = do.contiguous() if do is not None else torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-    grads = _gdn_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, ctx.scale, ctx.l2norm)
-    return _gdn_grads_out(ctx, [_opt(x) if i >= 5 else x for i, x in enumerate(grads)])
+    grads = _gdn_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc, ctx.scale, ctx.l2norm)
+    return _gdn_grads_out(ctx, [_opt(x) if i >= 5 else x for i, x in enumerate(grads)], h0)
 
 
 _gdn_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
@@ -160,20 +173,23 @@ class _GDNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm, output_final_state):
-        o, ht = _gdn_fwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm, output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens)
+        o, ht, A, gc = _gdn_fwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm,
+                                     output_final_state)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc)
         ctx.scale, ctx.l2norm = scale, l2norm
+        ctx.mark_non_differentiable(A, gc)
         if not output_final_state:
             ctx.mark_non_differentiable(ht)
-        return o, ht
+        return o, ht, A, gc
 
     @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens = ctx.saved_tensors
+    def backward(ctx, do, dht, _dA, _dgc):
+        q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc = ctx.saved_tensors
         dht = dht.contiguous() if dht is not None and dht.numel() > 0 else None
         do = do.contiguous() if do is not None else torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-        grads = _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, ctx.scale, ctx.l2norm)
-        return _gdn_grads_out(ctx, grads)
+        grads = _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, ctx.scale, ctx.l2norm,
+                              A=A, gc=gc)
+        return _gdn_grads_out(ctx, grads, h0)
 
 
 # decode: a few tokens, no gradient -> the token-by-token kernel (one launch, no chunk work)
@@ -292,9 +308,9 @@ def _apply_gdn(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scal
         return o, (ht if output_final_state else None)
     args = (q, k, v, g, beta, A_log, dt_bias, h0, cu, float(scale), bool(l2norm), bool(output_final_state))
     if torch.compiler.is_compiling():
-        o, ht = _gdn_fwd(*args)
+        o, ht, _, _ = _gdn_fwd(*args)
     else:
-        o, ht = _GDNFunction.apply(*args)
+        o, ht, _, _ = _GDNFunction.apply(*args)
     return o, (ht if output_final_state else None)
 
 
@@ -521,19 +537,20 @@ def _layer_fwd_impl(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num
     meta = _layer_meta(mixed, cu_seqlens)
     conv_out = _conv_fwd_impl(mixed, conv_w, conv_b, cu_seqlens, True, meta)
     q, k, v = _split(conv_out, num_k_heads, head_k_dim, head_v_dim)
-    o, _ = _gdn_fwd_impl(q, k, v, a, b, A_log, dt_bias, None, cu_seqlens, head_k_dim ** -0.5, True, False, meta)
-    return o
+    o, _, A, gc = _gdn_fwd_impl(q, k, v, a, b, A_log, dt_bias, None, cu_seqlens, head_k_dim ** -0.5, True, False,
+                                meta)
+    return o, A, gc
 
 
 def _layer_bwd_impl(do, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim,
-                    head_v_dim):
+                    head_v_dim, A=None, gc=None):
     meta = _layer_meta(mixed, cu_seqlens)
     conv_out = _conv_fwd_impl(mixed, conv_w, conv_b, cu_seqlens, True, meta)   # recomputed, not saved
     q, k, v = _split(conv_out, num_k_heads, head_k_dim, head_v_dim)
     dconv = torch.empty_like(conv_out)
     dq, dk, dv = _split(dconv, num_k_heads, head_k_dim, head_v_dim)            # the rule writes into one buffer
     _, _, _, da, db, dA_log, ddt_bias, _ = _gdn_bwd_impl(do, None, q, k, v, a, b, A_log, dt_bias, None, cu_seqlens,
-                                                         head_k_dim ** -0.5, True, dq, dk, dv, meta)
+                                                         head_k_dim ** -0.5, True, dq, dk, dv, meta, A, gc)
     dmixed, dconv_w, dconv_b = _conv_bwd_impl(dconv, mixed, conv_w, conv_b, cu_seqlens, True, meta)
     return dmixed, dconv_w, dconv_b, da, db, dA_log, ddt_bias
 
@@ -541,7 +558,8 @@ def _layer_bwd_impl(do, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens,
 @torch.library.custom_op(add_op_namespace_prefix("gdn_layer_fwd"), mutates_args=())
 def _gdn_layer_fwd(mixed: torch.Tensor, conv_w: torch.Tensor, conv_b: Optional[torch.Tensor], a: torch.Tensor,
                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                   num_k_heads: int, head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+                   num_k_heads: int, head_k_dim: int, head_v_dim: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
     return _layer_fwd_impl(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim,
                            head_v_dim)
 
@@ -549,22 +567,24 @@ def _gdn_layer_fwd(mixed: torch.Tensor, conv_w: torch.Tensor, conv_b: Optional[t
 @_gdn_layer_fwd.register_fake
 def _(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim, head_v_dim):
     B, S, _ = mixed.shape
-    return mixed.new_empty(B, S, a.shape[-1], head_v_dim)
+    return (mixed.new_empty(B, S, a.shape[-1], head_v_dim),
+            *_saved_shapes(mixed.new_empty(B, S, 1, 1), a.new_empty(B, S, a.shape[-1], 1)))
 
 
 @torch.library.custom_op(add_op_namespace_prefix("gdn_layer_bwd"), mutates_args=())
 def _gdn_layer_bwd(do: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, conv_b: Optional[torch.Tensor],
                    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                   cu_seqlens: Optional[torch.Tensor], num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                   cu_seqlens: Optional[torch.Tensor], A: torch.Tensor, gc: torch.Tensor, num_k_heads: int,
+                   head_k_dim: int, head_v_dim: int,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor]:
     grads = _layer_bwd_impl(do, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim,
-                            head_v_dim)
+                            head_v_dim, _opt(A), _opt(gc))
     return tuple(x if x is not None else _empty(mixed) for x in grads)
 
 
 @_gdn_layer_bwd.register_fake
-def _(do, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim, head_v_dim):
+def _(do, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc, num_k_heads, head_k_dim, head_v_dim):
     return (torch.empty_like(mixed), torch.empty_like(conv_w),
             torch.empty_like(conv_b) if conv_b is not None else mixed.new_empty(0), torch.empty_like(a),
             torch.empty_like(b), torch.empty_like(A_log), torch.empty_like(dt_bias))
@@ -575,14 +595,14 @@ _LAYER_STATIC = ("cu_seqlens", "num_k_heads", "head_k_dim", "head_v_dim")
 
 def _layer_setup_context(ctx, inputs, output):
     mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, H, K, V = inputs
-    ctx.save_for_backward(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens)
+    ctx.save_for_backward(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, output[1], output[2])
     ctx.dims = (H, K, V)
 
 
-def _layer_backward(ctx, do):
-    mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
+def _layer_backward(ctx, do, _dA, _dgc):
+    mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc = ctx.saved_tensors
     dmixed, dw, db_conv, da, db, dA_log, ddt = _gdn_layer_bwd(do.contiguous(), mixed, conv_w, conv_b, a, b, A_log,
-                                                              dt_bias, cu_seqlens, *ctx.dims)
+                                                              dt_bias, cu_seqlens, A, gc, *ctx.dims)
     return dmixed, dw, (db_conv if conv_b is not None else None), da, db, dA_log, ddt, None, None, None, None
 
 
@@ -592,14 +612,17 @@ _gdn_layer_fwd.register_autograd(_layer_backward, setup_context=_layer_setup_con
 class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, H, K, V):
-        ctx.save_for_backward(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens)
+        o, A, gc = _layer_fwd_impl(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, H, K, V)
+        ctx.save_for_backward(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc)
         ctx.dims = (H, K, V)
-        return _layer_fwd_impl(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, H, K, V)
+        ctx.mark_non_differentiable(A, gc)
+        return o, A, gc
 
     @staticmethod
-    def backward(ctx, do):
-        mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
-        grads = _layer_bwd_impl(do.contiguous(), mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, *ctx.dims)
+    def backward(ctx, do, _dA, _dgc):
+        mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc = ctx.saved_tensors
+        grads = _layer_bwd_impl(do.contiguous(), mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, *ctx.dims,
+                                _opt(A), _opt(gc))
         return (*grads, None, None, None, None)
 
 
@@ -608,7 +631,8 @@ def gated_delta_net_core(mixed_qkv, conv_weight, conv_bias, a, b, A_log, dt_bias
     """Everything of Qwen3.5's GatedDeltaNet between the input projections and the gated norm, in one op:
     causal conv1d + SiLU over mixed_qkv (B, S, 2 * H * K + HV * V), split into q, k, v (views, no copies),
     q/k l2norm, beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the chunked delta rule (zero initial
-    state). Returns core_attn_out (B, S, HV, V). The backward recomputes the conv output instead of saving it."""
+    state). Returns core_attn_out (B, S, HV, V). Saved for the backward: the inputs and the rule's WY matrices and
+decays; the conv output is recomputed."""
     name = "gated_delta_net_core"
     _check_conv(name, mixed_qkv, conv_weight, conv_bias, 2)
     B, S, C = mixed_qkv.shape
@@ -632,8 +656,8 @@ def gated_delta_net_core(mixed_qkv, conv_weight, conv_bias, a, b, A_log, dt_bias
     args = (mixed_qkv, conv_weight.contiguous(), conv_bias, a.contiguous(), b.contiguous(), A_log.contiguous(),
             dt_bias.contiguous(), cu_seqlens, int(num_k_heads), int(head_k_dim), int(head_v_dim))
     if torch.compiler.is_compiling():
-        return _gdn_layer_fwd(*args)
-    return _LayerFunction.apply(*args)
+        return _gdn_layer_fwd(*args)[0]
+    return _LayerFunction.apply(*args)[0]
 
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_qwen3_5", "causal_conv1d", "causal_conv1d_fn",

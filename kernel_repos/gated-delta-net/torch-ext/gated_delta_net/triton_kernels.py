@@ -1,18 +1,19 @@
 """Triton kernels of the gated delta rule (chunked, forward + backward) and of the depthwise causal conv1d + SiLU.
 
-Chunked rule, chunks of 64 tokens (notation of reference.py):
-- `_intra_kernel`, one program per (chunk, key head), looping over the value heads that share the key head:
-  l2-normalises q and k, computes the within-chunk cumulative decay g (optionally from the raw gate inputs
-  a, b, A_log, dt_bias of Qwen3.5), the WY transform T = (I + strict_lower(beta K K^T * Gamma))^-1 (forward
-  substitution on 16x16 diagonal blocks, blocks merged in fp32), w = T (beta G k), u = T (beta v) and the
+Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (chunk, value head) unless said:
+- `_solve_kernel`: the within-chunk cumulative decay g (optionally from Qwen3.5's raw gate inputs a, b, A_log,
+  dt_bias) and the WY transform T = (I + strict_lower(beta K K^T * Gamma))^-1: Gram blocks of the raw keys
+  (l2norm applied as row scales), forward substitution on 16x16 diagonal blocks, blocks merged in fp32. Few
+  warps (latency-bound reductions). The forward's T and g are saved for the backward.
+- `_wu_kernel`: l2-normalised q, k (stored once per key head), w = T (beta G k), u = T (beta v) and the
   intra-chunk attention M = s tril(q k^T * Gamma).
 - `_recurrence_fwd_kernel`, one program per (sequence, value head, V block), sequential over chunks:
   v' = u - w h, o = s (q G) h + M v', h <- G_last h + (k exp(g_last - g))^T v'. The forward writes o directly
   (no per-chunk states); the backward runs it again to store the per-chunk states and v'.
 - `_recurrence_bwd_kernel`, same grid, reverse: dv' = M^T do + (k e) dh, dh <- G_last dh + s (q G)^T do - w^T dv'.
-- `_grads_kernel`, one program per (chunk, key head), looping over its value heads: every input gradient
-  (q, k, v, g or a, beta or b, A_log / dt_bias partial sums), the l2norm backward, key-head gradients summed
-  over the value heads in registers (no repeated q/k, no atomics).
+- `_grads_kernel`: every input gradient of a chunk (q, k, v, g or a, beta or b, A_log / dt_bias partial sums);
+  with one value head per key head also the l2norm backward, else fp32 per-value-head partials of dq, dk that
+  `_group_reduce_kernel` sums in a fixed order (no repeated q/k, no atomics: deterministic).
 
 Hopper: Triton 3.4-3.7.0 miscompiles `tl.dot(tl.trans(x), y)` when `x` is itself a `tl.dot` result (FLA #640:
 the transposed accumulator layout feeding a wgmma). No kernel here transposes a computed matrix: transposed
@@ -21,7 +22,7 @@ and D in `_grads_kernel`) go through a per-program scratch tile in global memory
 load), as FLA PR #826 proposed.
 
 Every matmul accumulates in fp32; operands are in the input dtype (bf16 on GPUs, exact fp32 dots for fp32
-inputs). This module imports triton: import it lazily.
+inputs). Addresses: int64 scalar bases, int32 offsets within tiles. This module imports triton: import it lazily.
 """
 import torch
 import triton
@@ -129,134 +130,192 @@ def _store_block(base, row0, o_s, row_mask, col0, val, row_stride):
 
 
 @triton.jit
-def _intra_kernel(
-    Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO,
-    QN, KN, GC, A, M, W, U,
+def _solve_kernel(
+    K_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO, GC, A,
+    T, NT, HV, K, stride_kt, stride_kh,
+    GROUP: tl.constexpr, BKC: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, ROUND_BETA: tl.constexpr,
+    VARLEN: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One (chunk, value head): cumulative decay g (stored), the WY transform T = (I + L)^-1,
+    L = strict_lower(diag(beta) k k^T * Gamma), stored as (rows, HV, 64). Few warps: the 16x16 forward
+    substitutions are latency-bound reductions."""
+    slot = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    hv = i_bh % HV
+    hk = hv // GROUP
+    n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
+    if n < 0:
+        return
+    if not VARLEN:
+        bos = (i_bh // HV).to(tl.int64) * T
+        it = slot
+    t0 = it * 64
+    row0 = bos + t0
+    o_c = tl.arange(0, 64)
+    o_s = tl.arange(0, 16)
+    m_c = t0 + o_c < seqlen
+    DT = K_.dtype.element_ty
+    gate_base = row0 * HV + hv
+    g, _ = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
+    tl.store(GC + gate_base + o_c * HV, tl.cumsum(g, 0), mask=m_c)
+    # Gram blocks P_rc = k_r k_c^T (r >= c) of the raw keys over K in BKC slices, and the rows' squared norms
+    m0, m1, m2, m3 = t0 + o_s < seqlen, t0 + 16 + o_s < seqlen, t0 + 32 + o_s < seqlen, t0 + 48 + o_s < seqlen
+    k_base = K_ + row0 * stride_kt + hk * stride_kh
+    P00 = tl.zeros([16, 16], dtype=tl.float32)
+    P10 = tl.zeros([16, 16], dtype=tl.float32)
+    P11 = tl.zeros([16, 16], dtype=tl.float32)
+    P20 = tl.zeros([16, 16], dtype=tl.float32)
+    P21 = tl.zeros([16, 16], dtype=tl.float32)
+    P22 = tl.zeros([16, 16], dtype=tl.float32)
+    P30 = tl.zeros([16, 16], dtype=tl.float32)
+    P31 = tl.zeros([16, 16], dtype=tl.float32)
+    P32 = tl.zeros([16, 16], dtype=tl.float32)
+    P33 = tl.zeros([16, 16], dtype=tl.float32)
+    n0 = tl.zeros([16], dtype=tl.float32)
+    n1 = tl.zeros([16], dtype=tl.float32)
+    n2 = tl.zeros([16], dtype=tl.float32)
+    n3 = tl.zeros([16], dtype=tl.float32)
+    for kk in range(0, K, BKC):
+        o_k = kk + tl.arange(0, BKC)
+        m_k = o_k[None, :] < K
+        k0 = tl.load(k_base + o_s[:, None] * stride_kt + o_k[None, :], mask=m0[:, None] & m_k, other=0.0)
+        k1 = tl.load(k_base + (o_s + 16)[:, None] * stride_kt + o_k[None, :], mask=m1[:, None] & m_k, other=0.0)
+        k2 = tl.load(k_base + (o_s + 32)[:, None] * stride_kt + o_k[None, :], mask=m2[:, None] & m_k, other=0.0)
+        k3 = tl.load(k_base + (o_s + 48)[:, None] * stride_kt + o_k[None, :], mask=m3[:, None] & m_k, other=0.0)
+        P00 = _dot(k0, tl.trans(k0), IEEE, P00)
+        P10 = _dot(k1, tl.trans(k0), IEEE, P10)
+        P11 = _dot(k1, tl.trans(k1), IEEE, P11)
+        P20 = _dot(k2, tl.trans(k0), IEEE, P20)
+        P21 = _dot(k2, tl.trans(k1), IEEE, P21)
+        P22 = _dot(k2, tl.trans(k2), IEEE, P22)
+        P30 = _dot(k3, tl.trans(k0), IEEE, P30)
+        P31 = _dot(k3, tl.trans(k1), IEEE, P31)
+        P32 = _dot(k3, tl.trans(k2), IEEE, P32)
+        P33 = _dot(k3, tl.trans(k3), IEEE, P33)
+        if L2NORM:
+            n0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), 1)
+            n1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 1)
+            n2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 1)
+            n3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), 1)
+    if L2NORM:  # l2norm(k_i) . l2norm(k_j) = r_i r_j k_i . k_j
+        r0, r1, r2, r3 = tl.rsqrt(n0 + 1e-6), tl.rsqrt(n1 + 1e-6), tl.rsqrt(n2 + 1e-6), tl.rsqrt(n3 + 1e-6)
+        P00 *= r0[:, None] * r0[None, :]
+        P10 *= r1[:, None] * r0[None, :]
+        P11 *= r1[:, None] * r1[None, :]
+        P20 *= r2[:, None] * r0[None, :]
+        P21 *= r2[:, None] * r1[None, :]
+        P22 *= r2[:, None] * r2[None, :]
+        P30 *= r3[:, None] * r0[None, :]
+        P31 *= r3[:, None] * r1[None, :]
+        P32 *= r3[:, None] * r2[None, :]
+        P33 *= r3[:, None] * r3[None, :]
+    tl.debug_barrier()  # the sub-block reads below see the stored cumulative decay
+    g0 = tl.load(GC + gate_base + o_s * HV, mask=m0, other=0.0)
+    g1 = tl.load(GC + gate_base + (o_s + 16) * HV, mask=m1, other=0.0)
+    g2 = tl.load(GC + gate_base + (o_s + 32) * HV, mask=m2, other=0.0)
+    g3 = tl.load(GC + gate_base + (o_s + 48) * HV, mask=m3, other=0.0)
+    _, b0 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_s * HV, m0, hv, GATE, ROUND_BETA)
+    _, b1 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 16) * HV, m1, hv, GATE, ROUND_BETA)
+    _, b2 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 32) * HV, m2, hv, GATE, ROUND_BETA)
+    _, b3 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 48) * HV, m3, hv, GATE, ROUND_BETA)
+    # L_rc = beta_r P_rc Gamma_rc (strictly lower overall)
+    L00 = b0[:, None] * P00 * _decay_block(g0, g0, m0, m0, True, o_s, o_s)
+    L11 = b1[:, None] * P11 * _decay_block(g1, g1, m1, m1, True, o_s, o_s)
+    L22 = b2[:, None] * P22 * _decay_block(g2, g2, m2, m2, True, o_s, o_s)
+    L33 = b3[:, None] * P33 * _decay_block(g3, g3, m3, m3, True, o_s, o_s)
+    L10 = b1[:, None] * P10 * _decay_block(g1, g0, m1, m0, True, o_s + 16, o_s)
+    L20 = b2[:, None] * P20 * _decay_block(g2, g0, m2, m0, True, o_s + 32, o_s)
+    L21 = b2[:, None] * P21 * _decay_block(g2, g1, m2, m1, True, o_s + 32, o_s + 16)
+    L30 = b3[:, None] * P30 * _decay_block(g3, g0, m3, m0, True, o_s + 48, o_s)
+    L31 = b3[:, None] * P31 * _decay_block(g3, g1, m3, m1, True, o_s + 48, o_s + 16)
+    L32 = b3[:, None] * P32 * _decay_block(g3, g2, m3, m2, True, o_s + 48, o_s + 32)
+    T00 = _invert_unit_lower(L00, o_s)
+    T11 = _invert_unit_lower(L11, o_s)
+    T22 = _invert_unit_lower(L22, o_s)
+    T33 = _invert_unit_lower(L33, o_s)
+    # off-diagonal blocks of the inverse: T_rc = -T_rr sum_{c <= m < r} L_rm T_mc, fp32 operands (3xTF32 on
+    # tensor cores: fp32-level accuracy; exact fp32 for fp32 inputs)
+    T10 = -_mm(T11, _mm(L10, T00, IEEE), IEEE)
+    T21 = -_mm(T22, _mm(L21, T11, IEEE), IEEE)
+    T32 = -_mm(T33, _mm(L32, T22, IEEE), IEEE)
+    T20 = -_mm(T22, _mm(L20, T00, IEEE) + _mm(L21, T10, IEEE), IEEE)
+    T31 = -_mm(T33, _mm(L31, T11, IEEE) + _mm(L32, T21, IEEE), IEEE)
+    T30 = -_mm(T33, _mm(L30, T00, IEEE) + _mm(L31, T10, IEEE) + _mm(L32, T20, IEEE), IEEE)
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    a_base = A + gate_base * 64
+    rs = HV * 64
+    _store_block(a_base, 0, o_s, m0, 0, T00, rs)
+    _store_block(a_base, 0, o_s, m0, 16, zero, rs)
+    _store_block(a_base, 0, o_s, m0, 32, zero, rs)
+    _store_block(a_base, 0, o_s, m0, 48, zero, rs)
+    _store_block(a_base, 16, o_s, m1, 0, T10, rs)
+    _store_block(a_base, 16, o_s, m1, 16, T11, rs)
+    _store_block(a_base, 16, o_s, m1, 32, zero, rs)
+    _store_block(a_base, 16, o_s, m1, 48, zero, rs)
+    _store_block(a_base, 32, o_s, m2, 0, T20, rs)
+    _store_block(a_base, 32, o_s, m2, 16, T21, rs)
+    _store_block(a_base, 32, o_s, m2, 32, T22, rs)
+    _store_block(a_base, 32, o_s, m2, 48, zero, rs)
+    _store_block(a_base, 48, o_s, m3, 0, T30, rs)
+    _store_block(a_base, 48, o_s, m3, 16, T31, rs)
+    _store_block(a_base, 48, o_s, m3, 32, T32, rs)
+    _store_block(a_base, 48, o_s, m3, 48, T33, rs)
+
+
+@triton.jit
+def _wu_kernel(
+    Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO, GC, A,
+    QN, KN, M, W, U,
     T, NT, H, HV, K, V, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
     ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """One (chunk, value head), from T: w = T diag(beta G) k, u = T diag(beta) v, the intra-chunk attention
+    M = s q k^T Gamma (diagonal included), and (first value head of a key head) the l2-normalised q, k."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
-    hk = i_bh % H
+    hv = i_bh % HV
+    hk = hv // GROUP
     n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
     if n < 0:
         return
     if not VARLEN:
-        bos = (i_bh // H).to(tl.int64) * T
+        bos = (i_bh // HV).to(tl.int64) * T
         it = slot
     t0 = it * 64
-    row0 = bos + t0                                          # first token row of the chunk (int64 scalar)
+    row0 = bos + t0
     o_c = tl.arange(0, 64)
-    o_s = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     m_c = t0 + o_c < seqlen
     DT = Q.dtype.element_ty
-    q_base = Q + row0 * stride_qt + hk * stride_qh
-    k_base = K_ + row0 * stride_kt + hk * stride_kh
-    q_d = _load_qk(q_base, o_c, m_c, stride_qt, o_k, K, L2NORM).to(DT)
-    k_d = _load_qk(k_base, o_c, m_c, stride_kt, o_k, K, L2NORM).to(DT)
-    if L2NORM:  # the normalised q, k for the recurrence kernels (one program per key head and chunk)
-        qk_offs = o_c[:, None] * (H * K) + o_k[None, :]
-        qk_mask = m_c[:, None] & (o_k[None, :] < K)
-        tl.store(QN + (row0 * H + hk) * K + qk_offs, q_d, mask=qk_mask)
-        tl.store(KN + (row0 * H + hk) * K + qk_offs, k_d, mask=qk_mask)
-    qk = _dot(q_d, tl.trans(k_d), IEEE)                     # [64, 64] q k^T, shared by the value heads
-
-    # the 16-row sub-blocks of k and their Gram blocks P_rc = k_r k_c^T (r >= c), shared by the value heads
-    m0, m1, m2, m3 = t0 + o_s < seqlen, t0 + 16 + o_s < seqlen, t0 + 32 + o_s < seqlen, t0 + 48 + o_s < seqlen
-    k0 = _load_qk(k_base, o_s, m0, stride_kt, o_k, K, L2NORM).to(DT)
-    k1 = _load_qk(k_base, o_s + 16, m1, stride_kt, o_k, K, L2NORM).to(DT)
-    k2 = _load_qk(k_base, o_s + 32, m2, stride_kt, o_k, K, L2NORM).to(DT)
-    k3 = _load_qk(k_base, o_s + 48, m3, stride_kt, o_k, K, L2NORM).to(DT)
-    P00 = _dot(k0, tl.trans(k0), IEEE)
-    P10 = _dot(k1, tl.trans(k0), IEEE)
-    P11 = _dot(k1, tl.trans(k1), IEEE)
-    P20 = _dot(k2, tl.trans(k0), IEEE)
-    P21 = _dot(k2, tl.trans(k1), IEEE)
-    P22 = _dot(k2, tl.trans(k2), IEEE)
-    P30 = _dot(k3, tl.trans(k0), IEEE)
-    P31 = _dot(k3, tl.trans(k1), IEEE)
-    P32 = _dot(k3, tl.trans(k2), IEEE)
-    P33 = _dot(k3, tl.trans(k3), IEEE)
-
-    for j in range(GROUP):
-        hv = hk * GROUP + j
-        gate_base = row0 * HV + hv
-        g, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
-        gc = tl.cumsum(g, 0)
-        tl.store(GC + gate_base + o_c * HV, gc, mask=m_c)
-        tl.debug_barrier()  # the sub-block reads below see the same cumulative decay
-        g0 = tl.load(GC + gate_base + o_s * HV, mask=m0, other=0.0)
-        g1 = tl.load(GC + gate_base + (o_s + 16) * HV, mask=m1, other=0.0)
-        g2 = tl.load(GC + gate_base + (o_s + 32) * HV, mask=m2, other=0.0)
-        g3 = tl.load(GC + gate_base + (o_s + 48) * HV, mask=m3, other=0.0)
-        _, b0 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_s * HV, m0, hv, GATE, ROUND_BETA)
-        _, b1 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 16) * HV, m1, hv, GATE, ROUND_BETA)
-        _, b2 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 32) * HV, m2, hv, GATE, ROUND_BETA)
-        _, b3 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 48) * HV, m3, hv, GATE, ROUND_BETA)
-        # L_rc = beta_r P_rc Gamma_rc (strictly lower overall)
-        L00 = b0[:, None] * P00 * _decay_block(g0, g0, m0, m0, True, o_s, o_s)
-        L11 = b1[:, None] * P11 * _decay_block(g1, g1, m1, m1, True, o_s, o_s)
-        L22 = b2[:, None] * P22 * _decay_block(g2, g2, m2, m2, True, o_s, o_s)
-        L33 = b3[:, None] * P33 * _decay_block(g3, g3, m3, m3, True, o_s, o_s)
-        L10 = b1[:, None] * P10 * _decay_block(g1, g0, m1, m0, True, o_s + 16, o_s)
-        L20 = b2[:, None] * P20 * _decay_block(g2, g0, m2, m0, True, o_s + 32, o_s)
-        L21 = b2[:, None] * P21 * _decay_block(g2, g1, m2, m1, True, o_s + 32, o_s + 16)
-        L30 = b3[:, None] * P30 * _decay_block(g3, g0, m3, m0, True, o_s + 48, o_s)
-        L31 = b3[:, None] * P31 * _decay_block(g3, g1, m3, m1, True, o_s + 48, o_s + 16)
-        L32 = b3[:, None] * P32 * _decay_block(g3, g2, m3, m2, True, o_s + 48, o_s + 32)
-        T00 = _invert_unit_lower(L00, o_s)
-        T11 = _invert_unit_lower(L11, o_s)
-        T22 = _invert_unit_lower(L22, o_s)
-        T33 = _invert_unit_lower(L33, o_s)
-        # off-diagonal blocks of the inverse: T_rc = -T_rr sum_{c <= m < r} L_rm T_mc, fp32 operands (3xTF32 on
-        # tensor cores: fp32-level accuracy; exact fp32 for fp32 inputs)
-        T10 = -_mm(T11, _mm(L10, T00, IEEE), IEEE)
-        T21 = -_mm(T22, _mm(L21, T11, IEEE), IEEE)
-        T32 = -_mm(T33, _mm(L32, T22, IEEE), IEEE)
-        T20 = -_mm(T22, _mm(L20, T00, IEEE) + _mm(L21, T10, IEEE), IEEE)
-        T31 = -_mm(T33, _mm(L31, T11, IEEE) + _mm(L32, T21, IEEE), IEEE)
-        T30 = -_mm(T33, _mm(L30, T00, IEEE) + _mm(L31, T10, IEEE) + _mm(L32, T20, IEEE), IEEE)
-        zero = tl.zeros([16, 16], dtype=tl.float32)
-        a_base = A + gate_base * 64
-        rs = HV * 64
-        _store_block(a_base, 0, o_s, m0, 0, T00, rs)
-        _store_block(a_base, 0, o_s, m0, 16, zero, rs)
-        _store_block(a_base, 0, o_s, m0, 32, zero, rs)
-        _store_block(a_base, 0, o_s, m0, 48, zero, rs)
-        _store_block(a_base, 16, o_s, m1, 0, T10, rs)
-        _store_block(a_base, 16, o_s, m1, 16, T11, rs)
-        _store_block(a_base, 16, o_s, m1, 32, zero, rs)
-        _store_block(a_base, 16, o_s, m1, 48, zero, rs)
-        _store_block(a_base, 32, o_s, m2, 0, T20, rs)
-        _store_block(a_base, 32, o_s, m2, 16, T21, rs)
-        _store_block(a_base, 32, o_s, m2, 32, T22, rs)
-        _store_block(a_base, 32, o_s, m2, 48, zero, rs)
-        _store_block(a_base, 48, o_s, m3, 0, T30, rs)
-        _store_block(a_base, 48, o_s, m3, 16, T31, rs)
-        _store_block(a_base, 48, o_s, m3, 32, T32, rs)
-        _store_block(a_base, 48, o_s, m3, 48, T33, rs)
-        # intra-chunk attention M = s q k^T Gamma (diagonal included)
-        att = scale * qk * _decay_block(gc, gc, m_c, m_c, False, o_c, o_c)
-        cc_offs = o_c[:, None] * rs + o_c[None, :]
-        tl.store(M + gate_base * 64 + cc_offs, att.to(M.dtype.element_ty), mask=m_c[:, None])
-        tl.debug_barrier()  # T's blocks are in memory: read it back as one [64, 64] tile
-        Tm = tl.load(a_base + cc_offs, mask=m_c[:, None], other=0.0).to(tl.float32)
-        # w = T (beta G k) = (T diag(beta G)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
-        w = _dot((Tm * (beta * tl.exp(gc))[None, :]).to(DT), k_d, IEEE)
-        Tb = (Tm * beta[None, :]).to(DT)
-        tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
-                 mask=m_c[:, None] & (o_k[None, :] < K))
-        v_base = V_ + row0 * stride_vt + hv * stride_vh
-        for v0 in range(0, V, BV):
-            o_v = v0 + tl.arange(0, BV)
-            vmask = m_c[:, None] & (o_v[None, :] < V)
-            vv = tl.load(v_base + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask, other=0.0)
-            u = _dot(Tb, vv.to(DT), IEEE)
-            tl.store(U + gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :], u.to(U.dtype.element_ty),
-                     mask=vmask)
+    q_d = _load_qk(Q + row0 * stride_qt + hk * stride_qh, o_c, m_c, stride_qt, o_k, K, L2NORM).to(DT)
+    k_d = _load_qk(K_ + row0 * stride_kt + hk * stride_kh, o_c, m_c, stride_kt, o_k, K, L2NORM).to(DT)
+    if L2NORM:
+        if hv % GROUP == 0:  # the normalised q, k for the recurrence and gradient kernels, once per key head
+            qk_tile = o_c[:, None] * (H * K) + o_k[None, :]
+            qk_mask = m_c[:, None] & (o_k[None, :] < K)
+            tl.store(QN + (row0 * H + hk) * K + qk_tile, q_d, mask=qk_mask)
+            tl.store(KN + (row0 * H + hk) * K + qk_tile, k_d, mask=qk_mask)
+    gate_base = row0 * HV + hv
+    _, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
+    gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
+    att = scale * _dot(q_d, tl.trans(k_d), IEEE) * _decay_block(gc, gc, m_c, m_c, False, o_c, o_c)
+    cc_tile = o_c[:, None] * (HV * 64) + o_c[None, :]
+    tl.store(M + gate_base * 64 + cc_tile, att.to(M.dtype.element_ty), mask=m_c[:, None])
+    Tm = tl.load(A + gate_base * 64 + cc_tile, mask=m_c[:, None], other=0.0).to(tl.float32)
+    # w = T (beta G k) = (T diag(beta G)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
+    w = _dot((Tm * (beta * tl.exp(gc))[None, :]).to(DT), k_d, IEEE)
+    tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
+             mask=m_c[:, None] & (o_k[None, :] < K))
+    Tb = (Tm * beta[None, :]).to(DT)
+    v_base = V_ + row0 * stride_vt + hv * stride_vh
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        vmask = m_c[:, None] & (o_v[None, :] < V)
+        vv = tl.load(v_base + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask, other=0.0)
+        u = _dot(Tb, vv.to(DT), IEEE)
+        tl.store(U + gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :], u.to(U.dtype.element_ty), mask=vmask)
 
 
 @triton.jit
@@ -400,23 +459,26 @@ def _recurrence_bwd_kernel(
 def _grads_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO,
     QN, KN, GC, A, HS, DHS, VN, DVN, DO, SCRATCH,
-    DQ, DK, DV, DG, DB, DA_LOG_PART, DDT_PART,
+    DQ, DK, DQP, DKP, DV, DG, DB, DA_LOG_PART, DDT_PART,
     T, NT, H, HV, K, V, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
     ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """One (chunk, value head): every input gradient of the chunk. dq, dk: final (with the l2norm backward) when
+    each key head has one value head, else fp32 partials per value head summed by `_group_reduce_kernel`."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
-    hk = i_bh % H
+    hv = i_bh % HV
+    hk = hv // GROUP
     n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
     if n < 0:
         return
     if not VARLEN:
-        bos = (i_bh // H).to(tl.int64) * T
+        bos = (i_bh // HV).to(tl.int64) * T
         it = slot
-        chunk = (i_bh // H).to(tl.int64) * NT + slot
+        chunk = (i_bh // HV).to(tl.int64) * NT + slot
     else:
         chunk = slot.to(tl.int64)
     t0 = it * 64
@@ -438,11 +500,9 @@ def _grads_kernel(
                      other=0.0)
     P = _dot(kn, tl.trans(kn), IEEE)                          # k k^T
     QK = _dot(qn, tl.trans(kn), IEEE)                         # q k^T
-    dq = tl.zeros([64, BK], dtype=tl.float32)
-    dk = tl.zeros([64, BK], dtype=tl.float32)
     strict = (o_c[:, None] > o_c[None, :]) & m_c[:, None] & m_c[None, :]
     incl = (o_c[:, None] >= o_c[None, :]) & m_c[:, None] & m_c[None, :]
-    scratch = SCRATCH + (slot.to(tl.int64) * tl.num_programs(1) + i_bh) * 2 * 64 * 64
+    scratch = SCRATCH + (slot.to(tl.int64) * tl.num_programs(1) + i_bh) * 2 * 64 * 64  # per program
     cc = o_c[:, None] * 64 + o_c[None, :]
     cc_t = o_c[None, :] * 64 + o_c[:, None]
     last = tl.minimum(t0 + 63, seqlen - 1) - t0
@@ -452,90 +512,97 @@ def _grads_kernel(
     vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
     state_t_tile = o_k[None, :] * V + o_v[:, None]            # h^T: [BV, BK] view of a (K, V) state
     state_t_mask = m_v[:, None] & m_k[None, :]
-    for j in range(GROUP):
-        hv = hk * GROUP + j
-        gate_base = row0 * HV + hv
-        g_raw, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
-        gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
-        g_last = tl.load(GC + gate_base + last * HV)
-        Gd = tl.where(m_c, tl.exp(gc), 0.0)
-        e = tl.where(m_c, tl.exp(g_last - gc), 0.0)
-        gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        # T^T through transposed pointers
-        Tt = tl.load(A + gate_base * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :], other=0.0)
-        state = (chunk * HV + hv) * K * V
-        v_base = gate_base * V
-        # h^T and dh^T (state at the chunk start, its gradient at the chunk end) through transposed pointers
-        hs_t = tl.load(HS + state + state_t_tile, mask=state_t_mask, other=0.0)
-        dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
-        do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
-        vn = tl.load(VN + v_base + vv_tile, mask=vmask, other=0.0)
-        dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
-        vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask,
-                     other=0.0)
-        # o = s diag(G) q h + M v'
-        dq_h = (scale * Gd)[:, None] * _dot(do, hs_t, IEEE)
-        dgc = tl.sum(dq_h * qn.to(tl.float32), 1)
-        dq += dq_h
-        att = scale * QK * gam
-        dM = tl.where(incl, _dot(do, tl.trans(vn), IEEE), 0.0)
-        dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
-        dqk = (scale * dM * gam).to(DT)
-        dq = _dot(dqk, kn, IEEE, dq)
-        tl.store(scratch + cc, dqk)
-        # h+ = exp(g_last) h + (k e)^T v'
-        dke = e[:, None] * _dot(vn, dhs_t, IEEE)
-        dk += dke
-        dke_row = tl.sum(dke * kn.to(tl.float32), 1)
-        dgc -= dke_row
-        dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(tl.sum(hs_t.to(tl.float32) * dhs_t.to(tl.float32),
-                                                                      1), 0)
-        # u = T diag(beta) v
-        dvb = _dot(Tt, dvn, IEEE)                                # T^T dv'
-        tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
-                 (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
-        dbeta = tl.sum(dvb * vv.to(tl.float32), 1)
-        dT = beta[None, :] * _dot(dvn, tl.trans(vv), IEEE)       # dv' (beta v)^T
-        # w = T diag(beta G) k, v' = u - w h
-        dw = (-_dot(dvn, hs_t, IEEE)).to(DT)
-        bG = beta * Gd
-        dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
-        dkbg_k = tl.sum(dkbg * kn.to(tl.float32), 1)
-        dbeta += Gd * dkbg_k
-        dgc += bG * dkbg_k
-        dk += bG[:, None] * dkbg
-        dT = bG[None, :] * _dot(dw, tl.trans(kn), IEEE) + dT    # + dw (beta G k)^T
-        # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
-        dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
-        dL = tl.where(strict, dL, 0.0)
-        D = dL * gam
-        dbeta += tl.sum(D * P, 1)
-        dk += beta[:, None] * _dot(D.to(DT), kn, IEEE)
-        tl.store(scratch + 64 * 64 + cc, (D * beta[:, None]).to(DT))
-        dLL = dL * (beta[:, None] * P * gam)
-        dgc += tl.sum(dLL, 1) - tl.sum(dLL, 0)
-        tl.debug_barrier()  # the two scratch tiles are written: read them transposed
-        dk = _dot(tl.load(scratch + cc_t), qn, IEEE, dk)              # (dM Gamma)^T q
-        dk = _dot(tl.load(scratch + 64 * 64 + cc_t), kn, IEEE, dk)    # (diag(beta) D)^T k
-        dgc = tl.where(o_c == last, dgc + dg_last, dgc)
-        dgc = tl.where(m_c, dgc, 0.0)
-        dg = tl.cumsum(dgc, 0, reverse=True)                     # through the within-chunk cumsum
-        gate_offs = gate_base + o_c * HV
-        if GATE:
-            a = tl.load(G_IN + gate_offs, mask=m_c, other=0.0).to(tl.float32)
-            x = a + tl.load(DT_BIAS + hv).to(tl.float32)
-            dsoftplus = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
-            da = dg * (-tl.exp(tl.load(A_LOG + hv).to(tl.float32))) * dsoftplus
-            da = tl.where(m_c, da, 0.0)
-            tl.store(DG + gate_offs, da.to(DG.dtype.element_ty), mask=m_c)
-            part = (slot.to(tl.int64) * (tl.num_programs(1) // H) + i_bh // H) * HV + hv  # (slot, batch, head)
-            tl.store(DA_LOG_PART + part, tl.sum(dg * g_raw, 0))
-            tl.store(DDT_PART + part, tl.sum(da, 0))
-            tl.store(DB + gate_offs, (dbeta * beta * (1.0 - beta)).to(DB.dtype.element_ty), mask=m_c)
-        else:
-            tl.store(DG + gate_offs, dg.to(DG.dtype.element_ty), mask=m_c)
-            tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
-        tl.debug_barrier()  # the next value head reuses the scratch tiles
+    gate_base = row0 * HV + hv
+    g_raw, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
+    gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
+    g_last = tl.load(GC + gate_base + last * HV)
+    Gd = tl.where(m_c, tl.exp(gc), 0.0)
+    e = tl.where(m_c, tl.exp(g_last - gc), 0.0)
+    gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    # T^T through transposed pointers
+    Tt = tl.load(A + gate_base * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :], other=0.0)
+    state = (chunk * HV + hv) * K * V
+    v_base = gate_base * V
+    # h^T and dh^T (state at the chunk start, its gradient at the chunk end) through transposed pointers
+    hs_t = tl.load(HS + state + state_t_tile, mask=state_t_mask, other=0.0)
+    dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
+    do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
+    vn = tl.load(VN + v_base + vv_tile, mask=vmask, other=0.0)
+    dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
+    vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask,
+                 other=0.0)
+    # o = s diag(G) q h + M v'
+    dq = (scale * Gd)[:, None] * _dot(do, hs_t, IEEE)
+    dgc = tl.sum(dq * qn.to(tl.float32), 1)
+    att = scale * QK * gam
+    dM = tl.where(incl, _dot(do, tl.trans(vn), IEEE), 0.0)
+    dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
+    dqk = (scale * dM * gam).to(DT)
+    dq = _dot(dqk, kn, IEEE, dq)
+    tl.store(scratch + cc, dqk)
+    # h+ = exp(g_last) h + (k e)^T v'
+    dk = e[:, None] * _dot(vn, dhs_t, IEEE)
+    dke_row = tl.sum(dk * kn.to(tl.float32), 1)
+    dgc -= dke_row
+    # sum(h * dh) for the chunk's total decay, from 32-row slices (the whole states stay dot operands only)
+    hdh = tl.zeros([32, BV], dtype=tl.float32)
+    o_s32 = tl.arange(0, 32)
+    for k0 in range(0, K, 32):
+        sl = (k0 + o_s32)[:, None] * V + o_v[None, :]
+        sm = ((k0 + o_s32) < K)[:, None] & m_v[None, :]
+        hdh += (tl.load(HS + state + sl, mask=sm, other=0.0).to(tl.float32)
+                * tl.load(DHS + state + sl, mask=sm, other=0.0).to(tl.float32))
+    dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(tl.sum(hdh, 1), 0)
+    # u = T diag(beta) v
+    dvb = _dot(Tt, dvn, IEEE)                                # T^T dv'
+    tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
+             (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
+    dbeta = tl.sum(dvb * vv.to(tl.float32), 1)
+    dT = beta[None, :] * _dot(dvn, tl.trans(vv), IEEE)       # dv' (beta v)^T
+    # w = T diag(beta G) k, v' = u - w h
+    dw = (-_dot(dvn, hs_t, IEEE)).to(DT)
+    bG = beta * Gd
+    dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
+    dkbg_k = tl.sum(dkbg * kn.to(tl.float32), 1)
+    dbeta += Gd * dkbg_k
+    dgc += bG * dkbg_k
+    dk += bG[:, None] * dkbg
+    dT = bG[None, :] * _dot(dw, tl.trans(kn), IEEE) + dT    # + dw (beta G k)^T
+    # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
+    dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
+    dL = tl.where(strict, dL, 0.0)
+    D = dL * gam
+    dbeta += tl.sum(D * P, 1)
+    dk += beta[:, None] * _dot(D.to(DT), kn, IEEE)
+    tl.store(scratch + 64 * 64 + cc, (D * beta[:, None]).to(DT))
+    dLL = dL * (beta[:, None] * P * gam)
+    dgc += tl.sum(dLL, 1) - tl.sum(dLL, 0)
+    tl.debug_barrier()  # the two scratch tiles are written: read them transposed
+    dk = _dot(tl.load(scratch + cc_t), qn, IEEE, dk)              # (dM Gamma)^T q
+    dk = _dot(tl.load(scratch + 64 * 64 + cc_t), kn, IEEE, dk)    # (diag(beta) D)^T k
+    dgc = tl.where(o_c == last, dgc + dg_last, dgc)
+    dgc = tl.where(m_c, dgc, 0.0)
+    dg = tl.cumsum(dgc, 0, reverse=True)                     # through the within-chunk cumsum
+    gate_offs = gate_base + o_c * HV
+    if GATE:
+        a = tl.load(G_IN + gate_offs, mask=m_c, other=0.0).to(tl.float32)
+        x = a + tl.load(DT_BIAS + hv).to(tl.float32)
+        dsoftplus = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
+        da = dg * (-tl.exp(tl.load(A_LOG + hv).to(tl.float32))) * dsoftplus
+        da = tl.where(m_c, da, 0.0)
+        tl.store(DG + gate_offs, da.to(DG.dtype.element_ty), mask=m_c)
+        part = slot.to(tl.int64) * tl.num_programs(1) + i_bh  # (slot, batch, value head)
+        tl.store(DA_LOG_PART + part, tl.sum(dg * g_raw, 0))
+        tl.store(DDT_PART + part, tl.sum(da, 0))
+        tl.store(DB + gate_offs, (dbeta * beta * (1.0 - beta)).to(DB.dtype.element_ty), mask=m_c)
+    else:
+        tl.store(DG + gate_offs, dg.to(DG.dtype.element_ty), mask=m_c)
+        tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
+    if GROUP > 1:  # summed over the value heads of each key head by _group_reduce_kernel
+        part_tile = (gate_base * K) + o_c[:, None] * (HV * K) + o_k[None, :]
+        tl.store(DQP + part_tile, dq, mask=qk_mask)
+        tl.store(DKP + part_tile, dk, mask=qk_mask)
+        return
     if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
         q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
                     other=0.0).to(tl.float32)
@@ -549,6 +616,40 @@ def _grads_kernel(
              dq.to(DQ.dtype.element_ty), mask=qk_mask)
     tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_c[:, None] * stride_dkt + o_k[None, :],
              dk.to(DK.dtype.element_ty), mask=qk_mask)
+
+
+
+
+@triton.jit
+def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride_qh, stride_kt, stride_kh,
+                         stride_dqt, stride_dqh, stride_dkt, stride_dkh,
+                         GROUP: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """dq, dk of a key head = sum of its value heads' fp32 partials (fixed order), then the l2norm backward."""
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    row0 = pid.to(tl.int64) * 32
+    o_r = tl.arange(0, 32)
+    o_k = tl.arange(0, BK)
+    mask = ((row0 + o_r) < R)[:, None] & (o_k[None, :] < K)
+    part = (row0 * HV + hk * GROUP) * K + o_r[:, None] * (HV * K) + o_k[None, :]
+    dq = tl.zeros([32, BK], dtype=tl.float32)
+    dk = tl.zeros([32, BK], dtype=tl.float32)
+    for j in range(GROUP):
+        dq += tl.load(DQP + part + j * K, mask=mask, other=0.0)
+        dk += tl.load(DKP + part + j * K, mask=mask, other=0.0)
+    if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
+        q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_r[:, None] * stride_qt + o_k[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        rq = tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+        dq = rq * (dq - q * rq * tl.sum(q * rq * dq, 1)[:, None])
+        k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_r[:, None] * stride_kt + o_k[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        rk = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        dk = rk * (dk - k * rk * tl.sum(k * rk * dk, 1)[:, None])
+    tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_r[:, None] * stride_dqt + o_k[None, :],
+             dq.to(DQ.dtype.element_ty), mask=mask)
+    tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_r[:, None] * stride_dkt + o_k[None, :],
+             dk.to(DK.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------ packed sequences: chunk metadata on the device
@@ -614,14 +715,15 @@ def varlen_meta(cu_seqlens: torch.Tensor, total: int):
 
 # launch settings (the benchmark sweeps them): warps per kernel, the V block of the recurrences
 CONFIG = {
-    "intra": dict(num_warps=4, num_stages=2),
-    "recurrence": dict(num_warps=4, num_stages=2, block_v=64),
-    "grads": dict(num_warps=8, num_stages=2),
+    "solve": dict(num_warps=4, num_stages=2, block_k=32),
+    "wu": dict(num_warps=4, num_stages=2, block_v=64),
+    "recurrence": dict(num_warps=4, num_stages=3, block_v=64),
+    "grads": dict(num_warps=4, num_stages=2),
 }
 
 
-def _block(n: int, cap: int = 1 << 30) -> int:
-    return min(max(16, triton.next_power_of_2(n)), cap)
+def _block(n: int, cap: int = 1 << 30, least: int = 16) -> int:
+    return min(max(least, triton.next_power_of_2(n)), max(cap, least))
 
 
 class _Problem:
@@ -645,37 +747,55 @@ class _Problem:
             self.slots = self.NT
             self.chunk_info = self.chunk_offsets = self.cu = q  # unused
         self.n_chunks = self.slots if self.varlen else self.B * self.NT  # per-chunk state slots
-        self.BK = _block(self.K)
         self.ieee = q.dtype == torch.float32
+        # 16-bit tensor-core tiles at least 64 wide: the shapes the GPU tests run at real head dims (smaller head
+        # dims are padded and masked)
+        self.least = 16 if self.ieee else 64
+        self.BK = _block(self.K, least=self.least)
+
+    def block_v(self, cap: int = 1 << 30) -> int:
+        return _block(self.V, cap, self.least)
 
 
-def _intra(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, scale, l2norm):
+def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
+    """(A = T per chunk (rows, HV, 64) in k's dtype, within-chunk cumulative decay (rows, HV) fp32)."""
+    gate = A_log is not None
+    gc = torch.empty(p.rows, p.HV, dtype=torch.float32, device=k.device)
+    A = torch.empty(p.rows, p.HV, CHUNK, dtype=k.dtype, device=k.device)
+    cfg = CONFIG["solve"]
+    launch(_solve_kernel, (p.slots, p.B * p.HV), k, g_in, b_in, A_log if gate else g_in, dt_bias if gate else g_in,
+           p.cu, p.chunk_info, gc, A, p.T, p.NT, p.HV, p.K, k.stride(1), k.stride(2), GROUP=p.group,
+           BKC=min(p.BK, cfg["block_k"]), L2NORM=l2norm, GATE=gate, ROUND_BETA=gate and b_in.dtype != torch.float32,
+           VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return A, gc
+
+
+def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm):
+    """(q_n, k_n and their (token, head) strides, M, w, u) from T."""
     dev, dt = q.device, q.dtype
     gate = A_log is not None
     qn = torch.empty(p.rows, p.H, p.K, dtype=dt, device=dev) if l2norm else q
     kn = torch.empty(p.rows, p.H, p.K, dtype=dt, device=dev) if l2norm else k
-    gc = torch.empty(p.rows, p.HV, dtype=torch.float32, device=dev)
-    A = torch.empty(p.rows, p.HV, CHUNK, dtype=dt, device=dev)
     M = torch.empty(p.rows, p.HV, CHUNK, dtype=dt, device=dev)
     w = torch.empty(p.rows, p.HV, p.K, dtype=dt, device=dev)
     u = torch.empty(p.rows, p.HV, p.V, dtype=dt, device=dev)
-    cfg = CONFIG["intra"]
-    launch(_intra_kernel, (p.slots, p.B * p.H), q, k, v, g_in, b_in, A_log if gate else g_in,
-           dt_bias if gate else g_in, p.cu, p.chunk_info, qn, kn, gc, A, M, w, u,
+    cfg = CONFIG["wu"]
+    launch(_wu_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
+           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, qn, kn, M, w, u,
            p.T, p.NT, p.H, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2),
-           v.stride(1), v.stride(2), GROUP=p.group, BK=p.BK, BV=_block(p.V, 64), L2NORM=l2norm, GATE=gate,
+           v.stride(1), v.stride(2), GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
            ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     qn_strides = (p.H * p.K, p.K) if l2norm else (q.stride(1), q.stride(2))
     kn_strides = (p.H * p.K, p.K) if l2norm else (k.stride(1), k.stride(2))
-    return qn, kn, qn_strides, kn_strides, gc, A, M, w, u
+    return qn, kn, qn_strides, kn_strides, M, w, u
 
 
 def _recurrence_fwd(p, qn, kn, qn_strides, kn_strides, w, u, gc, M, h0, scale, compute_o, store_states,
                     output_final_state, o_dtype):
     dev, dt = w.device, w.dtype
     cfg = CONFIG["recurrence"]
-    BV = _block(p.V, cfg["block_v"])
+    BV = p.block_v(cfg["block_v"])
     o = torch.empty(p.B, p.T, p.HV, p.V, dtype=o_dtype, device=dev) if compute_o else w
     ht = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if output_final_state else w
     hs = torch.empty(p.n_chunks, p.HV, p.K, p.V, dtype=dt, device=dev) if store_states else w
@@ -690,27 +810,32 @@ def _recurrence_fwd(p, qn, kn, qn_strides, kn_strides, w, u, gc, M, h0, scale, c
 
 def chunk_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: float, l2norm: bool,
               output_final_state: bool):
-    """Forward of the chunked rule: (o (B, T, HV, V) in q's dtype, fp32 final state or an unused tensor)."""
+    """Forward of the chunked rule: (o (B, T, HV, V) in q's dtype, fp32 final state or an unused tensor, and the
+    WY matrices T and the cumulative decays, which the backward takes instead of solving again)."""
     p = _Problem(q, v, cu_seqlens, meta)
-    qn, kn, qs, ks, gc, A, M, w, u = _intra(p, q, k, v, g_in, b_in, A_log, dt_bias, scale, l2norm)
+    A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
+    qn, kn, qs, ks, M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
     o, ht, _, _ = _recurrence_fwd(p, qn, kn, qs, ks, w, u, gc, M, h0, scale, True, False, output_final_state,
                                   q.dtype)
-    return o, ht
+    return o, ht, A, gc
 
 
 def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: float, l2norm: bool,
-              dq=None, dk=None, dv=None):
-    """Backward of the chunked rule (recomputes the forward's intermediates). `dq`, `dk`, `dv` may be given as
-    (strided) output views. Returns dq, dk, dv, d(g or a), d(beta or b), dA_log, ddt_bias (None without the
-    gate), dh0 (fp32, None without an initial state)."""
+              dq=None, dk=None, dv=None, A=None, gc=None):
+    """Backward of the chunked rule (recomputes w, u, M and the per-chunk states; T and the decays come from the
+    forward, or are solved again when not given). `dq`, `dk`, `dv` may be given as (strided) output views.
+    Returns dq, dk, dv, d(g or a), d(beta or b), dA_log, ddt_bias (None without the gate), dh0 (fp32, None
+    without an initial state)."""
     p = _Problem(q, v, cu_seqlens, meta)
     dev, dt = q.device, q.dtype
     gate = A_log is not None
-    qn, kn, qs, ks, gc, A, M, w, u = _intra(p, q, k, v, g_in, b_in, A_log, dt_bias, scale, l2norm)
+    if A is None or gc is None:
+        A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
+    qn, kn, qs, ks, M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
     _, _, hs, vn = _recurrence_fwd(p, qn, kn, qs, ks, w, u, gc, M, h0, scale, False, True, False, dt)
     del u
     cfg = CONFIG["recurrence"]
-    BV = _block(p.V, cfg["block_v"])
+    BV = p.block_v(cfg["block_v"])
     dhs = torch.empty_like(hs)
     dvn = torch.empty_like(vn)
     dh0 = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if h0 is not None else None
@@ -725,20 +850,27 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     dv = torch.empty_like(v) if dv is None else dv
     dg = torch.empty_like(g_in)
     db = torch.empty_like(b_in)
-    scratch = torch.empty(p.slots * p.B * p.H * 2 * CHUNK * CHUNK, dtype=dt, device=dev)
-    n_part = p.slots * p.B * p.HV if gate else 1
+    n_programs = p.slots * p.B * p.HV
+    scratch = torch.empty(n_programs * 2 * CHUNK * CHUNK, dtype=dt, device=dev)
     alloc = torch.zeros if p.varlen else torch.empty  # unused varlen slots write no partial sums
-    dA_part = alloc(n_part, dtype=torch.float32, device=dev)
-    ddt_part = alloc(n_part, dtype=torch.float32, device=dev)
+    dA_part = alloc(n_programs if gate else 1, dtype=torch.float32, device=dev)
+    ddt_part = alloc(n_programs if gate else 1, dtype=torch.float32, device=dev)
+    grouped = p.group > 1
+    dq_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
+    dk_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
     cfg = CONFIG["grads"]
-    launch(_grads_kernel, (p.slots, p.B * p.H), q, k, v, g_in, b_in, A_log if gate else g_in,
+    launch(_grads_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
            dt_bias if gate else g_in, p.cu, p.chunk_info, qn, kn, gc, A, hs, dhs, vn, dvn, do, scratch,
-           dq, dk, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.H, p.HV, p.K, p.V, scale,
+           dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.H, p.HV, p.K, p.V, scale,
            q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
            dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-           GROUP=p.group, BK=p.BK, BV=_block(p.V), L2NORM=l2norm, GATE=gate,
+           GROUP=p.group, BK=p.BK, BV=p.block_v(), L2NORM=l2norm, GATE=gate,
            ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if grouped:
+        launch(_group_reduce_kernel, (triton.cdiv(p.rows, 32), p.H), q, k, dq_part, dk_part, dq, dk, p.rows, p.H,
+               p.HV, p.K, q.stride(1), q.stride(2), k.stride(1), k.stride(2), dq.stride(1), dq.stride(2),
+               dk.stride(1), dk.stride(2), GROUP=p.group, BK=p.BK, L2NORM=l2norm, num_warps=4)
     dA_log = ddt_bias = None
     if gate:
         dA_log = dA_part.view(-1, p.HV).sum(0).to(A_log.dtype)
