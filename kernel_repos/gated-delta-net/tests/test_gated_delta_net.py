@@ -322,9 +322,9 @@ def test_bad_inputs_raise():
         rule(q, k, v, g, beta, initial_state=h0[..., :8])
     with pytest.raises(ValueError, match="batch size must be 1"):
         rule(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), g.expand(2, -1, -1),
-             beta.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 8]))
+             beta.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 8], device=DEV))
     with pytest.raises(TypeError, match="cu_seqlens"):
-        rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0.0, 8.0]))
+        rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0.0, 8.0], device=DEV))
     with pytest.raises(ValueError, match="head dims"):
         rule(*[torch.zeros(1, 2, 1, 512)] * 3, torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))
     x, w = torch.randn(1, 5, 8), torch.randn(8, 4)
@@ -338,8 +338,10 @@ def test_bad_inputs_raise():
         gdn.gated_delta_net_core(torch.randn(1, 5, 50), torch.randn(50, 4), None, torch.randn(1, 5, 2),
                                  torch.randn(1, 5, 2), torch.randn(2), torch.randn(2), 1, 16, 16)
     if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="on"):
+        with pytest.raises(ValueError, match="key is on cpu"):
             rule(q, k.cpu(), v, g, beta)
+        with pytest.raises(ValueError, match="cu_seqlens is on cpu"):
+            rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8]))
 
 
 # ------------------------------------------------------------------ torch.compile
