@@ -370,10 +370,12 @@ def test_torch_compile_fullgraph(path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2, 1000, 16, 32, 128, 128, None), (1, 3000, 16, 32, 128, 128, [0, 1, 700, 2048, 3000]),
+@pytest.mark.parametrize("shape", [(2, 1000, 16, 32, 128, 128, None),
+                                   (1, 3000, 16, 32, 128, 128, [0, 1, 700, 2048, 3000]),
                                    (1, 300, 32, 32, 128, 128, None)])
 def test_gpu_bf16_vs_float64_and_eager(shape):
-    """bf16 on the GPU: within a small factor of transformers' bf16 eager error against float64, fwd and bwd."""
+    """bf16 on the GPU: within 4x transformers' bf16 eager error against float64 (floor 1e-2: eager's dg is exact,
+    its g being fp32), fwd and bwd; packed sequences (no eager reference there) within 3e-2."""
     B, T, H, HV, K, V, cu = shape
     cu_t = torch.tensor(cu, device=DEV, dtype=torch.int32) if cu else None
     n = len(cu) - 1 if cu else B
@@ -386,9 +388,9 @@ def test_gpu_bf16_vs_float64_and_eager(shape):
     eager = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
     if cu is None:  # transformers' fp32 torch path on the bf16 inputs (repeated heads): the eager baseline
         n_rep = HV // H
-        o_e, ht_e = R.chunk_gated_delta_rule_hf(eager[0].repeat_interleave(n_rep, 2), eager[1].repeat_interleave(n_rep, 2),
-                                                *eager[2:5], initial_state=eager[5], output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True)
+        o_e, ht_e = R.chunk_gated_delta_rule_hf(
+            eager[0].repeat_interleave(n_rep, 2), eager[1].repeat_interleave(n_rep, 2), *eager[2:5],
+            initial_state=eager[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     ours = [o, ht, *_grads([o, ht], [do, dht], leaves)]
     want = [o_ref, ht_ref, *_grads([o_ref, ht_ref], [do, dht], ref)]
@@ -396,4 +398,5 @@ def test_gpu_bf16_vs_float64_and_eager(shape):
     for name, a, r, e in zip(["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"], ours, want, base):
         err = _rel(a, r)
         limit = 3e-2 if e is None else max(4 * _rel(e, r), 1e-2)
-        assert err <= limit, f"{name}: bf16 error {err:.3g} > {limit:.3g} (eager {None if e is None else _rel(e, r):.3g})"
+        eager_err = "n/a" if e is None else f"{_rel(e, r):.3g}"
+        assert err <= limit, f"{name}: bf16 error {err:.3g} > {limit:.3g} (eager {eager_err})"
