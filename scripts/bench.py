@@ -1,46 +1,55 @@
 #!/usr/bin/env python
-"""Training-step benchmark on realistic model slices: HF eager, HF + torch.compile, HF + Liger, and ours.
+"""Training-step benchmark on model slices: HF eager, torch.compile (default and reduce-overhead), Liger
+(+ compile), and hubfuse in every mode a user runs (eager, + compile, + reduce-overhead, whole-step CUDA graph).
 
-One training step = forward + backward + AdamW step, bf16 weights (and bf16 AdamW states), random tokens with
-labels = input_ids, the same weights and batches for every configuration of a slice.
+One training step = forward + backward + fused AdamW step, bf16 weights (and bf16 AdamW states), random tokens
+with labels = input_ids, the same weights and batches for every configuration of a slice.
 
-Slices (4 decoder layers by default, the full vocabulary, batch 8 x 2048 tokens):
-  qwen3_8b       Qwen3-8B-like: hidden 4096, intermediate 12288, 32/8 heads, head_dim 128, vocab 151936
-  qwen3_30b_a3b  Qwen3-30B-A3B-like: hidden 2048, 128 experts top-8, moe_intermediate 768, 32/4 heads,
-                 head_dim 128, vocab 151936, router aux loss on (output_router_logits)
-  qwen3_5_moe    Qwen3.5-MoE-like: the defaults of transformers' Qwen3_5MoeTextConfig (hidden 2048, 256 experts
-                 top-8, moe_intermediate 512, shared expert 512, 16/2 heads, head_dim 256, partial RoPE 0.25,
-                 gated attention, vocab 248320), layer_types 3 x linear_attention + 1 x full_attention,
-                 router aux loss on
+Slices (decoder layers, batch x tokens per sequence; the full vocabulary):
+  qwen3_0_6b         the published Qwen3-0.6B config: 28 layers, hidden 1024, intermediate 3072, 16/8 heads,
+                     head_dim 128, vocab 151936, tied embeddings; 8 x 1024
+  qwen3_small        Qwen3-0.6B widths, 8 layers, vocab 32000; 8 x 1024
+  qwen3_moe_small    8 layers, hidden 1024, 32 experts top-4, moe_intermediate 768, 16/8 heads, head_dim 128,
+                     vocab 32000, router aux loss on; 8 x 1024
+  qwen3_30b_a3b_8l   Qwen3-30B-A3B widths, 8 layers; 8 x 1024
+  qwen3_8b           Qwen3-8B-like: hidden 4096, intermediate 12288, 32/8 heads, head_dim 128; 4 layers, 8 x 2048
+  qwen3_30b_a3b      Qwen3-30B-A3B-like: hidden 2048, 128 experts top-8, moe_intermediate 768, 32/4 heads,
+                     head_dim 128, router aux loss on; 4 layers, 8 x 2048
+  qwen3_5_moe        Qwen3.5-MoE-like: the defaults of transformers' Qwen3_5MoeTextConfig (hidden 2048, 256
+                     experts top-8, moe_intermediate 512, shared expert 512, 16/2 heads, head_dim 256, partial RoPE
+                     0.25, gated attention, vocab 248320), layer_types 3 x linear_attention + 1 x full_attention,
+                     router aux loss on; 4 layers, 8 x 2048
 Configurations:
-  eager    HF eager (sdpa attention; MoE experts with experts_implementation="grouped_mm")
-  compile  the same + torch.compile of the whole model (fwd+bwd; the optimizer step stays eager)
-  liger    the same + liger_kernel's apply_liger_kernel_to_qwen3 / _qwen3_moe (patched before the load, so the
-           modules are built as Liger's); Liger has no Qwen3.5-MoE entry point: that row is "unsupported"
-  ours     hubfuse.KernelConfig(presets.kernel_mapping(family, revision="v1")) + presets.enable_losses
-           (local builds through LOCAL_KERNELS, as tests/utils.py)
-  ours_compile  ours + torch.compile of the whole kernelized model (our kernels are custom ops inside the graph;
-           inductor fuses what is left, e.g. transformers' torch fallback of Qwen3.5's gated delta rule)
+  eager          HF eager (sdpa attention; MoE experts with experts_implementation="grouped_mm")
+  compile        the same + torch.compile of the whole model (fwd+bwd; the optimizer step stays eager)
+  compile_ro     the same with mode="reduce-overhead" (CUDA graphs of the compiled graphs)
+  liger          the same as eager + liger_kernel's apply_liger_kernel_to_qwen3 / _qwen3_moe (patched before the
+                 load); Liger has no Qwen3.5-MoE entry point: those rows are "unsupported"
+  liger_compile  liger + torch.compile
+  ours           hubfuse.KernelConfig(presets.kernel_mapping(family, revision="v1")) + presets.enable_losses
+                 (local builds through LOCAL_KERNELS, as tests/utils.py)
+  ours_compile   ours + torch.compile of the whole kernelized model
+  ours_ro        ours + torch.compile(mode="reduce-overhead")
+  ours_graph     ours, the whole step (fwd + bwd + capturable fused AdamW) captured once in a torch.cuda.CUDAGraph
+                 and replayed (the batch copied into the graph's static inputs)
 
 Every (slice, config) runs in its own subprocess (Liger patches classes globally; a crash, OOM or timeout
 loses one row, not the run). The first subprocess of a slice builds the model from its config (random init,
 on the device) and saves it to a temp dir; every configuration loads it with from_pretrained (our kernels
-need the load path). Runs go config-major (eager, ours, liger, compile, ours_compile over the slices), so when
-the time budget (--budget-s) runs out it is the slowest-to-start configurations (the compiled ones) that are cut.
+need the load path). When the time budget (--budget-s) runs out, the rows not run say so.
 
-Reported per row: tokens/s (batch*seq / median step time over --steps steps after --warmup steps), step ms
-(median, min, max), peak memory (CUDA: max_memory_allocated over the measured steps, weights + grads +
-optimizer states + activations; also over warm-up and the allocated memory after the load; CPU: max RSS of
-the process), the loss of step 1 and of the last step (MoE: includes router_aux_loss_coef * aux loss).
+Reported per row: step ms (median over --steps steps after --warmup, each step synchronised), tokens/s, host ms
+(median time to enqueue one step with the GPU queue drained: the CPU's share), GPU ms (summed kernel time per
+step, torch.profiler), kernels and launch calls per step (profiler: kernels run; CUDA launch API calls made by
+the host, a graph replay counting once), peak memory (max_memory_allocated over the measured steps; CPU: max RSS),
+the loss of step 1 and of the last step (MoE: includes router_aux_loss_coef * aux loss).
 Writes $OUT/bench_train.json, $OUT/bench_train.md and $OUT/bench_train_{speed,memory}.png (OUT defaults to
 ./out), after every run (partial results survive a kill).
 
-    python scripts/bench.py                              # GPU: 3 slices x 5 configs (~16 min on an H200:
-                                                         #   two calls of the device tool, e.g. --configs liger
-                                                         #   --append for the second)
-    python scripts/bench.py --slices qwen3_8b --configs eager ours --steps 20
-    python scripts/bench.py --configs compile --append   # add rows to an existing bench_train.json
-    python scripts/bench.py --smoke                      # CPU, tiny dims, eager + ours, < 60 s
+    python scripts/bench.py --slices qwen3_small qwen3_moe_small   # every configuration on two slices
+    python scripts/bench.py --slices qwen3_0_6b --configs eager compile compile_ro ours ours_graph
+    python scripts/bench.py --configs compile --append              # add rows to an existing bench_train.json
+    python scripts/bench.py --smoke                                 # CPU, tiny dims, eager + ours, < 90 s
 """
 from __future__ import annotations
 
@@ -62,44 +71,58 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "torch-ext"))  # hubfuse without `pip install -e .`
 
 REVISION = "v1"
-CONFIGS = ("eager", "ours", "liger", "compile", "ours_compile")  # also the run order (compiled last: slowest to start)
-OURS = ("ours", "ours_compile")  # our kernels; ours_compile: then torch.compile over the kernelized model
-COMPILED = ("compile", "ours_compile")
+# also the run order: eager first, compiled last (slowest to start)
+CONFIGS = ("eager", "ours", "ours_graph", "compile", "compile_ro", "liger", "ours_ro", "ours_compile",
+           "liger_compile")
+OURS = ("ours", "ours_compile", "ours_ro", "ours_graph")
+LIGER = ("liger", "liger_compile")
+COMPILED = ("compile", "compile_ro", "liger_compile", "ours_compile", "ours_ro")
+REDUCE_OVERHEAD = ("compile_ro", "ours_ro")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text")
 LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
 COMMON = dict(vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=40960,
               attention_bias=False)
+QWEN3_0_6B = dict(COMMON, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, tie_word_embeddings=True, rope_theta=1000000.0)
+QWEN3_30B_A3B = dict(COMMON, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, output_router_logits=True,
+                     router_aux_loss_coef=0.001)
 SLICES = {
-    "qwen3_8b": dict(family="qwen3", title="Qwen3-8B-like", config=dict(
+    "qwen3_0_6b": dict(family="qwen3", title="Qwen3-0.6B", layers=28, batch=8, seq=1024, config=QWEN3_0_6B),
+    "qwen3_small": dict(family="qwen3", title="Qwen3 small", layers=8, batch=8, seq=1024,
+                        config=dict(QWEN3_0_6B, vocab_size=32000, tie_word_embeddings=False)),
+    "qwen3_moe_small": dict(family="qwen3_moe", title="Qwen3-MoE small", layers=8, batch=8, seq=1024, config=dict(
+        QWEN3_30B_A3B, vocab_size=32000, hidden_size=1024, num_experts=32, num_experts_per_tok=4,
+        num_attention_heads=16, num_key_value_heads=8)),
+    "qwen3_30b_a3b_8l": dict(family="qwen3_moe", title="Qwen3-30B-A3B widths, 8 layers", layers=8, batch=8,
+                             seq=1024, config=QWEN3_30B_A3B),
+    "qwen3_8b": dict(family="qwen3", title="Qwen3-8B-like", layers=4, batch=8, seq=2048, config=dict(
         COMMON, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128)),
-    "qwen3_30b_a3b": dict(family="qwen3_moe", title="Qwen3-30B-A3B-like", config=dict(
-        COMMON, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, decoder_sparse_step=1,
-        mlp_only_layers=[], norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.001)),
+    "qwen3_30b_a3b": dict(family="qwen3_moe", title="Qwen3-30B-A3B-like", layers=4, batch=8, seq=2048,
+                          config=QWEN3_30B_A3B),
     # Qwen3_5MoeTextConfig defaults; only the layer count (and layer_types to match it) and the aux loss change
-    "qwen3_5_moe": dict(family="qwen3_5_moe_text", title="Qwen3.5-MoE-like", config=dict(
-        output_router_logits=True)),
+    "qwen3_5_moe": dict(family="qwen3_5_moe_text", title="Qwen3.5-MoE-like", layers=4, batch=8, seq=2048,
+                        config=dict(output_router_logits=True)),
 }
 # --smoke: tiny dims of the same structure (CPU, bf16)
+_SMOKE_DENSE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
+_SMOKE_MOE = dict(_SMOKE_DENSE, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 SMOKE_DIMS = {
-    "qwen3_8b": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16),
-    "qwen3_30b_a3b": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                          num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16),
+    "qwen3_0_6b": _SMOKE_DENSE, "qwen3_small": _SMOKE_DENSE, "qwen3_8b": _SMOKE_DENSE,
+    "qwen3_moe_small": _SMOKE_MOE, "qwen3_30b_a3b_8l": _SMOKE_MOE, "qwen3_30b_a3b": _SMOKE_MOE,
     "qwen3_5_moe": dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                         num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                         linear_num_value_heads=4),
 }
-# For the printed estimate only (H200 guesses, seconds): subprocess start + load (+ compile / Triton JIT) and
-# one training step; the first run of a slice also builds and saves the model.
-EST_SETUP_S = {"eager": 15, "ours": 22, "liger": 20, "compile": 75, "ours_compile": 90}
-EST_BUILD_S = {"qwen3_8b": 10, "qwen3_30b_a3b": 12, "qwen3_5_moe": 18}
-EST_STEP_S = {"qwen3_8b": 0.35, "qwen3_30b_a3b": 0.3, "qwen3_5_moe": 0.8}
-# Liger's fused MoE autotunes for ~3.5 min on its first call (run 9: 235 s for the Qwen3-30B-A3B slice)
-TIMEOUT_S = {"eager": 150, "ours": 180, "liger": 300, "compile": 240, "ours_compile": 300}
+SMOKE_SLICES = ("qwen3_small", "qwen3_moe_small", "qwen3_5_moe")  # one per family: the CPU check
+# Per-run timeouts (s): subprocess start, load, compile / autotuning, the steps. Liger's fused MoE autotunes for
+# ~3.5 min on its first call (235 s for the Qwen3-30B-A3B slice on an H200).
+TIMEOUT_S = {"eager": 150, "ours": 180, "ours_graph": 180, "liger": 300, "compile": 300, "compile_ro": 360,
+             "ours_compile": 300, "ours_ro": 360, "liger_compile": 360}
 
 
 def log(msg: str) -> None:
@@ -126,6 +149,16 @@ def slice_config(name: str, layers: int, smoke: bool):
     if spec["family"] == "qwen3_5_moe_text":
         kw["layer_types"] = layer_types(layers)
     return AutoConfig.for_model(spec["family"], **kw)
+
+
+def shape_of(name: str, args) -> tuple[int, int, int]:
+    """(layers, batch, seq) of a slice: the command line's where given, else the slice's own (smoke: tiny)."""
+    if args.smoke:
+        default = (2, 2, 32)
+    else:
+        default = (SLICES[name]["layers"], SLICES[name]["batch"], SLICES[name]["seq"])
+    given = (args.layers, args.batch, args.seq)
+    return tuple(g if g is not None else d for g, d in zip(given, default))
 
 
 # ----------------------------------------------------------------------------------------------- child process
@@ -160,7 +193,7 @@ def ensure_model(name: str, path: Path, args, device: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = slice_config(name, args.layers, args.smoke)
+    cfg = slice_config(name, shape_of(name, args)[0], args.smoke)
     fingerprint = cfg.to_json_string(use_diff=False)
     done = path / "DONE"
     if done.exists() and json.loads(done.read_text()).get("config") == fingerprint:
@@ -189,7 +222,7 @@ def load_model(name: str, config: str, path: Path, device: str):
     if family in MOE_FAMILIES:
         kw["experts_implementation"] = "grouped_mm"
     note = ""
-    if config == "liger":
+    if config in LIGER:
         import liger_kernel.transformers as lt
 
         getattr(lt, LIGER_APPLY[family])()  # class-level patches, before the modules are built
@@ -202,56 +235,102 @@ def load_model(name: str, config: str, path: Path, device: str):
         extra = bound_kernels(model)
     else:
         model = load(path, dtype=torch.bfloat16, device=device, **kw)
-        extra = liger_modules(model) if config == "liger" else {}
+        extra = liger_modules(model) if config in LIGER else {}
     model.train()
     return model, extra, note
 
 
-def probe_step(name: str, model, run_model=None, seed: int = 0):
-    """For the probe scripts: a closure running one training step (zero_grad, fwd + bwd, fused AdamW) of a loaded
-    slice model on one fixed random batch of 8 x 2048 tokens (run_model: e.g. its torch.compile wrapper)."""
+def make_step(model, config: str, device: str, first_batch: dict):
+    """The training step of one configuration: step(batch) -> loss tensor (no host sync inside), and the optimizer.
+
+    ours_graph: `hubfuse.cuda_graphs.capture_train_step` (warm-up on a side stream, then fwd + bwd + the
+    capturable fused AdamW step in one CUDA graph; a step copies the batch in and replays it)."""
     import torch
 
-    cfg = slice_config(name, 4, False)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (8, 2048), generator=g).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    run_model = run_model or model
+    cuda = device == "cuda"
+    graph = config == "ours_graph"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=cuda, capturable=graph)
+    run = model
+    if config in COMPILED:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        run = torch.compile(model, mode="reduce-overhead" if config in REDUCE_OVERHEAD else None)
 
-    def step():
+    def eager_step(batch):
+        if config in REDUCE_OVERHEAD:
+            torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
-        run_model(input_ids=ids, labels=ids).loss.backward()
+        loss = run(**batch, use_cache=False).loss
+        loss.backward()
         opt.step()
+        return loss
 
-    return step
+    if not graph:
+        return eager_step, opt
+    from hubfuse.cuda_graphs import capture_train_step
+
+    return capture_train_step(model, opt, first_batch), opt
 
 
-def set_moe_backward(model, impl: str) -> None:
-    """GPU_CONFIGS["backward"] of the moe kernel bound to `model` (a variant of its backward, for comparison)."""
-    import importlib
+def profile_step(step, batches, device: str) -> dict:
+    """GPU ms, kernels and host launch calls per step, from torch.profiler over a few steps."""
+    from torch.profiler import ProfilerActivity, profile
 
-    pkgs = set()
-    for module in model.modules():  # the bound kernel forward (kernelize sets it on the instance)
-        func = getattr(module.__dict__.get("forward"), "__func__", None)
-        if func is not None and func.__qualname__.startswith("GroupedGemmExperts"):
-            pkgs.add(func.__module__.rsplit(".", 1)[0])
-    if not pkgs:
-        raise RuntimeError("--moe-backward: no moe kernel is bound to this model")
-    for pkg in pkgs:
-        tk = importlib.import_module(pkg + ".triton_kernels")
-        if impl not in tk.BACKWARD_IMPLS:
-            raise ValueError(f"--moe-backward {impl}: not one of {tk.BACKWARD_IMPLS}")
-        tk.GPU_CONFIGS["backward"] = dict(tk.GPU_CONFIGS["backward"], impl=impl)
+    import torch
+
+    launch_apis = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                   "cudaGraphLaunch", "cudaMemsetAsync", "cudaMemcpyAsync", "cudaLaunchCooperativeKernel")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for batch in batches:
+            step(batch)
+        torch.cuda.synchronize()
+    gpu_us = kernels = launches = 0
+    by_kernel: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            us = e.time_range.elapsed_us()
+            gpu_us += us
+            kernels += 1
+            entry = by_kernel.setdefault(e.name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += us
+        elif e.name in launch_apis:
+            launches += 1
+    n = len(batches)
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:25]
+    return dict(gpu_ms=round(gpu_us / n / 1e3, 2), kernels_per_step=round(kernels / n, 1),
+                launches_per_step=round(launches / n, 1),
+                top_kernels=[(name, round(c / n, 1), round(us / n / 1e3, 3)) for name, (c, us) in top])
+
+
+def cprofile_step(step, batch, top: int) -> str:
+    """cProfile of one step (the host's Python), the `top` functions by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    step(batch)
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
 
 
 def child(args) -> int:
     """Runs args.child_configs of one slice (one per process on the GPU; --smoke groups a slice's configs)."""
     import resource
+    import statistics
 
     import torch
 
     name = args.slices[0]
     device = "cpu" if args.smoke else "cuda"
+    cuda = device == "cuda"
     out = Path(args.child_out)
     path = Path(args.model_dir) / name
     results = []
@@ -266,83 +345,92 @@ def child(args) -> int:
             results.append(dict(slice=name, config=config, status="error", note=f"build: {type(e).__name__}: {e}"[:500]))
         save()
         raise
-    cfg = slice_config(name, args.layers, args.smoke)
+    layers, batch_size, seq = shape_of(name, args)
+    cfg = slice_config(name, layers, args.smoke)
     g = torch.Generator().manual_seed(1234)
+    n_host, n_prof = (args.host_steps, args.profile_steps) if cuda else (0, 0)
     batches = []
-    for _ in range(args.warmup + args.steps):
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
+    for _ in range(args.warmup + args.steps + n_host + n_prof):
+        ids = torch.randint(0, cfg.vocab_size, (batch_size, seq), generator=g).to(device)
         batches.append({"input_ids": ids, "labels": ids})
-    tokens = args.batch * args.seq
+    tokens = batch_size * seq
     for config in args.child_configs:
         tag = f"[{name}/{config}]"
-        row = dict(slice=name, config=config, device=device, tokens_per_step=tokens)
+        row = dict(slice=name, config=config, device=device, tokens_per_step=tokens, layers=layers)
         results.append(row)
         t_start = time.time()
-        model = opt = run = None
+        model = opt = step = None
         try:
             log(f"{tag} loading (from_pretrained, bf16, {device})")
             model, extra, note = load_model(name, config, path, device)
             row["modules"] = extra
-            if config in OURS and args.moe_backward:
-                row["note"] = f"moe backward {args.moe_backward}"
-                set_moe_backward(model, args.moe_backward)
             if config in OURS:
                 log(f"{tag} kernels bound: {extra}")
                 if not extra:
                     raise RuntimeError("no hubfuse kernel bound to the model")
             elif extra:
                 log(f"{tag} liger modules: {extra}")
-            run = model
-            if config in COMPILED:
-                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-                run = torch.compile(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=(device == "cuda"))
-            row["load_s"] = round(time.time() - t_start, 1)
-            if device == "cuda":
+            if cuda:
                 torch.cuda.synchronize()
                 row["after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
                 torch.cuda.reset_peak_memory_stats()
+            step, opt = make_step(model, config, device, batches[0])
+            row["load_s"] = round(time.time() - t_start, 1)
             times, losses = [], []
-            for i, batch in enumerate(batches):
-                if i == args.warmup and device == "cuda":
+            for i, batch in enumerate(batches[:args.warmup + args.steps]):
+                if i == args.warmup and cuda:
                     row["peak_warmup_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                    torch.cuda.reset_peak_memory_stats()
-                if device == "cuda":
+                    if config != "ours_graph":  # the graph's memory pool was allocated by the capture
+                        torch.cuda.reset_peak_memory_stats()
+                if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                loss = run(**batch).loss
-                loss.backward()
-                opt.step()
-                if device == "cuda":
+                loss = step(batch)
+                if cuda:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 losses.append(loss.item())
                 if i >= args.warmup:
                     times.append(dt)
-                if i < args.warmup or (i - args.warmup) % 5 == 4 or i == len(batches) - 1:
+                if i < args.warmup or (i - args.warmup) % 5 == 4 or i == args.warmup + args.steps - 1:
                     phase = "warm-up" if i < args.warmup else "step"
-                    log(f"{tag} {phase} {i + 1}/{len(batches)}: {dt * 1e3:.1f} ms, loss {losses[-1]:.4f}")
-            times.sort()
-            med = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+                    log(f"{tag} {phase} {i + 1}/{args.warmup + args.steps}: {dt * 1e3:.1f} ms, loss {losses[-1]:.4f}")
+            med = statistics.median(times)
             row.update(status="ok", tokens_per_s=round(tokens / med, 1), step_ms_median=round(med * 1e3, 2),
-                       step_ms_min=round(times[0] * 1e3, 2), step_ms_max=round(times[-1] * 1e3, 2),
+                       step_ms_min=round(min(times) * 1e3, 2), step_ms_max=round(max(times) * 1e3, 2),
                        loss_step1=losses[0], loss_last=losses[-1], steps=len(times), warmup=args.warmup)
-            if device == "cuda":
+            if cuda:
                 row["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 row["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+                rest = batches[args.warmup + args.steps:]
+                host = []
+                for batch in rest[:n_host]:  # enqueue time with the GPU queue drained
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    step(batch)
+                    host.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                row["host_ms"] = round(statistics.median(host) * 1e3, 2)
+                row.update(profile_step(step, rest[n_host:], device))
+                if args.cprofile and config in args.cprofile:
+                    out_dir = Path(os.environ.get("OUT") or ROOT / "out")
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    (out_dir / f"cprofile_{name}_{config}.txt").write_text(cprofile_step(step, rest[0], 60))
+                    log(f"{tag} cProfile of one step: {out_dir / f'cprofile_{name}_{config}.txt'}")
             else:
                 row["peak_mem_GiB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
                 row["note"] = (note + " " if note else "") + "CPU: peak = max RSS of the process"
             if not all(math.isfinite(v) for v in losses):
                 row["status"] = "error"
                 row["note"] = f"non-finite loss: {losses}"
-            log(f"{tag} {row['status']}: {row['tokens_per_s']:.0f} tokens/s, median step {row['step_ms_median']:.1f} ms, "
-                f"peak {row['peak_mem_GiB']} GiB, loss step 1 {row['loss_step1']:.4f}")
+            log(f"{tag} {row['status']}: {row['tokens_per_s']:.0f} tokens/s, median step {row['step_ms_median']:.1f} ms"
+                + (f", host {row['host_ms']:.1f} ms, GPU {row['gpu_ms']:.1f} ms, {row['launches_per_step']:.0f} launch "
+                   f"calls/step" if "gpu_ms" in row else "")
+                + f", peak {row['peak_mem_GiB']} GiB, loss step 1 {row['loss_step1']:.4f}")
         except Exception as e:  # record and go on (an OOM too)
             oom = "out of memory" in str(e).lower() or type(e).__name__ == "OutOfMemoryError"
             row.update(status="oom" if oom else "error", note=f"{type(e).__name__}: {str(e)[:400]}")
-            if device == "cuda":
+            if cuda:
                 row["peak_mem_GiB_at_failure"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             log(f"{tag} {row['status']}: {row['note']}")
             import traceback
@@ -350,8 +438,8 @@ def child(args) -> int:
             traceback.print_exc()
         row["wall_s"] = round(time.time() - t_start, 1)
         save()
-        del model, opt, run
-        if device == "cuda":
+        del model, opt, step
+        if cuda:
             torch.cuda.empty_cache()
     save()
     return 0
@@ -387,17 +475,6 @@ def run_child(cmd, timeout: float, tag: str, env) -> tuple[int | None, list[str]
     return rc, list(tail)
 
 
-def estimate_s(plan, args) -> float:
-    total, built = 0.0, set()
-    for name, configs in plan:
-        for c in configs:
-            total += EST_SETUP_S[c] + (args.warmup + args.steps) * EST_STEP_S[name] * (1.4 if c == "eager" else 1.0)
-            if name not in built:
-                total += EST_BUILD_S[name]
-                built.add(name)
-    return total
-
-
 def env_meta(smoke: bool) -> dict:
     import importlib.metadata as md
 
@@ -418,37 +495,46 @@ def fmt(v, spec):
     return "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
 
 
-def report(rows, meta, out_dir: Path, plots: bool) -> None:
+def report(rows, meta, out_dir: Path, plots: bool) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_train.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
-    lines = [f"Training step (fwd + bwd + AdamW, bf16 weights), {meta.get('device')}; torch {meta.get('torch')}, "
+    lines = [f"Training step (fwd + bwd + fused AdamW, bf16 weights), {meta.get('device')}; torch {meta.get('torch')}, "
              f"transformers {meta.get('transformers')}, kernels {meta.get('kernels')}, liger-kernel "
              f"{meta.get('liger-kernel')}, triton {meta.get('triton')}, flash-linear-attention "
              f"{meta.get('flash-linear-attention')}.",
-             f"Command: `{meta.get('command')}`; {meta.get('layers')} layers, batch {meta.get('batch')} x "
-             f"{meta.get('seq')} tokens, median of {meta.get('steps')} steps after {meta.get('warmup')} warm-up.", "",
-             "| slice | config | status | tokens/s | x eager | median step ms | peak GiB | loss step 1 | note |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"Command: `{meta.get('command')}`; median of {meta.get('steps')} steps after {meta.get('warmup')} "
+             f"warm-up, each step synchronised; host = enqueue time of one step with the GPU queue drained; GPU = "
+             f"summed kernel time per step; launches = CUDA launch calls per step made by the host.", "",
+             "| slice | config | status | step ms | tokens/s | x eager | host ms | GPU ms | kernels | launches "
+             "| peak GiB | loss step 1 | note |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     by = {(r["slice"], r["config"]): r for r in rows}
     for r in rows:
         e = by.get((r["slice"], "eager"), {})
         ratio = (r["tokens_per_s"] / e["tokens_per_s"]) if r.get("tokens_per_s") and e.get("tokens_per_s") else None
-        lines.append(f"| {r['slice']} | {r['config']} | {r.get('status')} | {fmt(r.get('tokens_per_s'), '.0f')} | "
-                     f"{fmt(ratio, '.2f')} | {fmt(r.get('step_ms_median'), '.1f')} | {fmt(r.get('peak_mem_GiB'), '.2f')} | "
+        lines.append(f"| {r['slice']} | {r['config']} | {r.get('status')} | {fmt(r.get('step_ms_median'), '.1f')} | "
+                     f"{fmt(r.get('tokens_per_s'), '.0f')} | {fmt(ratio, '.2f')} | {fmt(r.get('host_ms'), '.1f')} | "
+                     f"{fmt(r.get('gpu_ms'), '.1f')} | {fmt(r.get('kernels_per_step'), '.0f')} | "
+                     f"{fmt(r.get('launches_per_step'), '.0f')} | {fmt(r.get('peak_mem_GiB'), '.2f')} | "
                      f"{fmt(r.get('loss_step1'), '.4f')} | {(r.get('note') or '')[:160].replace('|', '/')} |")
     lines.append("")
     for s in dict.fromkeys(r["slice"] for r in rows):
-        peers = [by[(s, c)] for c in ("eager", "compile", "liger") if by.get((s, c), {}).get("tokens_per_s")]
-        for config in OURS:
-            ours = by.get((s, config), {})
-            if not (ours.get("tokens_per_s") and peers):
-                continue
-            best = max(peers, key=lambda r: r["tokens_per_s"])
-            liger = by.get((s, "liger"), {})
-            mem = (f"; peak {ours['peak_mem_GiB']:.2f} GiB vs Liger {liger['peak_mem_GiB']:.2f} GiB"
-                   if liger.get("peak_mem_GiB") is not None and ours.get("peak_mem_GiB") is not None else "")
-            lines.append(f"- {s}: {config} {ours['tokens_per_s'] / best['tokens_per_s']:.2f}x the best peer "
-                         f"({best['config']}){mem}.")
+        ok = {c: by[(s, c)] for c in CONFIGS if by.get((s, c), {}).get("status") == "ok"}
+        peers = {c: r for c, r in ok.items() if c not in OURS}
+        ours = {c: r for c, r in ok.items() if c in OURS}
+        if not (peers and ours):
+            continue
+        best_peer = min(peers, key=lambda c: peers[c]["step_ms_median"])
+        best_ours = min(ours, key=lambda c: ours[c]["step_ms_median"])
+        line = (f"- {s}: best hubfuse mode {best_ours} {ours[best_ours]['step_ms_median']:.1f} ms vs best peer "
+                f"{best_peer} {peers[best_peer]['step_ms_median']:.1f} ms: "
+                f"{peers[best_peer]['step_ms_median'] / ours[best_ours]['step_ms_median']:.2f}x")
+        if "ours" in ours and "compile" in peers:
+            line += (f"; plain hubfuse vs HF + compile "
+                     f"{peers['compile']['step_ms_median'] / ours['ours']['step_ms_median']:.2f}x")
+            if ours["ours"].get("host_ms") and ours["ours"].get("gpu_ms"):
+                line += f" (host / GPU {ours['ours']['host_ms'] / ours['ours']['gpu_ms']:.2f})"
+        lines.append(line + ".")
     (out_dir / "bench_train.md").write_text("\n".join(lines) + "\n")
     if plots:
         plot(rows, out_dir)
@@ -498,42 +584,47 @@ def plot(rows, out_dir: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--slices", nargs="+", default=list(SLICES), choices=list(SLICES))
+    p.add_argument("--slices", nargs="+", default=None, choices=list(SLICES),
+                   help="default: every slice (smoke: one per family)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--steps", type=int, default=None, help="measured steps (default 8; smoke 2)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; smoke 1)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; smoke 32)")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; smoke 2)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; smoke 2)")
-    p.add_argument("--smoke", action="store_true", help="tiny dims on CPU (eager + ours; compile/Liger skipped)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default 15; smoke 2)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
+    p.add_argument("--host-steps", type=int, default=5, help="steps timed for the host's enqueue time (GPU)")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (GPU)")
+    p.add_argument("--cprofile", nargs="*", default=[], metavar="CONFIG",
+                   help="print a cProfile of one step of these configs")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the slice's; smoke 32)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the slice's; smoke 2)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the slice's; smoke 2)")
+    p.add_argument("--smoke", action="store_true", help="tiny dims on CPU (eager + ours; GPU-only modes skipped)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop launching runs after this many seconds; children are cut to what is left "
                         "(default 510; smoke 300)")
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply the per-run timeouts")
-    p.add_argument("--timeouts", nargs="+", default=[], metavar="CONFIG=S",
+    p.add_argument("--timeouts", nargs="+", default=[], metavar="TUNING=S",
                    help=f"per-config run timeouts in seconds (default {TIMEOUT_S}), e.g. liger=330 (Liger's MoE "
                         f"autotunes for ~3.5 min on its first call)")
     p.add_argument("--out", default=None, help="output dir (default $OUT or ./out)")
     p.add_argument("--append", action="store_true", help="merge into an existing bench_train.json")
     p.add_argument("--model-dir", default=None, help="where the built models go (default: a mktemp dir, removed)")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--moe-backward", help="ours: GPU_CONFIGS['backward'] impl of the moe kernel (default: its own)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and the runtime estimate, run nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     # internal: child mode
     p.add_argument("--child-configs", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    d = dict(steps=2, warmup=1, seq=32, batch=2, layers=2, budget_s=300) if args.smoke else \
-        dict(steps=8, warmup=2, seq=2048, batch=8, layers=4, budget_s=510)
+    d = dict(steps=2, warmup=1, budget_s=300) if args.smoke else dict(steps=15, warmup=3, budget_s=510)
     for k, v in d.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.slices is None:
+        args.slices = list(SMOKE_SLICES if args.smoke else SLICES)
     if args.child_configs:
         return child(args)
     for item in args.timeouts:
         c, _, v = item.partition("=")
         if c not in TIMEOUT_S or not v:
-            p.error(f"--timeouts: expected CONFIG=SECONDS with CONFIG in {list(TIMEOUT_S)}, got {item!r}")
+            p.error(f"--timeouts: expected TUNING=SECONDS with TUNING in {list(TIMEOUT_S)}, got {item!r}")
         TIMEOUT_S[c] = float(v)
 
     t_begin = time.time()
@@ -551,8 +642,8 @@ def main(argv=None) -> int:
         rows = old["results"]
         meta["earlier_commands"] = old["meta"].get("earlier_commands", []) + [old["meta"].get("command")]
     meta.update(command="python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                steps=args.steps, warmup=args.warmup, seq=args.seq, batch=args.batch, layers=args.layers,
-                smoke=args.smoke, slices={s: SLICES[s]["title"] for s in args.slices})
+                steps=args.steps, warmup=args.warmup, smoke=args.smoke,
+                slices={s: dict(title=SLICES[s]["title"], shape=shape_of(s, args)) for s in args.slices})
 
     def put(row):
         rows[:] = [r for r in rows if (r["slice"], r["config"]) != (row["slice"], row["config"])] + [row]
@@ -562,13 +653,13 @@ def main(argv=None) -> int:
     for config in [c for c in CONFIGS if c in args.configs]:
         for name in args.slices:
             family = SLICES[name]["family"]
-            if args.smoke and config in ("compile", "liger", "ours_compile"):
+            if args.smoke and config not in ("eager", "ours"):
                 put(dict(slice=name, config=config, status="skipped",
-                         note="CPU smoke: compile/Liger run on the GPU only"))
-            elif config == "liger" and family not in LIGER_APPLY:
+                         note="CPU smoke: compile, CUDA graphs and Liger run on the GPU only"))
+            elif config in LIGER and family not in LIGER_APPLY:
                 put(dict(slice=name, config=config, status="unsupported",
                          note=f"liger-kernel has no apply_liger_kernel_to_* for {family}"))
-            elif config == "liger" and meta.get("liger-kernel") is None:
+            elif config in LIGER and meta.get("liger-kernel") is None:
                 put(dict(slice=name, config=config, status="skipped", note="liger-kernel not installed"))
             else:
                 plan.append((name, [config]))
@@ -578,17 +669,13 @@ def main(argv=None) -> int:
             grouped.setdefault(name, []).extend(cs)
         plan = list(grouped.items())
     n_runs = sum(len(cs) for _, cs in plan)
-    est = estimate_s(plan, args)
     log(f"bench: {len(args.slices)} slice(s) x {len(args.configs)} config(s) -> {n_runs} run(s) in "
-        f"{len(plan)} subprocess(es); {args.layers} layers, batch {args.batch} x {args.seq}, {args.warmup} warm-up + "
-        f"{args.steps} measured steps; device {meta['device']}")
-    if not args.smoke:
-        log(f"estimated runtime ~{est / 60:.1f} min on an H200 (rough guesses: start + load {EST_SETUP_S} s, "
-            f"compile included; step {EST_STEP_S} s; model build {EST_BUILD_S} s); budget --budget-s "
-            f"{args.budget_s:.0f} s: runs that do not fit are cut/skipped (rows say so) — rerun them with "
-            f"--configs ... --append")
+        f"{len(plan)} subprocess(es); {args.warmup} warm-up + {args.steps} measured steps; device {meta['device']}; "
+        f"budget --budget-s {args.budget_s:.0f} s (runs that do not fit are skipped, their rows say so: rerun them "
+        f"with --configs ... --append)")
     for k, (name, cs) in enumerate(plan, 1):
-        log(f"  plan {k}: {name} / {'+'.join(cs)}")
+        layers, batch, seq = shape_of(name, args)
+        log(f"  plan {k}: {name} ({layers} layers, {batch} x {seq}) / {'+'.join(cs)}")
     if args.dry_run:
         return 0
     if not args.smoke and not torch.cuda.is_available():
@@ -620,7 +707,7 @@ def main(argv=None) -> int:
             left = args.budget_s - elapsed
             timeout = sum(TIMEOUT_S[c] for c in configs) * args.timeout_scale
             if not (Path(model_dir) / name / "DONE").exists():
-                timeout += EST_BUILD_S[name] * 4 * args.timeout_scale
+                timeout += 120 * args.timeout_scale  # the slice's model is built and saved first
             tag = f"({k}/{len(plan)}) {name} / {'+'.join(configs)}"
             if left < (60 if set(configs) & set(COMPILED) else 20):
                 log(f"{tag}: skipped, time budget spent ({elapsed:.0f} s of {args.budget_s:.0f})")
@@ -633,9 +720,10 @@ def main(argv=None) -> int:
             os.close(fd)
             cmd = [sys.executable, str(Path(__file__).resolve()), "--slices", name, "--child-configs", *configs,
                    "--child-out", child_out, "--model-dir", model_dir, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--seq", str(args.seq), "--batch", str(args.batch),
-                   "--layers", str(args.layers)] + (["--smoke"] if args.smoke else []) + (
-                       ["--moe-backward", args.moe_backward] if args.moe_backward else [])
+                   "--warmup", str(args.warmup), "--host-steps", str(args.host_steps),
+                   "--profile-steps", str(args.profile_steps)] + (["--smoke"] if args.smoke else []) + [
+                       f"--{k}={v}" for k, v in (("seq", args.seq), ("batch", args.batch), ("layers", args.layers))
+                       if v is not None] + (["--cprofile", *args.cprofile] if args.cprofile else [])
             t0 = time.time()
             rc, tail = run_child(cmd, timeout, tag, env)
             try:

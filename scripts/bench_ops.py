@@ -3,9 +3,14 @@
 
     python scripts/bench_ops.py                 # every op family in scripts/bench_cases/
     python scripts/bench_ops.py rmsnorm rotary  # selected families
+    python scripts/bench_ops.py --fingerprint out/new.json [--root OLD_TREE] [cases]
+                                                # no timing: hashes of every hubfuse row's output and input
+                                                # grads on fixed inputs (compare two trees bit for bit)
 
 Method (as shared/bench/anchor_bench.py, so the anchors are measured again in the same run): forward +
-backward with a random upstream gradient, median of `triton.testing.do_bench` after warm-up; peak = extra
+backward with a random upstream gradient, median of `triton.testing.do_bench` after warm-up; host us = the
+median time to enqueue one fwd + bwd call with the GPU queue drained (what the op costs the CPU); launches =
+kernels per call (torch.profiler); GPU ms = the summed kernel time per call; peak = extra
 device memory during one step over what the inputs hold; floor = the fewest bytes an ideal fused kernel must
 move over the measured copy bandwidth, or its FLOPs over the measured bf16 matmul rate. Writes
 $OUT/bench_ops.json and $OUT/bench_ops.md (OUT defaults to ./out).
@@ -26,6 +31,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "scripts" / "bench_cases"
+KERNEL_ROOT = ROOT  # the tree whose kernels load_kernel builds and loads (--root)
+FINGERPRINT: dict | None = None  # --fingerprint: row -> hashes of the output and input grads, no timing
 dev = "cuda"
 dt = torch.bfloat16
 RESULTS: list[dict] = []
@@ -67,6 +74,15 @@ def bench(op, impl, fn, make_inputs, floor_ms, note="", kernels=None):
     copies that fn needs but the op does not)."""
     torch.cuda.empty_cache()
     t0 = time.time()
+    if FINGERPRINT is not None:
+        row = dict(op=op, impl=impl)
+        if impl.startswith("hubfuse"):
+            try:
+                FINGERPRINT[f"{op} / {impl}"] = fingerprint(fn, make_inputs)
+            except Exception as e:  # noqa: BLE001 - recorded, as in timing mode
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        RESULTS.append(row)
+        return
     try:
         inputs = make_inputs()
         out = fn(*inputs)
@@ -88,10 +104,10 @@ def bench(op, impl, fn, make_inputs, floor_ms, note="", kernels=None):
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
-        gpu = gpu_ms(step, kernels=kernels)
-        row = dict(op=op, impl=impl, ms=round(ms, 4), gpu_ms=round(gpu, 4), peak_extra_MiB=round(peak, 1),
-                   floor_ms=round(floor_ms, 4), floor_ratio=round(floor_ms / ms, 3),
-                   gpu_floor_ratio=round(floor_ms / gpu, 3), note=note)
+        gpu, launches = gpu_ms(step, kernels=kernels, count=True)
+        row = dict(op=op, impl=impl, ms=round(ms, 4), host_us=round(host_us(step), 1), launches=launches,
+                   gpu_ms=round(gpu, 4), peak_extra_MiB=round(peak, 1), floor_ms=round(floor_ms, 4),
+                   floor_ratio=round(floor_ms / ms, 3), gpu_floor_ratio=round(floor_ms / gpu, 3), note=note)
     except Exception as e:  # record and go on: one broken peer must not hide the rest
         row = dict(op=op, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
     row["wall_s"] = round(time.time() - t0, 1)
@@ -99,10 +115,41 @@ def bench(op, impl, fn, make_inputs, floor_ms, note="", kernels=None):
     print(row, flush=True)
 
 
+def host_us(step, calls: int = 30) -> float:
+    """Median microseconds the CPU spends enqueueing one call of `step` with the GPU queue drained first."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def fingerprint(fn, make_inputs) -> dict:
+    """sha256 of the output and of every input grad of one fwd + bwd call on seeded inputs (bitwise A/B)."""
+    import hashlib
+
+    def digest(t):
+        raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+        return hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()[:16]
+
+    torch.manual_seed(0)
+    inputs = make_inputs()
+    out = fn(*inputs)
+    g = torch.randn_like(out) if out.dim() > 0 else None
+    out.backward(g) if g is not None else out.backward()
+    grads = [digest(t.grad) for t in inputs if isinstance(t, torch.Tensor) and t.grad is not None]
+    return dict(out=digest(out), grads=grads)
+
+
 def round_robin_ms(steps: dict, rounds: int, warmup: int = 3) -> dict:
     """Median ms per call of each zero-argument callable in `steps` (name -> step), timed round-robin: `warmup` calls
     of each, then `rounds` rounds calling each once in turn, CUDA events around every call. Clock and power drift
     over the run hits every step alike, where one do_bench call per step times them one after the other."""
+    if FINGERPRINT is not None:
+        return {}
     for _ in range(warmup):
         for step in steps.values():
             step()
@@ -138,8 +185,9 @@ def wall_and_profile(step, steps: int, warmup: int):
     return wall, prof
 
 
-def gpu_ms(step, steps: int = 10, kernels=None) -> float:
-    """Device time of one step: the sum of its kernels' (and copies') durations, from torch.profiler.
+def gpu_ms(step, steps: int = 10, kernels=None, count: bool = False):
+    """Device time of one step: the sum of its kernels' (and copies') durations, from torch.profiler; with
+    `count`, also the number of them per step.
 
     `do_bench` times the stream, so an op whose Python/launch overhead exceeds its GPU work is measured by
     the CPU; inside a model the CPU runs ahead and that overhead hides behind the GEMMs. Both are reported."""
@@ -149,9 +197,10 @@ def gpu_ms(step, steps: int = 10, kernels=None) -> float:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    total = sum(e.self_device_time_total for e in prof.key_averages()
-                if e.device_type.name == "CUDA" and (kernels is None or any(n in e.key for n in kernels)))
-    return total / steps / 1e3
+    device = [e for e in prof.key_averages()
+              if e.device_type.name == "CUDA" and (kernels is None or any(n in e.key for n in kernels))]
+    ms = sum(e.self_device_time_total for e in device) / steps / 1e3
+    return (ms, round(sum(e.count for e in device) / steps, 1)) if count else ms
 
 
 _LOADED = {}
@@ -162,10 +211,26 @@ def load_kernel(name: str):
     if name not in _LOADED:
         import kernels
 
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), name], check=True, cwd=ROOT)
-        repo = ROOT if name == "hubfuse" else ROOT / "kernel_repos" / name
+        subprocess.run([sys.executable, str(KERNEL_ROOT / "scripts" / "build.py"), name], check=True,
+                       cwd=KERNEL_ROOT, stdout=subprocess.DEVNULL)
+        repo = KERNEL_ROOT if name == "hubfuse" else KERNEL_ROOT / "kernel_repos" / name
         _LOADED[name] = kernels.get_local_kernel(repo)
+        if KERNEL_ROOT != ROOT:
+            _alias_tuning(_LOADED[name])
     return _LOADED[name]
+
+
+def _alias_tuning(module) -> None:
+    """--root with a checkout from before the tuning tables shared one name: alias theirs as `TUNING`, which the
+    case files set (A/B comparisons only)."""
+    for sub in ("ops", "triton_kernels"):
+        try:
+            mod = importlib.import_module(f"{module.__name__}.{sub}")
+        except ImportError:
+            continue
+        for old_name in ("GPU_CONFIGS", "CONFIG", "LBL_CONFIG", "KERNEL_CONFIG"):
+            if not hasattr(mod, "TUNING") and hasattr(mod, old_name):
+                mod.TUNING = getattr(mod, old_name)
 
 
 def report(out_dir: Path):
@@ -180,23 +245,48 @@ def report(out_dir: Path):
              f"Command: `{meta['command']}` (fwd+bwd, bf16, median of do_bench).", "",
              "ms = `do_bench` median (stream time: includes launch overhead when the CPU is the bottleneck); "
              "GPU ms = summed kernel time per step (torch.profiler); floor/x = floor over each.", "",
-             "| op | impl | ms | GPU ms | floor ms | floor/ms | floor/GPU ms | peak extra MiB | note |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| op | impl | ms | host us | launches | GPU ms | floor ms | floor/ms | floor/GPU ms | peak extra MiB "
+             "| note |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in RESULTS:
         if "error" in r:
-            lines.append(f"| {r['op']} | {r['impl']} | error | | | | | | {r['error'][:120]} |")
+            lines.append(f"| {r['op']} | {r['impl']} | error | | | | | | | | {r['error'][:120]} |")
         else:
-            gpu = f"{r['gpu_ms']:.3f}" if "gpu_ms" in r else ""  # case files may add rows of their own
-            gpu_ratio = f"{r['gpu_floor_ratio']:.2f}" if "gpu_floor_ratio" in r else ""
-            lines.append(f"| {r['op']} | {r['impl']} | {r['ms']:.3f} | {gpu} | {r['floor_ms']:.3f} "
-                         f"| {r['floor_ratio']:.2f} | {gpu_ratio} | {r['peak_extra_MiB']:.0f} | {r['note']} |")
+            def cell(key, spec):  # case files may add rows of their own, without every column
+                return format(r[key], spec) if key in r else ""
+            lines.append(f"| {r['op']} | {r['impl']} | {cell('ms', '.3f')} | {cell('host_us', '.1f')} "
+                         f"| {cell('launches', 'g')} | {cell('gpu_ms', '.3f')} | {cell('floor_ms', '.3f')} "
+                         f"| {cell('floor_ratio', '.2f')} | {cell('gpu_floor_ratio', '.2f')} "
+                         f"| {cell('peak_extra_MiB', '.0f')} | {r.get('note', '')} |")
     (out_dir / "bench_ops.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 
 def main():
-    measure_ceilings()
-    wanted = sys.argv[1:]
+    global FINGERPRINT, KERNEL_ROOT, COPY_BW, MM_RATE
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", nargs="*", help="bench cases (default: all in scripts/bench_cases/)")
+    ap.add_argument("--fingerprint", help="write output/grad hashes of the hubfuse rows here instead of timing")
+    ap.add_argument("--root", help="load the kernels from this tree (with --fingerprint: an older checkout)")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two --fingerprint files and exit")
+    args = ap.parse_args()
+    if args.compare:
+        a, b = (json.loads(Path(f).read_text()) for f in args.compare)
+        common = sorted(set(a) & set(b))
+        differ = [k for k in common if a[k] != b[k]]
+        print(f"fingerprints: {len(common)} rows in both, {len(common) - len(differ)} bitwise equal, "
+              f"{len(differ)} differ {differ}; only in {args.compare[0]}: {sorted(set(a) - set(b))}; only in "
+              f"{args.compare[1]}: {sorted(set(b) - set(a))}", flush=True)
+        sys.exit(1 if differ or not common else 0)
+    if args.root:
+        KERNEL_ROOT = Path(args.root).resolve()
+    if args.fingerprint:
+        FINGERPRINT, COPY_BW, MM_RATE = {}, 1.0, 1.0  # floors are not computed
+    else:
+        measure_ceilings()
+    wanted = args.cases
     files = sorted(CASES.glob("*.py"))
     names = [f.stem for f in files]
     unknown = [w for w in wanted if w not in names]
@@ -205,7 +295,7 @@ def main():
     out_dir = Path(os.environ.get("OUT", ROOT / "out"))
     this = sys.modules[__name__]
     for f in files:
-        if wanted and f.stem not in wanted:
+        if (wanted and f.stem not in wanted) or (FINGERPRINT is not None and f.stem == "launch"):
             continue
         print(f"\n=== {f.stem} ===", flush=True)
         spec = importlib.util.spec_from_file_location(f"bench_cases_{f.stem}", f)
@@ -216,7 +306,14 @@ def main():
         except Exception as e:  # a broken case file must not lose the other results
             RESULTS.append(dict(op=f.stem, impl="(case file)", error=f"{type(e).__name__}: {str(e)[:300]}"))
             print(RESULTS[-1], flush=True)
-        report(out_dir)  # keep partial results if a later case runs out of time
+        if FINGERPRINT is None:
+            report(out_dir)  # keep partial results if a later case runs out of time
+    if FINGERPRINT is not None:
+        Path(args.fingerprint).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.fingerprint).write_text(json.dumps(FINGERPRINT, indent=1))
+        print(f"fingerprints of {len(FINGERPRINT)} rows ({[r for r in RESULTS if 'error' in r] or 'no errors'}) "
+              f"-> {args.fingerprint}", flush=True)
+        return
     report(out_dir)
 
 

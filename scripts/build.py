@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -107,12 +108,25 @@ def assemble(name: str, dest: Path, repos: dict[str, Path]) -> Path:
 
 
 def stage(names=None, repos: dict[str, Path] | None = None) -> Path:
-    """Assemble the op packages (not the umbrella) into STAGED/<pkg>, with the source-form `_ops.py` (namespace
-    from the import name): what `kernel_repos/*/tests` import. Returns STAGED."""
+    """Assemble the op packages (not the umbrella) with the source-form `_ops.py` (namespace from the import
+    name): what `kernel_repos/*/tests` import. Returns STAGED/<tree hash>, the directory holding them.
+
+    Safe for concurrent test processes: a tree is assembled in a private directory and renamed into place
+    unless an identical one is there already; trees from other sources older than an hour are removed."""
     repos = repos or discover_repos()
+    STAGED.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="tmp-", dir=STAGED))
     for name in names or [n for n in repos if n != UMBRELLA]:
-        assemble(name, STAGED / name.replace("-", "_"), repos)
-    return STAGED
+        assemble(name, tmp / name.replace("-", "_"), repos)
+    target = STAGED / source_hash(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # an identical tree is staged already
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in STAGED.iterdir():
+        if old != target and time.time() - old.stat().st_mtime > 3600:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
 
 
 def read_config(repo: Path) -> dict:
@@ -175,6 +189,13 @@ def write_variant(assembled: Path, out: Path, variant_id: str, general: dict, ba
     (out / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
 
 
+def _built_id(out: Path):
+    try:
+        return json.loads((out / "metadata.json").read_text())["id"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def verify_variant(out: Path, layer_names: list[str]) -> None:
     import kernels
     from kernels.layer.layer import _validate_layer
@@ -221,7 +242,9 @@ def build_repo(repo: Path, repos: dict[str, Path] | None = None, verify: bool = 
         outs = []
         for backend in general["backends"]:
             out = repo / "build" / f"torch-{backend}"
-            write_variant(assembled, out, f"_{pkg}_{backend}_{tree}", general, backend)
+            variant_id = f"_{pkg}_{backend}_{tree}"
+            if _built_id(out) != variant_id:  # an up-to-date variant is left alone (builds may run concurrently)
+                write_variant(assembled, out, variant_id, general, backend)
             outs.append(out)
     # Remove variants of backends no longer listed
     for stale in (repo / "build").glob("torch-*"):
@@ -237,7 +260,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("repos", nargs="*", help="kernel names to build (default: all)")
     parser.add_argument("--no-verify", action="store_true", help="skip the load and layer-rule checks")
-    parser.add_argument("--stage", action="store_true", help=f"only assemble the op packages into {STAGED.name}/")
+    parser.add_argument("--stage", action="store_true", help=f"only assemble the op packages under {STAGED.name}/")
     args = parser.parse_args(argv)
     repos = discover_repos()
     unknown = [r for r in args.repos if r not in repos]

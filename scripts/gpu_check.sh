@@ -1,48 +1,79 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call (device tool): install carried wheels, build, GPU tests, side-by-side bench.
-#   bash scripts/gpu_check.sh [tests] [bench [case ...]]     (default: tests and every bench case)
-#   bash scripts/gpu_check.sh e2e [bench.py args ...]        (issue 8: training-step benchmark of the model
-#        slices, then `kernels benchmark` on every repo; BENCH_BUDGET_S caps bench.py, default 420 s;
-#        KERNELS_BENCH=0 skips `kernels benchmark`)
-#   BUILD_REPOS, TEST_PATHS, MODEL_TEST_PATHS narrow the builds and the kernel / model test selection.
-# Carry `.whl` (transformers 5.22.2, kernels 0.17.2, liger-kernel 0.8.5, tabulate wheels; see docs/benchmarks.md).
+# The GPU check (device tool), one step per call of this script; several calls share one wheel install.
+#   bash scripts/gpu_check.sh setup                  install the carried wheels, build every repo, print versions
+#   bash scripts/gpu_check.sh tests                  GPU tests: every kernel repo (all shapes on CUDA) and the
+#                                                    gpu-marked model tests, one pytest process each, in parallel
+#   bash scripts/gpu_check.sh ab OLD_TREE [case ...] bitwise A/B: every hubfuse row of bench_ops on fixed inputs,
+#                                                    this tree against OLD_TREE (another checkout)
+#   bash scripts/gpu_check.sh ops [case ...]         bench_ops: per-op side by side with the peers
+#   bash scripts/gpu_check.sh train [bench.py args]  the training-step benchmark (scripts/bench.py)
+#   bash scripts/gpu_check.sh kernels-benchmark      `kernels benchmark` over every repo
+#   bash scripts/gpu_check.sh demo                   scripts/demo.py
+#   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
+#                                                    NPROC=1 (default) the --single-gpu proxy, NPROC=N torchrun
+# Carry `.whl` (transformers 5.22.2, kernels 0.17.2, liger-kernel 0.8.5, tabulate, tomlkit,
+# flash-linear-attention 0.6.0, fla-core 0.6.0; see docs/benchmarks.md). Logs go to $OUT (default ./out).
+# TEST_PATHS / MODEL_TEST_PATHS narrow the test selection, TEST_TIMEOUT (s) caps each pytest process.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PWD/torch-ext${PYTHONPATH:+:$PYTHONPATH}"
-fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import torch, triton, transformers, kernels; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'kernels', kernels.__version__)"
-python3 scripts/build.py ${BUILD_REPOS:-} || exit 1
-mode="${1:-all}"; shift || true
-status=0
-if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  # kernel numerics run on CUDA at every shape (no interpreter); model tests: the gpu-marked ones.
-  # One pytest process per kernel repo and one for the models, in parallel: the small-shape tests are
-  # bound by Triton compilation (CPU), not by the GPU. TEST_TIMEOUT (s) caps each process.
-  logs=$(mktemp -d); pids=()
-  for path in ${TEST_PATHS:-kernel_repos/*}; do
-    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider "$path" >"$logs/$(basename "$path").log" 2>&1 &
-    pids+=($!)
-  done
-  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -m gpu ${MODEL_TEST_PATHS:-tests} \
-    >"$logs/models.log" 2>&1 & pids+=($!)
-  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-  for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done >"$OUT/gpu_tests.log"
-  for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -n 15; done
-  [ "$mode" = tests ] && [ "${1:-}" = bench ] && { mode=bench; shift; }
-fi
-if [ "$mode" = all ] || [ "$mode" = bench ]; then
-  python3 scripts/bench_ops.py "$@" 2>&1 | tee "$OUT/bench_ops.log" | grep -v "^{" || status=1
-fi
-if [ "$mode" = e2e ]; then
-  python3 scripts/bench.py --budget-s "${BENCH_BUDGET_S:-420}" "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -n 40 || status=1
-  if [ "${KERNELS_BENCH:-1}" = 1 ]; then
-    timeout 150 python3 scripts/kernels_benchmark.py --iterations 50 --warmup 5 >/dev/null 2>&1 || status=1
-    tail -n 3 "$OUT/kernels_benchmark.log" 2>/dev/null
+  if [ ! -f /tmp/site/.hubfuse_wheels ]; then
+    # flash-linear-attention stays out of the common site: with it installed transformers runs FLA's gated delta
+    # rule for Qwen3.5, whose backward refuses triton < 3.7.1 on Hopper; the gated-delta-net bench imports it
+    # from /tmp/site_fla (HUBFUSE_FLA_SITE) as a timing peer
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      $(ls .whl/*.whl | grep -v -e flash_linear_attention -e fla_core) || exit 1
+    if ls .whl/fla_core*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
+        .whl/fla_core*.whl .whl/flash_linear_attention*.whl || exit 1
+    fi
+    touch /tmp/site/.hubfuse_wheels
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
   fi
+  export PYTHONPATH="/tmp/site:$PWD/torch-ext${PYTHONPATH:+:$PYTHONPATH}" HUBFUSE_FLA_SITE=/tmp/site_fla
 fi
-exit $status
+step="${1:-tests}"; shift || true
+python3 scripts/build.py >/dev/null || exit 1
+case "$step" in
+  setup)
+    python3 -c "import torch, triton, transformers, kernels; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'kernels', kernels.__version__)" ;;
+  tests)
+    logs=$(mktemp -d); pids=(); status=0
+    for path in ${TEST_PATHS:-$(ls -d kernel_repos/*/tests | sed "s|/tests$|/|")}; do
+      timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider "$path" >"$logs/$(basename "$path").log" 2>&1 &
+      pids+=($!)
+    done
+    timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -m gpu ${MODEL_TEST_PATHS:-tests} \
+      >"$logs/models.log" 2>&1 & pids+=($!)
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done >"$OUT/gpu_tests.log"
+    for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -n 15; done
+    exit $status ;;
+  ab)
+    old="$1"; shift
+    python3 scripts/bench_ops.py --fingerprint "$OUT/ab_new.json" "$@" >"$OUT/ab_new.log" 2>&1 &
+    python3 scripts/bench_ops.py --fingerprint "$OUT/ab_old.json" --root "$old" "$@" >"$OUT/ab_old.log" 2>&1
+    wait
+    tail -n 1 "$OUT/ab_old.log" "$OUT/ab_new.log"
+    python3 scripts/bench_ops.py --compare "$OUT/ab_old.json" "$OUT/ab_new.json" ;;
+  ops)
+    python3 scripts/bench_ops.py "$@" 2>&1 | tee "$OUT/bench_ops.log" | grep -v "^{" ;;
+  train)
+    python3 scripts/bench.py "$@" 2>&1 | tee "$OUT/bench_train.log" | grep -v "^\s*$" | tail -n 60 ;;
+  kernels-benchmark)
+    timeout 150 python3 scripts/kernels_benchmark.py --iterations 50 --warmup 5 >/dev/null 2>&1
+    tail -n 3 "$OUT/kernels_benchmark.log" ;;
+  demo)
+    python3 scripts/demo.py 2>&1 | tee "$OUT/demo.log" | tail -n 60 ;;
+  dist)
+    if [ "${NPROC:-1}" = 1 ]; then
+      python3 scripts/bench_distributed.py --single-gpu "$@"
+    else
+      python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" scripts/bench_distributed.py "$@"
+    fi 2>&1 | tee "$OUT/bench_distributed.log" | grep -v "^\[.*\] \(warm-up\|step\)" | tail -n 30
+    exit "${PIPESTATUS[0]}" ;;
+  *)
+    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, kernels-benchmark, demo, dist)" >&2; exit 2 ;;
+esac

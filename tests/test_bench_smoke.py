@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SLICES = ("qwen3_8b", "qwen3_30b_a3b", "qwen3_5_moe")
+SLICES = ("qwen3_small", "qwen3_moe_small", "qwen3_5_moe")  # the smoke default: one per family
 CPU_CONFIGS = ("eager", "ours")
-GPU_ONLY = ("compile", "liger")
+GPU_ONLY = ("ours_graph", "compile", "compile_ro", "liger", "ours_ro", "ours_compile", "liger_compile")
 
 
 def test_bench_smoke(tmp_path):
@@ -42,3 +42,41 @@ def test_bench_smoke(tmp_path):
     assert md.count("| ok |") == len(SLICES) * len(CPU_CONFIGS)
     assert "] step" in proc.stdout  # progress lines from the subprocesses
     assert wall < 90
+
+
+def test_bench_distributed_smoke(tmp_path):
+    """scripts/bench_distributed.py --smoke on 2 CPU processes (gloo, file rendezvous; what torchrun runs on the
+    GPUs): rank 0 first alone (--one-gpu-reference), then both configurations through transformers'
+    distributed_config (fsdp 2, ep 2); the table and the JSON with x hf, MFU fields and the scaling efficiency."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", WORLD_SIZE="2",
+               TRITON_INTERPRET="0")  # the kernels' torch path: the script, not the kernels, is under test
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), "--smoke", "--steps", "1",
+           "--out", str(tmp_path), "--model-dir", str(tmp_path / "models"), "--one-gpu-reference",
+           "--init-method", f"file://{tmp_path / 'store'}"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:  # only the two started above
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    data = json.loads((tmp_path / "bench_distributed_2gpu_ep2.json").read_text())
+    rows = {(r["gpus"], r["config"]): r for r in data["results"]}
+    assert set(rows) == {(g, c) for g in (1, 2) for c in ("hf", "ours")}
+    for (gpus, config), r in rows.items():
+        assert r["status"] == "ok", r
+        for key in ("tokens_per_s_per_gpu", "step_ms_median", "loss_step1", "scaling_efficiency", "x_hf"):
+            assert isinstance(r[key], (int, float)) and math.isfinite(r[key]) and r[key] > 0, (key, r)
+        if gpus == 2:
+            assert r["ep"] == 2 and "distributed_config" in r["sharding"]
+            want = round(r["tokens_per_s_per_gpu"] / rows[(1, config)]["tokens_per_s_per_gpu"], 3)
+            assert r["scaling_efficiency"] == want, (r, want)
+    assert "GroupedGemmExperts" in rows[(2, "ours")]["kernels"]
+    assert abs(rows[(2, "ours")]["loss_step1"] - rows[(2, "hf")]["loss_step1"]) < 0.05
+    assert data["meta"]["flops_per_token"] > 0
+    assert "| ours | 2 | 2 |" in (tmp_path / "bench_distributed_2gpu_ep2.md").read_text()
+    assert "| ours | 2 | 2 |" in logs[0]  # rank 0 prints the table

@@ -175,9 +175,16 @@ def test_later_plain_load_is_untouched(model_dirs):
         assert bound_layers(model) == EXPECTED_BOUND[family]
 
 
-def test_preset_names_and_options():
+def test_preset_names_and_options(monkeypatch):
+    # local builds (LOCAL_KERNELS, set by the module fixture) get revision "v1", the hub version 1
+    assert presets.kernel_mapping("qwen3")["^Qwen3Attention$"] == \
+        ("hubfuse/rotary:QKNormRopeAttention", {"revision": "v1"})
+    assert presets.kernel_mapping("qwen3", version=1)["^Qwen3Attention$"][1] == {"version": 1}
+    monkeypatch.delenv("LOCAL_KERNELS")
     m = presets.kernel_mapping("qwen3")
     assert m["^Qwen3Attention$"] == ("hubfuse/rotary:QKNormRopeAttention", {"version": 1})
+    assert presets.kernel_mapping("qwen3", trust_remote_code=True)["^Qwen3Attention$"][1] == \
+        {"version": 1, "trust_remote_code": True}
     assert presets.kernel_mapping("qwen3_5_moe") == presets.kernel_mapping("qwen3_5_moe_text")
     assert "rotary_pos_emb" in presets.kernel_mapping("llama")
     assert "rotary_pos_emb" not in presets.kernel_mapping("llama", rope=False)
@@ -194,5 +201,6 @@ def test_preset_names_and_options():
         for key in presets.kernel_mapping(family):
             assert isinstance(key, tuple) or key.startswith("^") and key.endswith("$") or \
                 key in ("SoftmaxTopKRouter", "rotary_pos_emb"), key
-    with pytest.raises(ValueError, match="unknown model family"):
+    with pytest.raises(ValueError, match="hubfuse has no kernels for model family 'mistral'; supported model "
+                                         "types: qwen3, qwen3_moe, qwen3_5_moe, llama, qwen2"):
         presets.kernel_mapping("mistral")

@@ -7,7 +7,7 @@ writes the original keys and values; a later plain load is untouched; no regex o
 import pytest
 import torch
 
-from tests.utils import (assert_parity, assert_saved_checkpoints_equal, hub, load, make_batch, modules_running,
+from tests.utils import (assert_parity, assert_resave_keeps_checkpoint, hub, load, make_batch, modules_running,
                          register_local_kernels, save_tiny_model, tiny_config)
 
 HUB_NAME_MAPPINGS = {
@@ -74,10 +74,7 @@ def test_layout_classes_replace_only_anchored_names(model_dirs):
 
 @pytest.mark.parametrize("family", list(HUB_NAME_MAPPINGS))
 def test_save_pretrained_writes_original_keys_and_values(family, model_dirs, tmp_path):
-    path = model_dirs[family]
-    ours = load(path, LAYOUT_MAPPINGS[family])
-    ours.save_pretrained(tmp_path / "resaved")
-    assert_saved_checkpoints_equal(path, tmp_path / "resaved")
+    assert_resave_keeps_checkpoint(model_dirs[family], LAYOUT_MAPPINGS[family], tmp_path)
 
 
 def test_later_plain_load_is_untouched(model_dirs):

@@ -10,7 +10,7 @@ On CPU the kernels run under the Triton interpreter (root conftest sets TRITON_I
 import pytest
 import torch
 
-from tests.utils import (assert_parity, assert_saved_checkpoints_equal, hub, load, make_batch, modules_running,
+from tests.utils import (assert_parity, assert_resave_keeps_checkpoint, hub, load, make_batch, modules_running,
                          register_local_kernels, restore_rope_functions, rope_bound, rope_function, save_tiny_model,
                          sharpen_attention, tiny_config)
 
@@ -159,10 +159,8 @@ def test_layout_with_eager_attention_and_attention_weights(model_dirs):
 @pytest.mark.parametrize("family", list(LAYOUT_MAPPINGS))
 def test_save_pretrained_round_trip(family, model_dirs, tmp_path):
     path = model_dirs[family]
-    ours = load(path, LAYOUT_MAPPINGS[family])
-    ours.save_pretrained(tmp_path / "resaved")
-    assert_saved_checkpoints_equal(path, tmp_path / "resaved")
-    again = load(tmp_path / "resaved", LAYOUT_MAPPINGS[family])
+    resaved = assert_resave_keeps_checkpoint(path, LAYOUT_MAPPINGS[family], tmp_path)
+    again = load(resaved, LAYOUT_MAPPINGS[family])
     batch = make_batch(tiny_config(family).vocab_size)
     torch.testing.assert_close(again(**batch).logits, load(path)(**batch).logits, atol=2e-5, rtol=2e-5)
 

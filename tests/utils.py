@@ -171,6 +171,15 @@ def sharpen_attention(path, factor: float = 10.0) -> None:
     model.save_pretrained(path)
 
 
+def assert_resave_keeps_checkpoint(path, mapping, tmp_path) -> Path:
+    """A kernelized load of `path` saved again writes the original keys with bit-identical values. Returns the
+    re-saved directory."""
+    resaved = Path(tmp_path) / "resaved"
+    load(path, mapping).save_pretrained(resaved)
+    assert_saved_checkpoints_equal(path, resaved)
+    return resaved
+
+
 def assert_saved_checkpoints_equal(original_dir, resaved_dir) -> None:
     """Two save_pretrained directories hold the same keys with bit-identical values."""
     from safetensors.torch import load_file

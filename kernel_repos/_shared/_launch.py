@@ -1,17 +1,21 @@
 """Triton launches with little host work (one source, vendored into every kernel repo; imports triton).
 
 `launch(kernel, grid, *args, **kwargs)` does what `kernel[grid](*args, **kwargs)` does. Triton's own launch
-re-binds the arguments, re-derives the specialisation and its cache key and looks up the driver's device and
-stream on every call. Here the first launch of each specialisation goes through Triton (which compiles or finds
+re-binds the arguments, formats its cache key as a string, builds launch metadata and calls its (empty) launch
+hooks on every call. Here the first launch of each specialisation goes through Triton (which compiles or finds
 the kernel and returns it); later launches with the same specialisation call that compiled kernel's launcher
 directly, with the argument list Triton would have passed.
 
-The cache key holds everything Triton specialises a compiled kernel on: per tensor its dtype and whether its
-address is 16-byte aligned; per integer whether it is 1, whether it is a multiple of 16 and whether it fits in
-32 bits; the constexpr values; the launch options (num_warps, num_stages, ...); the current device. Keying on
-more than Triton does only costs an extra lookup through Triton's path. Anything else (tensor descriptors,
-launch hooks such as a profiler's, ROCm, the interpreter) takes Triton's own path, as does a Triton whose
-compiled kernels do not take this launch signature (checked once).
+The cache key is the specialisation Triton's own binder computes (native code) plus the launch options and the
+device. Where that binder is not available (another Triton), a Python key holds everything Triton specialises
+on: per tensor its dtype and whether its address is 16-byte aligned; per integer whether it is 1, whether it is
+a multiple of 16 and whether it fits in 32 bits; per tensor descriptor its dtype, block shape, padding and the
+same for its shape and strides; the constexpr values; the launch options. Keying on more than Triton does only
+costs an extra trip through Triton's path. Launch hooks (a profiler's), ROCm, the interpreter and argument
+types the Python key does not know take Triton's own path, as does a Triton whose compiled kernels do not take
+this launch signature (checked once).
+
+`cdiv` and `next_power_of_2` are Triton's for host code, without the constexpr-function wrapper.
 """
 import torch
 import triton
@@ -24,6 +28,10 @@ _fast_path = torch.version.cuda is not None and getattr(torch.version, "hip", No
 
 class _Unkeyable(Exception):
     pass
+
+
+def _int_key(value: int):
+    return value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX
 
 
 class _LaunchState:
@@ -67,11 +75,14 @@ class _LaunchState:
             elif isinstance(value, torch.Tensor):
                 key.append((value.dtype, value.data_ptr() % 16 == 0))
             elif type(value) is int:
-                key.append((value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX))
+                key.append(_int_key(value))
             elif type(value) is float:
                 key.append(float)
             elif value is None or type(value) is bool:
                 key.append(value)
+            elif type(value).__name__ == "TensorDescriptor":  # a host-side TMA descriptor
+                key.append((value.base.dtype, tuple(value.block_shape), value.padding,
+                            tuple(_int_key(n) for n in (*value.shape, *value.strides))))
             else:
                 raise _Unkeyable
         return tuple(key)
@@ -85,23 +96,62 @@ def _state(kernel):
     return state
 
 
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps a HookChain (empty unless a profiler added a hook); older ones None or a function
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _hooks_set() -> bool:
     runtime = triton.knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+
+
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for host code (Triton's is a constexpr function: a few microseconds a call)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for host code (0 for 0, as Triton's)."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def _native_bind(kernel, device_index, args, kwargs):
+    """(parameter values in order, cache key) from Triton's own binder (native code in Triton >= 3.5): the
+    specialisation Triton itself would compute, without its cache-key string and launch-metadata objects. None
+    until Triton has bound this kernel once on this device."""
+    caches = kernel.device_caches.get(device_index)
+    if caches is None:
+        return None
+    bound, specialization, options = caches[-1](*args, **kwargs)
+    return tuple(bound.values()), (device_index, tuple(specialization), tuple(options.items()))
+
+
+# how launches are keyed: "native" (Triton's binder), "python" (_LaunchState.key); benchmarks flip it
+KEYING = "native"
 
 
 def launch(kernel, grid, *args, **kwargs):
     """`kernel[grid](*args, **kwargs)` through the compiled kernel's own launcher once it is known."""
-    global _fast_path
+    global _fast_path, KEYING
     if not _fast_path or not isinstance(kernel, triton.runtime.jit.JITFunction) or _hooks_set():
         return kernel[grid](*args, **kwargs)
     state = _state(kernel)
-    values, options = state.bind(args, kwargs)
     device_index = torch.cuda.current_device()
-    try:
-        key = state.key(values, options, device_index)
-    except _Unkeyable:
-        return kernel[grid](*args, **kwargs)
+    bound = None
+    if KEYING == "native":
+        try:
+            bound = _native_bind(kernel, device_index, args, kwargs)
+        except Exception:  # noqa: BLE001 - another Triton's internals: key in Python from now on
+            KEYING = "python"
+    if bound is not None:
+        values, key = bound
+    else:
+        values, options = state.bind(args, kwargs)
+        try:
+            key = state.key(values, options, device_index)
+        except _Unkeyable:
+            return kernel[grid](*args, **kwargs)
     compiled = state.compiled.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
@@ -109,7 +159,7 @@ def launch(kernel, grid, *args, **kwargs):
             state.compiled[key] = compiled
         return compiled
     if callable(grid):
-        grid = grid(dict(zip(state.names, values), **dict(options)))
+        grid = grid(dict(zip(state.names, values), **kwargs))
     n = len(grid)
     stream = torch._C._cuda_getCurrentRawStream(device_index)
     try:

@@ -84,7 +84,7 @@ def run(h):
 
             impls.append(("liger_fused_moe", liger))
         impls.append(("hubfuse", lambda: moe.moe_experts))
-        # the leaner, slower backward (GPU_CONFIGS["backward"]; the default is grouped_mm)
+        # the leaner, slower backward (TUNING["backward"]; the default is grouped_mm)
         impls.append(("hubfuse (backward grouped_mm_lean)", lambda: moe.moe_experts))
         fns = {}  # the INTERLEAVED impls that ran, for the round-robin timing after the loop
         for impl, make_fn in impls:
@@ -93,14 +93,14 @@ def run(h):
             except Exception as e:  # peer missing or failing to build: record through the harness
                 def fn(*a, e=e):
                     raise RuntimeError(f"could not build {impl}: {e}")
-            default_backward = tk.GPU_CONFIGS["backward"]
+            default_backward = tk.TUNING["backward"]
             if impl == "hubfuse (backward grouped_mm_lean)":
                 # read at call time, by every backward; only the impl changes
-                tk.GPU_CONFIGS["backward"] = dict(default_backward, impl="grouped_mm_lean")
+                tk.TUNING["backward"] = dict(default_backward, impl="grouped_mm_lean")
             try:
                 h.bench(op, impl, fn, mk, floor, note=note)
             finally:
-                tk.GPU_CONFIGS["backward"] = default_backward
+                tk.TUNING["backward"] = default_backward
             if impl in INTERLEAVED and "error" not in h.RESULTS[-1]:
                 fns[impl] = fn
             torch.cuda.empty_cache()

@@ -5,7 +5,6 @@ Same inputs, output convention and floor formula as shared/bench/anchor_bench.py
 Ours uses the flat-output entry points, which write exactly that tensor (no separate cat); the pair API
 followed by a real `torch.cat` is also measured ("hubfuse+cat", the way Liger is measured).
 """
-import importlib
 
 import torch
 
@@ -42,46 +41,6 @@ def norm_rope_eager(q, k, wq, wk, cos, sin, zc=False):  # HF attention: q_norm/k
     return rope_eager(norm(q, wq).transpose(1, 2), norm(k, wk).transpose(1, 2), cos, sin)
 
 
-def with_config(kr, fn, **entries):
-    """fn with the rotary launch CONFIG entries updated at every call (variants of one kernel side by side)."""
-    tk = importlib.import_module(kr.__name__ + ".triton_kernels")
-    defaults = {k: dict(v) for k, v in tk.CONFIG.items()}
-
-    def call(*args):
-        for key, cfg in defaults.items():
-            tk.CONFIG[key] = dict(cfg, **entries.get(key, {}))
-        try:
-            return fn(*args)
-        finally:
-            for key, cfg in defaults.items():
-                tk.CONFIG[key] = dict(cfg)
-    return call
-
-
-# the one-tile-per-row kernels (partial RoPE: the row read as one [rows, D] tile, the rotate_half partner by a
-# second load) against the default per-column-group kernels, at two tile sizes
-ROW_TILE = {
-    "row tile 2048/512": {k: dict(row_tile=True, block_elems=2048, elems_per_warp=512)
-                          for k in ("rope_fwd", "rope_bwd", "norm_fwd", "norm_bwd")},
-    "row tile 4096/512": {k: dict(row_tile=True, block_elems=4096, elems_per_warp=512)
-                          for k in ("rope_fwd", "rope_bwd", "norm_fwd", "norm_bwd")},
-}
-
-# the lean row-tile kernels of the fused norm + RoPE (partial and full): fewer instructions per element (one
-# partner load, sign folded, row coordinates stepped without division, int32 offsets, fma in the backward);
-# the forward loops over several tiles per program (the per-program setup amortised)
-LEAN = {
-    "lean": dict(norm_fwd=dict(lean=True, tiles_per_program=8), norm_bwd=dict(lean=True)),
-    "lean, fwd 1 tile/program": dict(norm_fwd=dict(lean=True, tiles_per_program=1), norm_bwd=dict(lean=True)),
-    "lean, dweight 4 rows": dict(norm_fwd=dict(lean=True, tiles_per_program=8),
-                                 norm_bwd=dict(lean=True, dw_rows=4)),
-    "lean, dweight 4 rows, 32 programs/SM": dict(norm_fwd=dict(lean=True, tiles_per_program=16),
-                                                 norm_bwd=dict(lean=True, dw_rows=4, programs_per_sm=32)),
-    "lean 4096/512": dict(norm_fwd=dict(lean=True, tiles_per_program=8, block_elems=4096),
-                          norm_bwd=dict(lean=True, block_elems=4096)),
-}
-
-
 def run(h):
     kr = h.load_kernel("rotary")
     dev, dt = h.dev, h.dt
@@ -108,9 +67,6 @@ def run(h):
         h.bench(name, "hubfuse", lambda q, k, c, s: kr.apply_rotary_pos_emb_flat(q, k, c, s), mk, floor,
                 note="flat-output op: writes the same tensor as the eager fn, q+k one launch")
         if rd != d:
-            for label, entries in ROW_TILE.items():
-                h.bench(name, f"hubfuse ({label})", with_config(kr, kr.apply_rotary_pos_emb_flat, **entries), mk,
-                        floor)
             # in place needs non-leaf q/k: fn makes them with a copy, which "GPU ms" leaves out (rotary kernels
             # only); peak and the stream time include the copies
             h.bench(name, "hubfuse in place (rotary kernels only)", lambda q, k, c, s: torch.cat(
@@ -164,12 +120,3 @@ def run(h):
         h.bench(name, "hubfuse (fused)",
                 lambda q, k, wq, wk, c, s, zc=zc: kr.qk_norm_rope_flat(q, k, wq, wk, c, s, 1e-6, zero_centered=zc),
                 mk, floor, note="one kernel each way, q+k one launch")
-        if rd != d:
-            for label, entries in ROW_TILE.items():
-                h.bench(name, f"hubfuse (fused, {label})", with_config(
-                    kr, lambda q, k, wq, wk, c, s: kr.qk_norm_rope_flat(q, k, wq, wk, c, s, 1e-6, zero_centered=zc),
-                    **entries), mk, floor)
-        for label, entries in LEAN.items():
-            h.bench(name, f"hubfuse (fused, {label})", with_config(
-                kr, lambda q, k, wq, wk, c, s, zc=zc: kr.qk_norm_rope_flat(q, k, wq, wk, c, s, 1e-6, zero_centered=zc),
-                **entries), mk, floor)

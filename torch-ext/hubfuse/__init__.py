@@ -3,29 +3,34 @@
 As a hub kernel (the umbrella repo, assembled by `scripts/build.py`), `layers` exposes every op family's Layers
 and Layouts; each family is also a sub-package (`rmsnorm`, ...) of the built umbrella. As a Python package
 (`pip install -e .`, the source tree, which holds no op package), it provides
-`KernelConfig`, the transformers `KernelConfig` that works for training and on CPU (imported lazily: the
-hub kernel itself needs nothing beyond torch), and `presets` (`kernel_mapping(family)`, `enable_losses(model,
-family)`: every kernel that applies to a model family).
+`KernelConfig`, the transformers `KernelConfig` that works for training and on CPU and, with no mapping, turns on
+every hubfuse kernel for the model being loaded (imported lazily: the hub kernel itself needs nothing beyond
+torch), `presets` (`kernel_mapping(family)`, `enable_losses(model, family)`: every kernel that applies to a
+model family), `use_local_builds()` (build this clone's kernel repos and load them instead of the hub's),
+`distributed` (FSDP2 + expert parallelism over a kernelized model, HF-format checkpoints of the sharded model)
+and `cuda_graphs` (a whole training step captured in one CUDA graph).
 """
-__all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state", "presets", "kernel_mapping",
-           "enable_losses"]
+__all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state", "presets", "distributed",
+           "cuda_graphs", "kernel_mapping", "enable_losses", "use_local_builds", "local_builds"]
 
 
 def __getattr__(name):
-    if name == "layers":  # only in the built umbrella, which vendors the op packages beside this module
-        import importlib
+    import importlib
 
+    if name == "layers":  # only in the built umbrella, which vendors the op packages beside this module
         return importlib.import_module(f"{__name__}.layers")
     if name in ("KernelConfig", "kernel_state_snapshot", "restore_global_state"):
         from . import kernel_config
 
         return getattr(kernel_config, name)
-    if name == "presets":
-        import importlib
-
-        return importlib.import_module(f"{__name__}.presets")
+    if name in ("presets", "sources", "distributed", "cuda_graphs"):
+        return importlib.import_module(f"{__name__}.{name}")
     if name in ("kernel_mapping", "enable_losses"):
         from . import presets
 
         return getattr(presets, name)
+    if name in ("use_local_builds", "local_builds"):
+        from . import sources
+
+        return getattr(sources, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,10 +20,18 @@ transformers registered under that name): it registers every kernel for every mo
 (inference, training, and their torch.compile forms), accepts cpu, binds a private copy of the compiled
 mapping to the model (so the user's object can be reused), and restores the global state it found once the
 model is built (or, after a load that raised, when the next load starts). `restore_global_state()` / `kernel_state_snapshot()` are also exported for manual use.
+
+On top of that, for the user: `KernelConfig()` with no mapping is the preset of the family being loaded
+(`config.model_type`, read when the load starts) with the fused losses switched on once the model is built; every
+kernel is loaded when the load starts, before the weights, with errors that name the cause (`sources.load_layer`);
+a mapping that binds nothing raises; hub layers the mapping leaves out are registered without a kernel, so
+`kernelize` does not warn once per module about them.
 """
 from __future__ import annotations
 
 import copy
+import logging
+import re
 import sys
 from contextlib import contextmanager
 
@@ -126,43 +134,102 @@ def _hub_name_classes(hub_name: str) -> list[str]:
     return sorted(names)
 
 
-def _kernel_has_layout(value, use_local_kernel: bool) -> bool:
-    """Does the kernel layer named by a mapping value ship a `<Layer>Layout` beside it?"""
-    from pathlib import Path
-
-    from kernels import LayerRepository, LocalLayerRepository
-
+def _mapping_value(value):
+    """(repo name, metadata) of a mapping value (`"org/repo:Layer"`, a tuple with metadata, or `{device: ...}`)."""
     if isinstance(value, dict):  # {device: repo}
         value = next(iter(value.values()))
+    return value if isinstance(value, tuple) else (value, {})
+
+
+def _with_default_meta(value):
+    """A hub value with neither `revision` nor `version` gets `revision="v1"` for a local build (LOCAL_KERNELS)
+    and `version=1` otherwise, so that one mapping serves the hub and `hubfuse.use_local_builds()` alike."""
+    from .sources import default_meta
+
+    if isinstance(value, dict):
+        return {device: _with_default_meta(v) for device, v in value.items()}
     repo_name, meta = value if isinstance(value, tuple) else (value, {})
-    repo_id, _, layer = repo_name.partition(":")
-    if use_local_kernel:
-        repo = LocalLayerRepository(repo_path=Path(repo_id), layer_name=layer)
-    else:
-        revision = meta.get("revision")
-        repo = LayerRepository(repo_id=repo_id, layer_name=layer, revision=revision,
-                               version=meta.get("version", None if revision is not None else 1),
-                               trust_remote_code=meta.get("trust_remote_code", False))
-    cls = repo.load()
-    return hasattr(sys.modules.get(cls.__module__), f"{cls.__name__}Layout")
+    if not isinstance(repo_name, str) or not isinstance(meta, dict) or meta.get("revision") is not None \
+            or meta.get("version") is not None:
+        return value  # stock validation reports malformed values
+    return repo_name, {**meta, **default_meta(repo_name.partition(":")[0])}
 
 
-def anchor_hub_name_keys(mapping: dict, use_local_kernel: bool = False) -> dict:
+def anchor_hub_name_keys(mapping: dict, use_local_kernel: bool = False, layouts: dict | None = None) -> dict:
     """Rewrite plain hub-name keys whose kernel ships a Layout into anchored class-name regexes.
 
     transformers treats every key as a class-name regex (`re.search`) as soon as the kernel has a Layout, so
     the hub name "RMSNorm" also matches `Qwen3_5MoeRMSNorm` and `Qwen3_5MoeRMSNormGated` and swaps them for the
     standard RMSNorm Layout: a silent wrong result. A hub name is meant to select exactly the classes
-    transformers registered under it, so it becomes `^(Qwen3RMSNorm|LlamaRMSNorm|...)$`.
+    transformers registered under it, so it becomes `^(Qwen3RMSNorm|LlamaRMSNorm|...)$`. `layouts` (key -> the
+    kernel's Layout or None) saves loading the kernels again.
     """
+    from .sources import load_layer
+
     rewritten = {}
     for key, value in mapping.items():
         if isinstance(key, str) and key.isidentifier():
             classes = _hub_name_classes(key)
-            if classes and _kernel_has_layout(value, use_local_kernel):
+            if layouts is not None:
+                layout = layouts[key]
+            else:
+                layout = load_layer(*_mapping_value(value), use_local_kernel=use_local_kernel)[1]
+            if classes and layout is not None:
                 key = "^(" + "|".join(classes) + ")$"
         rewritten[key] = value
     return rewritten
+
+
+class _Entry:
+    """One entry of the user's mapping, as transformers will see it, and whether it can bind on the model.
+
+    kind: "hub" (a stateless kernel under a hub name: kernelize binds it to the HF classes registered under that
+    name), "class" (a kernel with a Layout: the key is a class-name regex, hub names anchored), "fusion" (an
+    n-to-1 tuple key). `name` is the key transformers' compiled mapping gets: the hub name, or the kernel class.
+    """
+
+    def __init__(self, user_key, key, value, layer_cls, layout):
+        self.user_key, self.key, self.value, self.layout = user_key, key, value, layout
+        self.kind = "fusion" if isinstance(key, tuple) else "class" if layout is not None else "hub"
+        self.name = key if self.kind == "hub" else layer_cls.__name__
+
+    def matches_statically(self, namespace: dict) -> bool:
+        """Can this entry bind on a model whose modeling module has `namespace` (its classes and hub functions)?"""
+        if self.kind == "fusion":
+            return True  # transformers matches the module paths on a meta model and raises if none matches
+        if self.kind == "hub":
+            return any(getattr(obj, "kernel_layer_name", None) == self.key for obj in namespace.values()
+                       if isinstance(obj, type) or hasattr(obj, "kernel_layer_name"))
+        pattern = re.compile(self.key)
+        return any(isinstance(obj, type) and pattern.search(name) for name, obj in namespace.items())
+
+    def applies(self, model, registered: set, namespace: dict) -> bool:
+        """Did this entry bind anything on the built model?"""
+        if self.kind == "hub":
+            return self.key in registered
+        if self.kind == "class" and not self.matches_statically(namespace):
+            return False
+        return any(isinstance(m, self.layout) for m in model.modules())
+
+
+def _loading_model(frame):
+    """(model class, config) of the `from_pretrained` that is reading the mapping: the caller's locals
+    (`register_kernel_replacements_and_fusions(cls, config, kernel_config)` in transformers 5.22)."""
+    for _ in range(4):
+        if frame is None:
+            break
+        cls, config = frame.f_locals.get("cls"), frame.f_locals.get("config")
+        if isinstance(cls, type) and hasattr(cls, "config_class") and config is not None:
+            return cls, config
+        frame = frame.f_back
+    return None, None
+
+
+def _model_namespace(cls) -> dict:
+    """The module that defines the model class: its classes (what the class-name keys can patch) and hub
+    functions."""
+    module = sys.modules.get(cls.__module__)
+    return dict(vars(module)) if module is not None else {}
 
 
 def kernel_state_snapshot():
@@ -180,44 +247,72 @@ def restore_global_state():
         state.restore()
 
 
+logger = logging.getLogger(__name__)
+
+
 class KernelConfig(transformers.KernelConfig):
-    """transformers' `KernelConfig`, same mapping forms, plus: every mode, cpu, reusable, no global leftovers.
+    """transformers' `KernelConfig`, same mapping forms, plus: every mode, cpu, reusable, no global leftovers;
+    with no mapping, every hubfuse kernel for the model being loaded.
 
     Example::
 
-        from hubfuse import KernelConfig
-        kc = KernelConfig({"RMSNorm": ("hubfuse/rmsnorm:RMSNorm", {"version": 1})})
-        model = AutoModelForCausalLM.from_pretrained(ckpt, use_kernels=True, kernel_config=kc)
-        model.train()   # still runs the kernels
+        import hubfuse
+        model = AutoModelForCausalLM.from_pretrained(ckpt, use_kernels=True, kernel_config=hubfuse.KernelConfig())
+        model.train()   # still runs the kernels; the loss is the fused linear cross-entropy (+ fused MoE aux loss)
 
-    `clean_global_state=False` keeps transformers' stock behaviour of leaving the patch and conversion
-    mappings registered after the load. `inherit_mapping` defaults to False (stock: True): only the kernels
-    you list are bound, instead of also pulling transformers' default hub kernels for every other hooked
-    layer on CUDA (a network fetch at load time, and numerics you did not ask for).
+    - No mapping: the preset of the model's family, read from `config.model_type` when the load starts
+      (`hubfuse.presets`: qwen3, qwen3_moe, qwen3_5_moe, llama, qwen2; another type raises, listing them), and the
+      fused losses switched on once the model is built (`losses=False` keeps HF's loss). `family=` forces a preset.
+    - An explicit mapping binds what it lists (`losses=True` adds the fused losses). A mapping, a preset or a
+      family whose entries bind nothing on the model raises instead of loading an un-kernelized model; an entry
+      that binds nothing is ignored (said once if it is a class-name regex that no preset marks optional).
+    - Kernels come from the hub org `org` (`version=1` unless `revision`/`version` is given), or from this
+      clone's builds: `local=True` (or `hubfuse.use_local_builds()` once) builds every repo and points
+      LOCAL_KERNELS at them; presets then ask for `revision="v1"`.
+    - `clean_global_state=False` keeps transformers' stock behaviour of leaving the patch and conversion
+      mappings registered after the load. `inherit_mapping` defaults to False (stock: True): only the kernels
+      you list are bound, instead of also pulling transformers' default hub kernels for every other hooked
+      layer on CUDA (a network fetch at load time, and numerics you did not ask for).
     """
 
-    def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=False, clean_global_state=True):
+    def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=False, clean_global_state=True,
+                 *, family=None, org=None, revision=None, version=None, trust_remote_code=False, losses=None,
+                 local=False):
+        from . import presets
+        from .sources import ORG, clone_repo_names, local_builds, use_local_builds
+
+        if kernel_mapping is not None and family is not None:
+            raise ValueError("hubfuse.KernelConfig: pass a kernel mapping or a family, not both")
+        if family is not None:
+            presets.family_of(family)  # unknown family: the error lists the supported ones
+        self._preset = kernel_mapping is None  # the mapping is the preset of `family` or of the loaded model
+        self._family = family
+        self._source = dict(org=org or ORG, revision=revision, version=version, trust_remote_code=trust_remote_code)
+        self._losses = losses
+        if local and not {f"{org or ORG}/{name}" for name in clone_repo_names()} <= set(local_builds()):
+            use_local_builds(org=org or ORG)  # once per process: later configs find the builds registered
         self._user_mapping = copy.deepcopy(kernel_mapping if kernel_mapping is not None else {})
         self._pending_state = None
         self._clean_global_state = clean_global_state
+        self._load = None  # what the load in progress resolved (entries, family, losses)
         super().__init__(copy.deepcopy(self._user_mapping), use_local_kernel, inherit_mapping)
 
     # transformers reads `kernel_mapping` first thing in `from_pretrained` (before it registers patches and
-    # builds the model): that read is our hook to capture the global state the load is about to change and
-    # to anchor hub-name keys.
+    # builds the model): that read is our hook to resolve the mapping for the model being loaded, check it,
+    # capture the global state the load is about to change, and anchor hub-name keys.
     @property
     def kernel_mapping(self):
         # Only transformers' own first read of a fresh mapping starts a load; a user inspecting the mapping
         # sees it unchanged.
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if self.__dict__.get("_fresh", False) and caller.startswith("transformers."):
+        frame = sys._getframe(1)
+        if self.__dict__.get("_fresh", False) and frame.f_globals.get("__name__", "").startswith("transformers."):
+            mapping = self._start_load(*_loading_model(frame))  # raises before anything global is touched
             self._fresh = False
             if self._clean_global_state and self._pending_state is None:
                 _recover_from_failed_loads()
                 self._pending_state = _GlobalState()
                 _UNFINISHED.append(self._pending_state)
-            self.__dict__["_kernel_mapping"] = anchor_hub_name_keys(self.__dict__["_kernel_mapping"],
-                                                                    self.use_local_kernel)
+            self.__dict__["_kernel_mapping"] = mapping
         return self.__dict__["_kernel_mapping"]
 
     @kernel_mapping.setter
@@ -226,18 +321,92 @@ class KernelConfig(transformers.KernelConfig):
         if value == self.__dict__.get("_user_mapping"):
             self._fresh = True
 
-    def sanitize_kernel_mapping(self, model):
-        """Stock validation, except that entries no module of this model uses are dropped with a warning
-        instead of raising: one mapping can then serve several model families (e.g. the RMSNorm,
-        RMSNormZeroCentered and RMSNormGated entries together, for Qwen3 and Qwen3.5 alike)."""
-        import logging
+    def _start_load(self, cls, config) -> dict:
+        """Resolve and check the mapping for the model about to be built (nothing global is touched yet): the
+        preset of its family, every kernel loaded (errors name the cause), entries that cannot bind refused."""
+        from . import presets
+        from .sources import load_kernel, load_layer
 
+        model_type = getattr(config, "model_type", None) or getattr(getattr(cls, "config_class", None),
+                                                                    "model_type", None)
+        model_name = cls.__name__ if cls is not None else "the model"
+        family = None
+        if self._preset or self._losses:
+            if self._family is None and model_type is None:
+                raise ValueError("hubfuse.KernelConfig: cannot tell which model is being loaded (no config.model_type);"
+                                 " pass KernelConfig(family=...) or an explicit mapping")
+            family = presets.family_of(self._family or model_type, None if self._family else model_name)
+        mapping = self.__dict__["_kernel_mapping"]
+        if self._preset:
+            mapping = presets.kernel_mapping(family, **self._source)
+        elif not self.use_local_kernel:
+            mapping = {key: _with_default_meta(value) for key, value in mapping.items()}
+        where = f"hubfuse.KernelConfig ({model_name})"
+        loaded = {key: load_layer(*_mapping_value(value), use_local_kernel=self.use_local_kernel, where=where)
+                  for key, value in mapping.items()}
+        losses = self._losses if self._losses is not None else self._preset
+        if losses:  # the loss kernels, checked now rather than after the weights are loaded
+            for repo in ("cross-entropy", "load-balancing-loss") if family in presets.MOE_FAMILIES else ("cross-entropy",):
+                repo_id = f"{self._source['org']}/{repo}"
+                load_kernel(repo_id, presets._meta(repo_id, self._source["revision"], self._source["version"],
+                                                   self._source["trust_remote_code"]), where=where)
+        anchored = anchor_hub_name_keys(mapping, self.use_local_kernel, {k: layout for k, (_, layout) in loaded.items()})
+        entries = [_Entry(user_key, key, value, *loaded[user_key])
+                   for (user_key, value), key in zip(mapping.items(), anchored)]
+        if cls is not None and entries:
+            namespace = _model_namespace(cls)
+            if not any(e.matches_statically(namespace) for e in entries):
+                raise ValueError(self._binds_nothing(model_name, model_type, entries, family))
+        self._load = dict(entries=entries, family=family, losses=losses, model_type=model_type)
+        return anchored
+
+    def _binds_nothing(self, model_name, model_type, entries, family) -> str:
+        from . import presets
+
+        what = f"the {family!r} preset" if self._preset else "the kernel mapping"
+        try:
+            own = presets.family_of(model_type) if model_type else None
+        except ValueError:
+            own = None
+        hint = (f"for every hubfuse kernel of this model use hubfuse.KernelConfig() (the {own!r} preset)" if own else
+                f"hubfuse presets exist for {', '.join(presets.FAMILIES)}")
+        keys = ", ".join(repr(e.user_key) for e in entries)
+        return (f"hubfuse.KernelConfig: {what} binds no kernel on {model_name} (model_type {model_type!r}): none of "
+                f"its entries ({keys}) matches a module of this model; {hint}")
+
+    def sanitize_kernel_mapping(self, model):
+        """Stock validation, after dropping the entries that bind nothing on this model: one mapping can serve
+        several model families (e.g. the RMSNorm, RMSNormZeroCentered and RMSNormGated entries together, for
+        Qwen3 and Qwen3.5 alike). A class-name regex entry that matches nothing is said once (unless a preset marks
+        it optional); a mapping of which no entry binds raises."""
+        from . import presets
+
+        if self._load is None:  # set_use_kernels(True, config) on a built model: no load start was seen
+            self._fresh = False
+            self.__dict__["_kernel_mapping"] = self._start_load(type(model), model.config)
         self.store_registered_layer_names(model)
-        present = set(self.registered_layer_names.values())
-        for name in [k for k in self.kernel_mapping if isinstance(k, str) and k not in present]:
-            logging.getLogger(__name__).warning("hubfuse.KernelConfig: no module of %s uses kernel %r; entry "
-                                                "ignored for this model", type(model).__name__, name)
-            del self.kernel_mapping[name]
+        registered = set(self.registered_layer_names.values())
+        entries, namespace = self._load["entries"], _model_namespace(type(model))
+        applied = {id(e): e.applies(model, registered, namespace) for e in entries}
+        if entries and not any(applied.values()):
+            self._abort_load()
+            raise ValueError(self._binds_nothing(type(model).__name__, self._load["model_type"], entries,
+                                                 self._load["family"]))
+        bound_names = {e.name for e in entries if applied[id(e)]}
+        for e in entries:
+            if not applied[id(e)]:
+                self.kernel_mapping.pop(e.key, None)  # still there when no load start rewrote the keys
+                if e.name not in bound_names:
+                    # also keeps kernelize from binding the kernel to HF classes that carry its name as a hub name
+                    self.kernel_mapping.pop(e.name, None)
+        unexpected = [e.user_key for e in entries if not applied[id(e)] and e.kind == "class" and not self._preset
+                      and isinstance(e.user_key, str) and not e.user_key.isidentifier()
+                      and e.user_key not in presets.OPTIONAL_KEYS]
+        if unexpected:
+            logger.warning("hubfuse.KernelConfig: %d mapping %s no module of %s and %s ignored: %s",
+                           len(unexpected), "entry matches" if len(unexpected) == 1 else "entries match",
+                           type(model).__name__, "is" if len(unexpected) == 1 else "are",
+                           ", ".join(map(repr, unexpected)))
         super().sanitize_kernel_mapping(model)
 
     def create_compatible_mapping(self, model, compile=False):
@@ -263,6 +432,10 @@ class KernelConfig(transformers.KernelConfig):
                 repo = LayerRepository(repo_id=repo_id, layer_name=layer, revision=revision, version=version,
                                        trust_remote_code=meta.get("trust_remote_code", False))
             compatible[layer_name] = {device: {mode: repo for mode in _all_modes()}}
+        # The model's other hub-hooked layers (SiLU, the gated-delta-rule functions, ...) are deliberately left
+        # unmapped: an entry without devices makes kernelize keep their forward without a warning per module.
+        for name in set(self.registered_layer_names.values()) - set(compatible):
+            compatible[name] = {}
 
         # The model keeps its own compiled copy (used again on every train()/eval()); this object goes back
         # to the user's mapping so it can serve another load.
@@ -270,21 +443,44 @@ class KernelConfig(transformers.KernelConfig):
         bound.__dict__["_kernel_mapping"] = compatible
         bound._fresh = False
         bound._pending_state = None
+        bound._load = None
         model.kernel_config = bound
         self._finish_load(model)
 
+    def _abort_load(self):
+        """A load this config refused after the model was built: put the global state back now."""
+        state, self._pending_state = self._pending_state, None
+        self._load = None
+        self.registered_layer_names = {}
+        self.kernel_mapping = copy.deepcopy(self._user_mapping)
+        if state is not None:
+            if state in _UNFINISHED:
+                _UNFINISHED.remove(state)
+            state.restore()
+
     def _finish_load(self, model):
+        load, self._load = self._load, None
         state, self._pending_state = self._pending_state, None
         self.registered_layer_names = {}
         self.kernel_mapping = copy.deepcopy(self._user_mapping)
-        if state is None:
-            return
-        if state in _UNFINISHED:
-            _UNFINISHED.remove(state)
-        # Output-capturing hooks read the (patched) class-level recorders when first installed: install them
-        # on this model now, then give the classes their original recorders back.
-        from transformers.utils.output_capturing import install_all_output_capturing_hooks
+        if state is not None:
+            if state in _UNFINISHED:
+                _UNFINISHED.remove(state)
+            # Output-capturing hooks read the (patched) class-level recorders when first installed: install them
+            # on this model now, then give the classes their original recorders back.
+            from transformers.utils.output_capturing import install_all_output_capturing_hooks
 
-        if not getattr(model, "_output_capturing_hooks_installed", False):
-            install_all_output_capturing_hooks(model)
-        state.restore()
+            if not getattr(model, "_output_capturing_hooks_installed", False):
+                install_all_output_capturing_hooks(model)
+            state.restore()
+        if load is not None and load["losses"] and (self._losses or _has_lm_head(model)):
+            from . import presets
+
+            presets.enable_losses(model, load["family"], **self._source)
+
+
+def _has_lm_head(model) -> bool:
+    import torch
+
+    return isinstance(getattr(model, "lm_head", None), torch.nn.Linear) and \
+        isinstance(getattr(model, "model", None), torch.nn.Module)

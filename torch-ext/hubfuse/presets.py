@@ -1,5 +1,6 @@
 """Presets: one KernelConfig mapping per model family that turns on every hubfuse kernel that applies to it,
-plus the per-instance loss switches that KernelConfig cannot reach.
+plus the per-instance loss switches that KernelConfig cannot reach. `hubfuse.KernelConfig()` (no mapping) applies
+both for the family of the model being loaded; by hand:
 
     from hubfuse import KernelConfig, presets
     model = AutoModelForCausalLM.from_pretrained(ckpt, use_kernels=True,
@@ -7,11 +8,14 @@ plus the per-instance loss switches that KernelConfig cannot reach.
     presets.enable_losses(model, "qwen3")     # fused linear cross-entropy (+ fused aux loss for MoE)
     model.train()
 
+Kernel versions: `revision` if given, else `version` if given, else `revision="v1"` for a repo with a local build
+(LOCAL_KERNELS, `hubfuse.use_local_builds()`) and `version=1` (the hub) otherwise.
+
 Families: `qwen3` (dense), `qwen3_moe`, `qwen3_5_moe` (the text model classes; `qwen3_5_moe_text` is an alias),
 `llama`, `qwen2`.
 
 Choices where two of our kernels cover the same modules (measured on H200, bf16, fwd+bwd, 16384 tokens,
-hidden 4096, intermediate 12288: docs/gpu_runs/run2_bench_rmsnorm_swiglu.md):
+hidden 4096, intermediate 12288):
 
 - Dense decoder layers (qwen3, llama, qwen2): the n-to-1 fusion `RMSNormSwiGLUMLP` over
   `(post_attention_layernorm, mlp)` instead of the 1-to-1 `SwiGLUMLP` Layout (+ the `RMSNorm` hub kernel on the
@@ -42,21 +46,33 @@ This module imports nothing beyond the standard library at import time (the umbr
 """
 from __future__ import annotations
 
+from .sources import ORG, check_not_version_on_local, default_meta
+
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe", "llama", "qwen2")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 _ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
+# Preset entries for modules that only some configs of the family have (Qwen3-MoE's dense `mlp_only_layers`):
+# binding nothing on a model without them is expected, not a mistake.
+OPTIONAL_KEYS = frozenset({"^Qwen3MoeMLP$"})
 
 # the n-to-1 fusion key of dense decoder layers (transformers matches the module paths; the first item of each
 # pair is only a label)
 FUSION_KEY = (("RMSNorm", "model.layers.*.post_attention_layernorm"), ("MLP", "model.layers.*.mlp"))
 
 
-def _family(family: str) -> str:
+def _family(family: str, model: str | None = None) -> str:
     fam = _ALIASES.get(family, family)
     if fam not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; presets exist for {', '.join(FAMILIES)}"
-                         f" (and the alias 'qwen3_5_moe_text')")
+        what = f"{model} (model_type {family!r})" if model else f"model family {family!r}"
+        raise ValueError(f"hubfuse has no kernels for {what}; supported model types: {', '.join(FAMILIES)} "
+                         f"(and 'qwen3_5_moe_text', the Qwen3.5-MoE text model). For another model, pass an explicit "
+                         f"mapping to hubfuse.KernelConfig({{...}})")
     return fam
+
+
+def family_of(model_type: str, model: str | None = None) -> str:
+    """The preset family of a `config.model_type` (aliases resolved); ValueError listing the supported ones."""
+    return _family(model_type, model)
 
 
 def _layers(family: str, rope: bool, fuse_norm_mlp: bool = True) -> dict:
@@ -91,23 +107,33 @@ def _layers(family: str, rope: bool, fuse_norm_mlp: bool = True) -> dict:
     raise AssertionError(fam)
 
 
-def _meta(revision, version) -> dict:
-    return {"revision": revision} if revision is not None else {"version": version}
+def _meta(repo_id: str, revision, version, trust_remote_code: bool = False) -> dict:
+    """`revision` if given, else `version` if given, else `revision="v1"` for a local build (LOCAL_KERNELS, see
+    `hubfuse.use_local_builds`) and `version=1` for the hub."""
+    if revision is not None:
+        meta = {"revision": revision}
+    elif version is not None:
+        meta = {"version": version}
+    else:
+        meta = default_meta(repo_id)
+    if trust_remote_code:
+        meta["trust_remote_code"] = True
+    return meta
 
 
-def kernel_mapping(family: str, org: str = "hubfuse", revision: str | None = None, version: int = 1, *,
-                   rope: bool = True, fuse_norm_mlp: bool = True) -> dict:
+def kernel_mapping(family: str, org: str = ORG, revision: str | None = None, version: int | None = None, *,
+                   rope: bool = True, fuse_norm_mlp: bool = True, trust_remote_code: bool = False) -> dict:
     """The `KernelConfig` mapping that turns on every hubfuse kernel applying to `family`.
 
-    `revision` (e.g. "v1", or a local build through LOCAL_KERNELS) wins over `version`. `rope=False` leaves out
+    `revision` wins over `version`; with neither, each repo gets `revision="v1"` if it is a local build
+    (LOCAL_KERNELS, `hubfuse.use_local_builds()`) and `version=1` otherwise. `rope=False` leaves out
     the process-wide `rotary_pos_emb` hub kernel of Llama / Qwen2 (the other families never use it).
     `fuse_norm_mlp=False` (dense families) uses the 1-to-1 `SwiGLUMLP` Layout instead of the RMSNorm+MLP
     fusion: the fusion subclasses the decoder layer (`FusedQwen3DecoderLayer`), which wrap policies that look
     layers up by class name (accelerate's FSDP `transformer_cls_names_to_wrap` from `_no_split_modules`) miss.
     Pass the result to `hubfuse.KernelConfig` (training, CPU) or transformers' own (CUDA inference).
     """
-    meta = _meta(revision, version)
-    return {key: (f"{org}/{repo}:{layer}", dict(meta))
+    return {key: (f"{org}/{repo}:{layer}", _meta(f"{org}/{repo}", revision, version, trust_remote_code))
             for key, (repo, layer) in _layers(family, rope, fuse_norm_mlp).items()}
 
 
@@ -119,34 +145,46 @@ def kernel_repos(family: str, rope: bool = True) -> tuple[str, ...]:
     return tuple(sorted(repos))
 
 
-def enable_losses(model, family: str, org: str = "hubfuse", revision: str | None = None, version: int = 1,
-                  **ce_options):
+def known_repos() -> tuple[str, ...]:
+    """Every kernel repo name the presets use, and the umbrella `hubfuse`: what the hubfuse org publishes."""
+    return tuple(sorted({repo for family in FAMILIES for repo in kernel_repos(family)} | {"hubfuse"}))
+
+
+def _loss_kernel(org, repo, revision, version, trust_remote_code):
+    from kernels import get_kernel
+
+    repo_id = f"{org}/{repo}"
+    meta = _meta(repo_id, revision, version, trust_remote_code)
+    check_not_version_on_local(repo_id, meta, "hubfuse.presets.enable_losses")
+    return get_kernel(repo_id, **meta)
+
+
+def enable_losses(model, family: str, org: str = ORG, revision: str | None = None, version: int | None = None,
+                  trust_remote_code: bool = False, aux_loss_group=None, **ce_options):
     """Switch this model instance to the fused losses: the linear cross-entropy (loss from the last hidden
     states, no logits when labels are given) and, for MoE families, the fused router aux loss plugged into it.
 
     Per instance: the class and other instances keep HF's forward. `ce_options` go to the cross-entropy
-    kernel's `enable_fused_loss` (e.g. `z_loss_weight`, `return_logits=True`). Returns the model.
+    kernel's `enable_fused_loss` (e.g. `z_loss_weight`, `return_logits=True`). `aux_loss_group` (MoE, data
+    parallel: e.g. `torch.distributed.group.WORLD`): the aux loss's load-balancing statistics are reduced over
+    that process group (global-batch balancing, see docs/distributed.md); None: per rank, as transformers does.
+    Returns the model.
     """
-    from kernels import get_kernel
-
     fam = _family(family)
-    meta = _meta(revision, version)
-    ce = get_kernel(f"{org}/cross-entropy", **meta)
-    ce.enable_fused_loss(model, **ce_options)
-    if fam in MOE_FAMILIES:
-        lbl = get_kernel(f"{org}/load-balancing-loss", **meta)
-        lbl.enable_fused_aux_loss(model)  # after enable_fused_loss: it fills that hook's aux_loss_fn slot
+    kernel = dict(org=org, revision=revision, version=version, trust_remote_code=trust_remote_code)
+    _loss_kernel(repo="cross-entropy", **kernel).enable_fused_loss(model, **ce_options)
+    if fam in MOE_FAMILIES:  # after enable_fused_loss: it fills that hook's aux_loss_fn slot
+        _loss_kernel(repo="load-balancing-loss", **kernel).enable_fused_aux_loss(model, group=aux_loss_group)
     return model
 
 
-def disable_losses(model, family: str, org: str = "hubfuse", revision: str | None = None, version: int = 1):
+def disable_losses(model, family: str, org: str = ORG, revision: str | None = None, version: int | None = None,
+                   trust_remote_code: bool = False):
     """Undo `enable_losses` on this instance. Returns the model."""
-    from kernels import get_kernel
-
-    meta = _meta(revision, version)
+    kernel = dict(org=org, revision=revision, version=version, trust_remote_code=trust_remote_code)
     if _family(family) in MOE_FAMILIES:
-        get_kernel(f"{org}/load-balancing-loss", **meta).disable_fused_aux_loss(model)
-    get_kernel(f"{org}/cross-entropy", **meta).disable_fused_loss(model)
+        _loss_kernel(repo="load-balancing-loss", **kernel).disable_fused_aux_loss(model)
+    _loss_kernel(repo="cross-entropy", **kernel).disable_fused_loss(model)
     return model
 
 
@@ -181,5 +219,5 @@ def eager_to_kernelized(eager: dict, kernelized_names) -> dict:
     return out
 
 
-__all__ = ["FAMILIES", "MOE_FAMILIES", "FUSION_KEY", "kernel_mapping", "kernel_repos", "enable_losses",
-           "disable_losses", "eager_to_kernelized"]
+__all__ = ["FAMILIES", "MOE_FAMILIES", "FUSION_KEY", "OPTIONAL_KEYS", "family_of", "kernel_mapping", "kernel_repos",
+           "known_repos", "enable_losses", "disable_losses", "eager_to_kernelized"]

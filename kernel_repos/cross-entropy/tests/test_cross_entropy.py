@@ -265,10 +265,12 @@ def test_bad_inputs():
     y = torch.randint(0, 10, (4,), device=DEV)
     with pytest.raises(ValueError, match="labels shape"):
         linear_cross_entropy(h, w, y[:3])
+    # label values are checked on CPU tensors here: on CUDA the check is a device-side assert, which ends the
+    # process's CUDA context (test_label_out_of_range_asserts_on_the_device runs it in a subprocess)
     with pytest.raises(ValueError, match="must be in"):
-        linear_cross_entropy(h, w, torch.tensor([0, 1, 10, 2], device=DEV))
+        linear_cross_entropy(h.cpu(), w.cpu(), torch.tensor([0, 1, 10, 2]))
     with pytest.raises(ValueError, match="must be in"):
-        linear_cross_entropy(h, w, torch.tensor([0, -5, 1, 2], device=DEV))
+        linear_cross_entropy(h.cpu(), w.cpu(), torch.tensor([0, -5, 1, 2]))
     with pytest.raises(ValueError, match="hidden size"):
         linear_cross_entropy(h, torch.randn(10, 9, device=DEV), y)
     with pytest.raises(TypeError, match="dtype"):
@@ -288,7 +290,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="labels shape"):
         fused_ce(torch.randn(4, 10, device=DEV), y[:2])
     with pytest.raises(ValueError, match="must be in"):
-        fused_ce(torch.randn(4, 10, device=DEV), torch.tensor([0, 1, 2, 11], device=DEV))
+        fused_ce(torch.randn(4, 10), torch.tensor([0, 1, 2, 11]))
     with pytest.raises(TypeError, match="floating"):
         fused_ce(torch.ones(4, 10, dtype=torch.long, device=DEV), y)
     with pytest.raises(ValueError, match="vocab_size"):
@@ -350,10 +352,10 @@ def test_gpu_bf16_cross_entropy_inplace_real_vocab():
 def kernel_config():
     from cross_entropy import ops
 
-    saved = dict(ops.KERNEL_CONFIG)
-    yield ops.KERNEL_CONFIG
-    ops.KERNEL_CONFIG.clear()
-    ops.KERNEL_CONFIG.update(saved)
+    saved = dict(ops.TUNING)
+    yield ops.TUNING
+    ops.TUNING.clear()
+    ops.TUNING.update(saved)
 
 
 @pytest.mark.parametrize("vector_lse", [False, True])
@@ -415,14 +417,43 @@ def test_scale_unless_one_kernel():
     torch.testing.assert_close(x, (before.float() * -2.5).half())
 
 
-def test_label_check_async_still_raises_on_cpu(kernel_config):
-    kernel_config.update(label_check="async")
-    if DEV == "cpu":
-        with pytest.raises(ValueError, match="must be in"):
-            fused_ce(torch.randn(4, 10), torch.tensor([0, 1, 2, 11]))
-    kernel_config.update(label_check="sync")
+def test_label_out_of_range_raises_on_cpu():
+    # (on CUDA the check is a device-side assert, no host sync: it aborts the CUDA context, tested in a subprocess)
     with pytest.raises(ValueError, match="found -3"):
-        fused_ce(torch.randn(4, 10, device=DEV), torch.tensor([0, -3, -100, 1], device=DEV))
+        fused_ce(torch.randn(4, 10), torch.tensor([0, -3, -100, 1]))
+    with pytest.raises(ValueError, match="must be in"):
+        fused_ce(torch.randn(4, 10), torch.tensor([0, 1, 2, 11]))
+
+
+_DEVICE_ASSERT_SCRIPT = """
+import sys, torch
+import cross_entropy
+h, w = torch.randn(4, 8, device="cuda"), torch.randn(10, 8, device="cuda")
+try:  # the assert fires on the device; the error surfaces at the next CUDA call that checks
+    loss = cross_entropy.linear_cross_entropy(h, w, torch.tensor([0, 1, {label}, 2], device="cuda"))
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("device assert:", str(e).splitlines()[0])
+    sys.exit(0)
+print("no error for label {label}")
+sys.exit(1)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", [10, -5])
+def test_label_out_of_range_asserts_on_the_device(label):
+    """On CUDA an out-of-range label trips a device-side assert (no host sync), in a subprocess: it ends the
+    CUDA context."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(cross_entropy.__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", _DEVICE_ASSERT_SCRIPT.format(label=label)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "device assert" in res.stdout, res.stdout + res.stderr[-2000:]
 
 
 def test_default_chunk_size_policy():

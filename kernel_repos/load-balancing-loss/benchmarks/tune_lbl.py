@@ -8,14 +8,15 @@ tokens x 128 experts, top-8), bf16 and fp32 router logits.
    scripts/bench_ops.py times), with the default configs (per dtype): stream ms vs GPU ms shows the per-call
    CPU cost, and the per-kernel GPU times (forward, partials reduction, loss, backward) and launch count;
    the same through the custom op for comparison; and softmax_topk.
-2. Forward and backward kernels separately, for each candidate `LBL_CONFIG` entry of the dtype's kinds
+2. Forward and backward kernels separately, for each candidate `TUNING` entry of the dtype's kinds
    ("fwd"/"bwd" for bf16, "fwd_fp32"/"bwd_fp32" for fp32) and for the partials reduction's experts per
    program (`FINALIZE_EXPERTS`): GPU ms (summed kernel time, torch.profiler; the forward includes the
    reduction and loss kernels) and stream ms (do_bench median), checked against the default (selection
    counts, loss, grads).
-Make the winners the defaults by editing `LBL_CONFIG` / `FINALIZE_EXPERTS` in triton_kernels.py. Not uploaded
+Make the winners the defaults by editing `TUNING` / `FINALIZE_EXPERTS` in triton_kernels.py. Not uploaded
 (only benchmark*.py is).
 """
+import importlib
 import os
 import sys
 import time
@@ -27,16 +28,16 @@ if SMALL:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from kernels import get_local_kernel  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-import load_balancing_loss as lbl  # noqa: E402
-from load_balancing_loss import ops  # noqa: E402
-from load_balancing_loss import triton_kernels as tk  # noqa: E402
+# the built repo, as users load it (run `python scripts/build.py load-balancing-loss` first)
+lbl = get_local_kernel(Path(__file__).resolve().parents[1])
+ops, tk = lbl.ops, importlib.import_module(lbl.__name__ + ".triton_kernels")
 
 DEV = "cpu" if SMALL else "cuda"
 L, T, E, K = (2, 64, 128, 8) if SMALL else (48, 8192, 128, 8)
 BUDGET_S = 100
-DEFAULT = {kind: dict(cfg) for kind, cfg in tk.LBL_CONFIG.items()}
+DEFAULT = {kind: dict(cfg) for kind, cfg in tk.TUNING.items()}
 DEFAULT_FINALIZE_EXPERTS = tk.FINALIZE_EXPERTS
 
 
@@ -124,7 +125,7 @@ def sweep_kernels(dtype, masked):
             if kind == "finalize":
                 tk.FINALIZE_EXPERTS = c
             else:
-                tk.LBL_CONFIG[kind] = c
+                tk.TUNING[kind] = c
             try:
                 if not kind.startswith("bwd"):
                     fn = lambda: tk.load_balancing_loss_fwd(zs, mask, K, layers)  # noqa: E731
@@ -152,7 +153,7 @@ def sweep_kernels(dtype, masked):
                 print(f"  [{tag} {kind}] {c}: {type(e).__name__}: {str(e)[:150]}", flush=True)
         tk.FINALIZE_EXPERTS = DEFAULT_FINALIZE_EXPERTS
         if kind in DEFAULT:
-            tk.LBL_CONFIG[kind] = DEFAULT[kind]
+            tk.TUNING[kind] = DEFAULT[kind]
         good = [r for r in rows if "MISMATCH" not in r[4]]
         if good:
             best[kind] = min(good, key=lambda r: r[0])
@@ -205,7 +206,7 @@ def time_softmax_topk():
 def main():
     dev_name = "CPU (interpreter)" if SMALL else torch.cuda.get_device_name()
     print(f"{dev_name}, torch {torch.__version__}, triton {triton.__version__}; L={L} T={T} E={E} top-{K}")
-    print(f"default LBL_CONFIG: {DEFAULT}")
+    print(f"default TUNING: {DEFAULT}")
     print("== public call, fwd+bwd (default config)")
     for dtype, masked in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True),
                           (torch.float32, True)):

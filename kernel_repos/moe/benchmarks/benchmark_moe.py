@@ -39,20 +39,18 @@ class MoEExpertsBenchmark(Benchmark):
     def _shape(self, gpu_shape, cpu_shape):
         self._make(*(gpu_shape if self.device != "cpu" else cpu_shape))
 
-    def setup_qwen3_moe(self):
-        self._shape((8192, 2048, 128, 8, 768), (64, 64, 8, 2, 32))
-
-    def benchmark_qwen3_moe(self):
+    def _run(self):
         self.out = self.kernel.moe_experts(self.x, self.idx, self.w, self.gu, self.dn)
 
-    def verify_qwen3_moe(self):
+    def _verify(self):
         return _reference(self.x, self.idx, self.w, self.gu, self.dn)
+
+    # one workload per model shape (T, H, E, K, I): the same call, other sizes
+    def setup_qwen3_moe(self):
+        self._shape((8192, 2048, 128, 8, 768), (64, 64, 8, 2, 32))
 
     def setup_qwen3_5_moe(self):
         self._shape((8192, 2048, 256, 8, 512), (64, 64, 16, 4, 32))
 
-    def benchmark_qwen3_5_moe(self):
-        self.out = self.kernel.moe_experts(self.x, self.idx, self.w, self.gu, self.dn)
-
-    def verify_qwen3_5_moe(self):
-        return _reference(self.x, self.idx, self.w, self.gu, self.dn)
+    benchmark_qwen3_moe = benchmark_qwen3_5_moe = _run
+    verify_qwen3_moe = verify_qwen3_5_moe = _verify

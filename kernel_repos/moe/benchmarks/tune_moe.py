@@ -3,20 +3,21 @@
     python kernel_repos/moe/benchmarks/tune_moe.py [T E K H I] [--budget-s 130]
     python kernel_repos/moe/benchmarks/tune_moe.py --small      # CPU logic check under TRITON_INTERPRET=1
 
-1. times the current `GPU_CONFIGS` (fwd, bwd, routing; `triton.testing.do_bench` medians) and prints a
+1. times the current `TUNING` (fwd, bwd, routing; `triton.testing.do_bench` medians) and prints a
    per-kernel breakdown of one fwd+bwd (CUDA profiler: device time of every launch, torch glue included);
 2. tries a short list of variants, one kernel at a time (`VARIANTS`: overrides of that kernel's
-   `GPU_CONFIGS` entry, e.g. TMA weight loads, more stages; for "backward" the implementation: the Triton
+   `TUNING` entry, e.g. TMA weight loads, more stages; for "backward" the implementation: the Triton
    kernels, or torch._grouped_mm for the weight grads only or also for g_act = dout_rows @ Wd[e]). Each is timed
    against the current config on the phase that runs the kernel, call by call alternating between the two (medians
    of `PAIRED_ROUNDS` calls each, so clock drift hits both alike), and its outputs are
    compared with the current implementation's: a variant off by more than `MAX_REL_ERR` is flagged WRONG
    and never chosen; one that fails to compile is reported and skipped;
 3. applies each kernel's fastest correct variant (if > 1% faster), times fwd+bwd again with a breakdown and
-   prints the `GPU_CONFIGS` block to paste into triton_kernels.py.
+   prints the `TUNING` block to paste into triton_kernels.py.
 Default shape: Qwen3-30B-A3B (T=8192 E=128 K=8 H=2048 I=768, bf16). Not uploaded (only benchmark*.py is).
 """
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -31,21 +32,22 @@ if SMALL and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import triton  # noqa: E402
+from kernels import get_local_kernel  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from moe import reference, triton_kernels as tk  # noqa: E402
+# the built repo, as users load it (run `python scripts/build.py moe` first)
+moe = get_local_kernel(Path(__file__).resolve().parents[1])
+reference, tk = moe.reference, importlib.import_module(moe.__name__ + ".triton_kernels")
 
 TRITON_W = {"backward": dict(impl="triton")}  # context of the Triton down weight-grad kernel's variants
 LEAN = {"backward": dict(impl="grouped_mm_lean")}  # context of the Triton gate_up weight-grad kernel's variants
 FUSED_ACT = {"backward": dict(impl="grouped_mm_wgrad")}  # context of the fused Triton g_act kernel's variants
 
-# (kernel, overrides of its GPU_CONFIGS entry[, context]), most promising first (the budget may cut the tail).
+# (kernel, overrides of its TUNING entry[, context]), most promising first (the budget may cut the tail).
 # context: overrides of other entries, applied to the variant and to its paired baseline alike; such a variant is
 # chosen only if the final config keeps that context
-# the fused Triton g_act kernel (SwiGLU backward in its epilogue) on the gathered dout rows (run 11: 0.714 ms,
-# 128x128 tiles, dout read by token, pointer loads, vs 0.368 + 0.144 ms for CUTLASS's M-grouped GEMM and the
-# separate row epilogue). Run 15 (docs/gpu_runs/run15/tune_fused_act.log): grouped_mm_wgrad in these configs -44 %,
-# -37 %, -14 % on the bwd phase against grouped_mm; TMA + TMA_A + half tiles the best (+1.8 % over pointer loads)
+# the fused Triton g_act kernel (SwiGLU backward in its epilogue) on the gathered dout rows: 0.714 ms at 128x128
+# tiles, vs 0.368 + 0.144 ms for CUTLASS's M-grouped GEMM and the separate row epilogue; in these configs the
+# grouped_mm_wgrad backward measured -44 %, -37 %, -14 % against grouped_mm (TMA + TMA_A + half tiles the best)
 FUSED_ACT_CONFIGS = [
     dict(TMA=True, TMA_A=True, BLOCK_N=256, num_stages=3, PERSISTENT=True),
     dict(TMA=True, TMA_A=True, BLOCK_N=256, num_stages=3, HALF_TILES=True),
@@ -55,21 +57,14 @@ TRITON_G = {"backward": dict(g_act="triton")}  # context of the Triton g_act row
 
 VARIANTS = [
     # the persistent row GEMMs with other K steps (128 x 2 stages, 32 x 6-8 stages) or four warpgroups (16 warps:
-    # 64 accumulator registers per thread at 128 x 256). Run 16 (docs/gpu_runs/run16/tune_ksteps_warps.log): all
-    # slower, -1.6 to -9.9 % on their phase; 16 warps needs 262 KB of shared memory in the two backward kernels
-    ("down_fwd", dict(BLOCK_K=128, num_stages=2)),
-    ("down_fwd", dict(BLOCK_K=32, num_stages=6)),
-    ("down_fwd", dict(num_warps=16)),
-    ("gate_up_bwd_x", dict(BLOCK_K=128, num_stages=2)),
-    ("gate_up_bwd_x", dict(BLOCK_K=32, num_stages=8)),
-    ("gate_up_bwd_x", dict(num_warps=16)),
-    ("down_bwd_g", dict(BLOCK_K=128, num_stages=2), TRITON_G),
-    ("down_bwd_g", dict(BLOCK_K=32, num_stages=8), TRITON_G),
-    ("down_bwd_g", dict(num_warps=16), TRITON_G),
+    # 64 accumulator registers per thread at 128 x 256): all measured slower, -1.6 to -9.9 % on their phase;
+    # 16 warps needs 262 KB of shared memory in the two backward kernels
+    *[(name, variant, context) for name, stages, context in (("down_fwd", 6, {}), ("gate_up_bwd_x", 8, {}),
+                                                             ("down_bwd_g", 8, TRITON_G))
+      for variant in (dict(BLOCK_K=128, num_stages=2), dict(BLOCK_K=32, num_stages=stages), dict(num_warps=16))],
     # two CTAs per SM (<= 113 KB of shared memory each), so that one's epilogue overlaps the other's main loop: the
-    # gathered gate_up forward with 64 gate + 64 up columns per tile (3 stages: the default since run 16, +1.5 % on
-    # the fwd phase over the one-CTA config in the first line; docs/gpu_runs/run16/tune_2cta.log), the other row
-    # GEMMs with 128-column tiles (run 16: -1.0 to -1.7 %, kept persistent)
+    # gathered gate_up forward with 64 gate + 64 up columns per tile (3 stages: the default, +1.5 % on the fwd
+    # phase over the one-CTA config in the first line), the other row GEMMs with 128-column tiles (-1.0 to -1.7 %)
     ("gate_up_fwd", dict(BLOCK_N=128, num_stages=4)),
     ("gate_up_fwd", dict(BLOCK_N=64, num_stages=4)),
     ("gate_up_fwd", dict(BLOCK_N=64, num_stages=3, num_warps=4)),
@@ -80,7 +75,7 @@ VARIANTS = [
     ("gate_up_bwd_x", dict(BLOCK_N=128, num_stages=3, PERSISTENT=False)),
     # g_act = dout_rows @ Wd[e] through the Triton row GEMM (persistent, TMA, half tiles in the per-tile launch)
     # instead of CUTLASS's M-grouped GEMM, which pads every expert's last row tile to the full tile
-    # (run 15: +2.4 % on the bwd phase, so it became the default; the reverse check times CUTLASS against it)
+    # (+2.4 % on the bwd phase, so it is the default; the reverse check times CUTLASS against it)
     ("backward", dict(g_act="cutlass")),
     ("down_bwd_g", dict(PERSISTENT=False), TRITON_G),
     ("down_bwd_g", dict(num_stages=3), TRITON_G),
@@ -95,9 +90,8 @@ VARIANTS = [
     ("down_bwd_act", dict(TMA=True, TMA_A=True, BLOCK_N=256, num_stages=3), FUSED_ACT),
     # persistent launches: a program per SM loops over the tiles in one flattened software pipeline, so the next
     # tile's first loads overlap this tile's epilogue (full-size tile bodies only: no HALF_TILES)
-    # (run 14: gate_up_fwd -13 %, down_fwd +2.7 %, gate_up_bwd_x +0.7 % / +1.0 % with 4 stages; the last two on.
-    # Persistent Triton weight grads were slower too: -20 % / -11 % on the lean / triton backward, so that
-    # option was removed; docs/gpu_runs/run14/tune_persistent_wgrad.log)
+    # (gate_up_fwd -13 %, down_fwd +2.7 %, gate_up_bwd_x +0.7 % / +1.0 % with 4 stages: the last two are on;
+    # persistent Triton weight grads measured -20 % / -11 % on the lean / triton backward, so that option is gone)
     ("gate_up_fwd", dict(PERSISTENT=True)),
     ("down_fwd", dict(PERSISTENT=False)),
     ("gate_up_bwd_x", dict(PERSISTENT=False, num_stages=3)),
@@ -114,16 +108,10 @@ VARIANTS = [
     ("gate_up_bwd_x", dict(TMA_A=True, num_stages=4)),
     # 64-row tiles for the row-tiled GEMMs: with ~512 rows per expert (uniform routing) 128-row tiles compute 13 %
     # padding rows (each expert's last tile is mostly empty), 64-row tiles 6.4 %
-    ("gate_up_fwd", dict(BLOCK_M=64)),
-    ("gate_up_fwd", dict(BLOCK_M=64, num_warps=4)),
-    ("gate_up_fwd", dict(BLOCK_M=64, BLOCK_N=256)),
-    ("gate_up_fwd", dict(BLOCK_M=64, num_stages=5)),
-    ("down_fwd", dict(BLOCK_M=64)),
-    ("down_fwd", dict(BLOCK_M=64, num_warps=4)),
-    ("down_fwd", dict(BLOCK_M=64, num_stages=4)),
-    ("gate_up_bwd_x", dict(BLOCK_M=64)),
-    ("gate_up_bwd_x", dict(BLOCK_M=64, num_warps=4)),
-    ("gate_up_bwd_x", dict(BLOCK_M=64, num_stages=4)),
+    *[("gate_up_fwd", dict(BLOCK_M=64, **extra)) for extra in ({}, dict(num_warps=4), dict(BLOCK_N=256),
+                                                                dict(num_stages=5))],
+    *[(name, dict(BLOCK_M=64, **extra)) for name in ("down_fwd", "gate_up_bwd_x")
+      for extra in ({}, dict(num_warps=4), dict(num_stages=4))],
     # backward GEMMs: the default "grouped_mm" (CUTLASS K-grouped weight grads over gathered sorted rows and the
     # M-grouped g_act GEMM + its row epilogue), "grouped_mm_lean" (the same but the gate_up weight grad in
     # Triton: less memory, a little slower), CUTLASS weight grads with the fused Triton g_act kernel, or all Triton
@@ -194,7 +182,7 @@ def main():
                    help="no new variant once this much has passed (or the last variant's time would pass it); "
                         "the final timing and breakdown take ~10 s more")
     p.add_argument("--small", action="store_true", help="tiny shape; runs on CPU under the interpreter")
-    p.add_argument("--only", nargs="+", metavar="KERNEL", help="only the variants of these GPU_CONFIGS entries")
+    p.add_argument("--only", nargs="+", metavar="KERNEL", help="only the variants of these TUNING entries")
     a = p.parse_args()
     variants = VARIANTS
     if a.only:
@@ -205,7 +193,7 @@ def main():
     T, E, K, H, I = [64, 8, 2, 64, 64] if a.small else a.shape
     on_gpu = torch.cuda.is_available()
     dev, dt = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
-    if not on_gpu:  # the interpreter ignores GPU_CONFIGS: only the sweep logic is exercised
+    if not on_gpu:  # the interpreter ignores TUNING: only the sweep logic is exercised
         print("no CUDA: checking the script's logic under the interpreter (timings meaningless)")
         if hasattr(torch, "_grouped_mm"):  # the backward variants through torch's CPU _grouped_mm
             tk._grouped_mm_applies = lambda *args: True
@@ -237,11 +225,11 @@ def main():
         seconds: two back-to-back do_bench runs of one config differ by more than most variants gain)."""
         cfgs = (variant, current)
         for cfg in cfgs * 3:  # warm-up (and compile) both
-            tk.GPU_CONFIGS[name] = cfg
+            tk.TUNING[name] = cfg
             phase()
         times = ([], [])
         for i in range(2 * rounds):
-            tk.GPU_CONFIGS[name] = cfgs[i % 2]
+            tk.TUNING[name] = cfgs[i % 2]
             if on_gpu:
                 ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 ev[0].record()
@@ -252,7 +240,7 @@ def main():
                 t = time.perf_counter()
                 phase()
                 times[i % 2].append((time.perf_counter() - t) * 1e3)
-        tk.GPU_CONFIGS[name] = current
+        tk.TUNING[name] = current
         if on_gpu:
             torch.cuda.synchronize()
             times = tuple([s.elapsed_time(e) for s, e in ev_list] for ev_list in times)
@@ -294,11 +282,11 @@ def main():
 
     t0 = time.time()
     ref_f, ref_b = [o.clone() for o in fwd()], [o.clone() for o in bwd()]
-    print(f"shape T={T} E={E} K={K} H={H} I={I} {dt}; current GPU_CONFIGS:", flush=True)
+    print(f"shape T={T} E={E} K={K} H={H} I={I} {dt}; current TUNING:", flush=True)
     base_ms = total()
     breakdown()
 
-    start = {k: dict(v) for k, v in tk.GPU_CONFIGS.items()}
+    start = {k: dict(v) for k, v in tk.TUNING.items()}
     best = {name: (None, 0.0, None) for name in start}  # kernel -> (overrides, fractional gain, context)
     print(f"\nvariants ({len(variants)}; time = the phase that runs the kernel, paired with the current config):")
     last_s = 0.0
@@ -310,30 +298,30 @@ def main():
         phase = fwd_bwd if name == "combine" else fwd if name.endswith("_fwd") else bwd
         ref = ref_f + ref_b if name == "combine" else ref_f if name.endswith("_fwd") else ref_b
         for k, v in context.items():
-            tk.GPU_CONFIGS[k] = dict(start[k], **v)
-        tk.GPU_CONFIGS[name] = dict(start[name], **over)
+            tk.TUNING[k] = dict(start[k], **v)
+        tk.TUNING[name] = dict(start[name], **over)
         ctx = ", ".join(f"{k}={v}" for o in context.values() for k, v in o.items())
         label = f"{name:19s} {str(over):40s}" + (f" [{ctx}]" if context else "")
-        impls = {n: tk.GPU_CONFIGS[n]["impl"] for n in [name, *context] if n == "backward"}
+        impls = {n: tk.TUNING[n]["impl"] for n in [name, *context] if n == "backward"}
         if impls and tk.backward_impl(x, H, I, E) != impls["backward"]:
             for k in [name, *context]:
-                tk.GPU_CONFIGS[k] = start[k]
+                tk.TUNING[k] = start[k]
             print(f"  {label} n/a here ({impls['backward']} does not apply: grouped_mm needs the "
                   f"torch._grouped_mm fast path): skipped", flush=True)
             continue
         v0 = time.time()
         try:
             err = rel_err(phase(), ref)
-            ms, cur_ms = paired(phase, name, tk.GPU_CONFIGS[name], start[name])  # both with the context, if any
+            ms, cur_ms = paired(phase, name, tk.TUNING[name], start[name])  # both with the context, if any
         except Exception as e:  # e.g. out of shared memory, or an API this triton lacks
             for k in context:
-                tk.GPU_CONFIGS[k] = start[k]
+                tk.TUNING[k] = start[k]
             print(f"  {label} FAILED {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
             continue
         finally:
-            tk.GPU_CONFIGS[name] = start[name]
+            tk.TUNING[name] = start[name]
         for k in context:
-            tk.GPU_CONFIGS[k] = start[k]
+            tk.TUNING[k] = start[k]
         last_s = time.time() - v0
         gain = (cur_ms - ms) / cur_ms
         ok = err <= MAX_REL_ERR
@@ -353,15 +341,15 @@ def main():
             continue
         print(f"  {name:19s} {'keep current' if over is None else f'{over} ({100 * gain:+.1f}% on its phase)'}")
         if over is not None:
-            tk.GPU_CONFIGS[name] = dict(start[name], **over)
+            tk.TUNING[name] = dict(start[name], **over)
     err = rel_err(fwd() + bwd(), ref_f + ref_b)
     print(f"\nfinal (rel err vs start {err:.1e}{'' if err <= MAX_REL_ERR else ' WRONG'}):", flush=True)
     final_ms = total()
     if any(over is not None for over, _, _ in best.values()):
         breakdown()
     print(f"fwd+bwd {base_ms:.3f} -> {final_ms:.3f} ms ({time.time() - t0:.0f} s). Paste into triton_kernels.py:")
-    print("GPU_CONFIGS = {")
-    for k, v in tk.GPU_CONFIGS.items():
+    print("TUNING = {")
+    for k, v in tk.TUNING.items():
         print(f"    {k!r}: dict({', '.join(f'{kk}={vv!r}' for kk, vv in v.items())}),")
     print("}")
 

@@ -72,7 +72,7 @@ def main():
              "down_bwd_act": dict(DOUT_SORTED=True)}  # dout gathered (grouped_mm_wgrad); by token: the fp32/fp16 pass
     for name, kern in kernels.items():
         # the shipped config, and for the row-tiled kernels also with the other TMA setting(s)
-        shipped = tk.GPU_CONFIGS[name]
+        shipped = tk.TUNING[name]
         variants = [{}]
         if name in TMA_OPERAND:
             variants.append({"TMA": not shipped["TMA"]})
@@ -101,7 +101,7 @@ def main():
     # fp32 inputs (IEEE dots) and fp16, odd dims (masked paths), with their configs
     for name, kern in kernels.items():
         for dtype, prec, cfg in (("fp32", "ieee", dict(tk._FP32_CONFIG, TMA=False, TMA_A=False)),
-                                 ("fp16", "tf32", dict(tk.GPU_CONFIGS[name], TMA=False, TMA_A=False))):
+                                 ("fp16", "tf32", dict(tk.TUNING[name], TMA=False, TMA_A=False))):
             if name not in ROW_OPERAND:
                 cfg.pop("TMA_A")
             cfg["HALF_TILES"] = name in HALF_TILE_KERNELS  # the masked paths of both bodies
@@ -116,15 +116,15 @@ def main():
             per_use = dict(fixed.get(name, {}), **({"DOUT_SORTED": False} if name == "down_bwd_act" else {}))
             compile_sm90(kern, dict(cfg, PREC=prec, **even, **per_use), warps, stages, dtype=dtype)
         print(f"{name}: fp32 and fp16 (masked) ok")
-    cfg = dict(tk.GPU_CONFIGS["combine"])
+    cfg = dict(tk.TUNING["combine"])
     for has_weight, refill in ((True, False), (False, True)):  # the forward's combine, the backward's (+ x rows)
         k = compile_sm90(tk._combine_kernel, dict(K=8, HAS_WEIGHT=has_weight, REFILL=refill, BLOCK_T=cfg["BLOCK_T"],
                                                   BLOCK_N=cfg["BLOCK_N"]), cfg["num_warps"], 1)
         print(f"combine{' (refill)' if refill else ''}: shared={k.metadata.shared}")
-    cfg = dict(tk.GPU_CONFIGS["gather_rows"])  # the grouped_mm backward's row gather
+    cfg = dict(tk.TUNING["gather_rows"])  # the grouped_mm backward's row gather
     compile_sm90(tk._gather_rows_kernel, dict(BLOCK_R=cfg["BLOCK_R"], BLOCK_N=cfg["BLOCK_N"]), cfg["num_warps"], 1)
     print("gather_rows: ok")
-    cfg = dict(tk.GPU_CONFIGS["swiglu_bwd_rows"])  # g_act's epilogue on the grouped_mm path
+    cfg = dict(tk.TUNING["swiglu_bwd_rows"])  # g_act's epilogue on the grouped_mm path
     k = compile_sm90(tk._swiglu_bwd_rows_kernel, dict(BLOCK_R=cfg["BLOCK_R"], BLOCK_N=cfg["BLOCK_N"]),
                      cfg["num_warps"], 1)
     print(f"swiglu_bwd_rows: shared={k.metadata.shared} ok")

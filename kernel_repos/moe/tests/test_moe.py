@@ -98,7 +98,7 @@ def _record_tma_flags(monkeypatch, tk, operand_fn):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors reach the Triton kernels only under the interpreter (on a GPU machine they "
-                           "take the torch path); the GPU runs TMA through GPU_CONFIGS in the gpu-marked tests")
+                           "take the torch path); the GPU runs TMA through TUNING in the gpu-marked tests")
 @pytest.mark.parametrize("shape", [(37, 64, 64, 8, 2), (13, 48, 40, 6, 3)])
 def test_tma_weight_operand(shape, monkeypatch):
     # weights through tensor descriptors (the interpreter emulates the copy engine); at (48, 40) the down_fwd
@@ -303,7 +303,7 @@ def _poison_allocations(monkeypatch):
 @pytest.mark.parametrize("impl, g_act", [("grouped_mm", "cutlass"), ("grouped_mm", "triton"),
                                          ("grouped_mm_lean", "cutlass"), ("grouped_mm_wgrad", "cutlass")])
 def test_backward_grouped_mm_glue(standin, impl, g_act, monkeypatch):
-    # the torch._grouped_mm backward paths (GPU_CONFIGS["backward"]) against the Triton one, on CPU: with
+    # the torch._grouped_mm backward paths (TUNING["backward"]) against the Triton one, on CPU: with
     # torch's own CPU _grouped_mm (same offs semantics as CUDA) or a python loop over experts. Routing with
     # empty experts (first and last), negative ids (rows before expert 0) and the sentinel E (rows at the end).
     from moe import triton_kernels as tk
@@ -327,7 +327,7 @@ def test_backward_grouped_mm_glue(standin, impl, g_act, monkeypatch):
 
     monkeypatch.setattr(torch, "_grouped_mm", spy, raising=False)
     monkeypatch.setattr(tk, "_grouped_mm_applies", lambda *a: True)
-    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl, g_act=g_act))
+    monkeypatch.setitem(tk.TUNING, "backward", dict(impl=impl, g_act=g_act))
     _poison_allocations(monkeypatch)  # an output element nobody writes shows up as NaN / -1, not as a lucky 0
     got = _bwd_direct(x, idx, w, gu, dn, dout)
     # the two K-grouped weight grads (lean: only ddown) and, unless in Triton, the M-grouped g_act
@@ -354,7 +354,7 @@ def test_fused_act_on_gathered_rows(tma_a, persistent, monkeypatch):
 
     monkeypatch.setattr(torch, "_grouped_mm", _grouped_mm_loop, raising=False)
     monkeypatch.setattr(tk, "_grouped_mm_applies", lambda *a: True)
-    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="grouped_mm_wgrad"))
+    monkeypatch.setitem(tk.TUNING, "backward", dict(impl="grouped_mm_wgrad"))
     monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA_A", tma_a)
     monkeypatch.setitem(tk._INTERPRETER_CONFIG, "PERSISTENT", persistent)
     sorted_rows = []
@@ -376,13 +376,13 @@ def test_backward_grouped_mm_falls_back(monkeypatch):
 
     calls = []
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1), raising=False)
-    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="grouped_mm"))
+    monkeypatch.setitem(tk.TUNING, "backward", dict(impl="grouped_mm"))
     x = torch.zeros(4, 16)
     assert tk.backward_impl(x, 16, 16, 4) == "triton"
     assert tk.backward_impl(x.bfloat16(), 16, 16, 4) == "triton"  # CPU: never the CUTLASS fast path
     _check(13, 48, 40, 6, 3, torch.float32)
     assert not calls
-    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="cublas"))
+    monkeypatch.setitem(tk.TUNING, "backward", dict(impl="cublas"))
     with pytest.raises(ValueError, match="backward"):
         tk.backward_impl(x, 16, 16, 4)
 
@@ -456,16 +456,15 @@ def test_second_backward_through_the_graph_is_refused():
 
 
 def test_eager_path_is_the_custom_op_without_its_dispatch(monkeypatch):
-    # eager calls run `_MoeExpertsFunction` (the custom ops' autograd.Function twin, without their dispatch's host
-    # time); torch.compile traces the custom ops. Same kernels, so the same bits.
+    # eager calls run the custom ops' implementations through an autograd.Function (no dispatcher host time);
+    # torch.compile traces the custom ops. Same kernels, so the same bits.
     args = _make(13, 48, 40, 6, 3, torch.float32, _device())
     op_out, op_grads = _run(lambda x, idx, w, gu, dn: ops.moe_experts_fwd(x, idx, w, gu, dn)[0], *args)
-
-    def no_custom_op(*a):
-        raise AssertionError("the eager path called the custom op")
-
-    monkeypatch.setattr(ops, "moe_experts_fwd", no_custom_op)
+    direct = []
+    for op in (ops.moe_experts_fwd, ops.moe_experts_bwd):
+        monkeypatch.setattr(op, "eager_impl", lambda *a, impl=op.eager_impl: direct.append(impl) or impl(*a))
     eager_out, eager_grads = _run(moe.moe_experts, *args)
+    assert len(direct) == 2, "the eager path went through the custom-op dispatcher"
     assert torch.equal(eager_out, op_out)
     for name, a, b in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), eager_grads, op_grads):
         assert torch.equal(a, b), name
@@ -631,7 +630,7 @@ def test_deterministic_and_cuda_graph_gpu():
 
 @pytest.mark.gpu
 def test_backward_grouped_mm_gpu(monkeypatch):
-    # GPU_CONFIGS["backward"] = grouped_mm (the default; CUTLASS torch._grouped_mm) and grouped_mm_wgrad vs the
+    # TUNING["backward"] = grouped_mm (the default; CUTLASS torch._grouped_mm) and grouped_mm_wgrad vs the
     # Triton backward, bf16 at a mid shape with empty experts (first and last: zero-K groups), sentinel slots and
     # negative ids (rows before expert 0); then the default's determinism and CUDA-graph capture with new routing
     # at replay
@@ -647,12 +646,12 @@ def test_backward_grouped_mm_gpu(monkeypatch):
     idx[1::9, 2] = -1
     idx = idx.cuda()
     args = (x, idx, w, gu, dn, dout)
-    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="triton"))
+    monkeypatch.setitem(tk.TUNING, "backward", dict(impl="triton"))
     ref = _bwd_direct(*args)
     for impl, g_act in (("grouped_mm", "cutlass"), ("grouped_mm", "triton"), ("grouped_mm_lean", "cutlass"),
                         ("grouped_mm_wgrad", "cutlass")):
         impl_name = impl + ("" if g_act == "cutlass" else " g_act=triton")
-        monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl, g_act=g_act))
+        monkeypatch.setitem(tk.TUNING, "backward", dict(impl=impl, g_act=g_act))
         got = _bwd_direct(*args)
         for name, g, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got, ref):
             assert g.shape == r.shape and g.dtype == r.dtype and g.is_contiguous(), (impl_name, name)
@@ -664,7 +663,7 @@ def test_backward_grouped_mm_gpu(monkeypatch):
     # the public op with both CUTLASS backwards (grouped_mm: the default) vs the fp32 torch path, and for
     # determinism + graph capture
     for impl, g_act in (("grouped_mm", "cutlass"), ("grouped_mm", "triton"), ("grouped_mm_lean", "cutlass")):
-        monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl=impl, g_act=g_act))
+        monkeypatch.setitem(tk.TUNING, "backward", dict(impl=impl, g_act=g_act))
         test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))
         test_deterministic_and_cuda_graph_gpu()
 
@@ -683,7 +682,7 @@ def test_persistent_row_gemms_gpu(shape, monkeypatch):
     results = {}
     for persistent in (False, True):
         for name in names:
-            monkeypatch.setitem(tk.GPU_CONFIGS, name, dict(tk.GPU_CONFIGS[name], PERSISTENT=persistent))
+            monkeypatch.setitem(tk.TUNING, name, dict(tk.TUNING[name], PERSISTENT=persistent))
         results[persistent] = _run(moe.moe_experts, *args)
     (out0, g0), (out1, g1) = results[False], results[True]
     assert torch.isfinite(out1).all() and out1.abs().max() > 0
@@ -708,11 +707,11 @@ def test_fused_act_backward_gpu(shape, monkeypatch):
     if not tk._grouped_mm_applies(args[0], H, I, E):
         pytest.skip("torch._grouped_mm fast path unavailable here")
     ref = _bwd_direct(*args)  # the default backward
-    monkeypatch.setitem(tk.GPU_CONFIGS, "backward", dict(impl="grouped_mm_wgrad"))
-    shipped = dict(tk.GPU_CONFIGS["down_bwd_act"])
+    monkeypatch.setitem(tk.TUNING, "backward", dict(impl="grouped_mm_wgrad"))
+    shipped = dict(tk.TUNING["down_bwd_act"])
     got = {}
     for persistent in (False, True):
-        monkeypatch.setitem(tk.GPU_CONFIGS, "down_bwd_act", dict(shipped, TMA=True, TMA_A=True, BLOCK_N=256,
+        monkeypatch.setitem(tk.TUNING, "down_bwd_act", dict(shipped, TMA=True, TMA_A=True, BLOCK_N=256,
                                                                  num_stages=3, HALF_TILES=False, PERSISTENT=persistent))
         got[persistent] = _bwd_direct(*args)
     for name, a, b, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), got[False], got[True], ref):
@@ -721,11 +720,11 @@ def test_fused_act_backward_gpu(shape, monkeypatch):
         err = (a.float() - r.float()).abs().max().item()
         assert err <= 1e-2 * r.float().abs().max().item(), f"{name}: max error {err:.3e}"
     if shape[3] == 128:
-        monkeypatch.setitem(tk.GPU_CONFIGS, "down_bwd_act", dict(shipped, TMA=True, TMA_A=True, HALF_TILES=True))
+        monkeypatch.setitem(tk.TUNING, "down_bwd_act", dict(shipped, TMA=True, TMA_A=True, HALF_TILES=True))
         for name, a, r in zip(("dhidden", "dtop_k_weights", "dgate_up_proj", "ddown_proj"), _bwd_direct(*args), ref):
             err = (a.float() - r.float()).abs().max().item()
             assert err <= 1e-2 * r.float().abs().max().item(), f"half tiles {name}: max error {err:.3e}"
-        monkeypatch.setitem(tk.GPU_CONFIGS, "down_bwd_act", dict(shipped, TMA=True, TMA_A=True, BLOCK_N=256,
+        monkeypatch.setitem(tk.TUNING, "down_bwd_act", dict(shipped, TMA=True, TMA_A=True, BLOCK_N=256,
                                                                  num_stages=3, PERSISTENT=True))
         test_deterministic_and_cuda_graph_gpu()
         test_bf16_real_sizes_gpu((1023, 1024, 512, 128, 8))

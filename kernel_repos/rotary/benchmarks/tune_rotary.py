@@ -2,18 +2,19 @@
 
     python kernel_repos/rotary/benchmarks/tune_rotary.py [--budget-s 130] [--small]
 
-Part 1 times each kernel alone (the custom op, `do_bench` median) for every candidate `CONFIG[key]` of
+Part 1 times each kernel alone (the custom op, `do_bench` median) for every candidate `TUNING[key]` of
 triton_kernels.py (key = rope_fwd, rope_bwd, norm_fwd, norm_bwd), on the cases that use it, and checks its
-outputs against the current CONFIG's (a fast but wrong variant is flagged and never chosen). The best
+outputs against the current TUNING's (a fast but wrong variant is flagged and never chosen). The best
 variant of a key minimises the summed time over its cases. Part 2 runs the ops as the benchmark does
 (B8 T2048 bf16, fwd + bwd with a random upstream grad, q/k in the layout models hand over) with the
-default CONFIG and with the best one: do_bench ms, profiler GPU ms (all kernels, and the rotary kernels
-alone), peak extra MiB. The last line is the CONFIG to paste into triton_kernels.py. --small: tiny shapes,
+default TUNING and with the best one: do_bench ms, profiler GPU ms (all kernels, and the rotary kernels
+alone), peak extra MiB. The last line is the TUNING to paste into triton_kernels.py. --small: tiny shapes,
 runs on CPU under TRITON_INTERPRET=1 (checks the script's logic; timings meaningless).
 Not uploaded (only benchmark*.py is).
 """
 import argparse
 import copy
+import importlib
 import itertools
 import os
 import sys
@@ -25,11 +26,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
+from kernels import get_local_kernel  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_, apply_rotary_pos_emb_flat, ops  # noqa: E402
-from rotary import qk_norm_rope_flat, triton_kernels as tk  # noqa: E402
-from rotary.reference import STANDARD, ZERO_CENTERED  # noqa: E402
+# the built repo, as users load it (run `python scripts/build.py rotary` first)
+rotary = get_local_kernel(Path(__file__).resolve().parents[1])
+apply_rotary_pos_emb, apply_rotary_pos_emb_ = rotary.apply_rotary_pos_emb, rotary.apply_rotary_pos_emb_
+apply_rotary_pos_emb_flat, qk_norm_rope_flat = rotary.apply_rotary_pos_emb_flat, rotary.qk_norm_rope_flat
+ops, tk = rotary.ops, importlib.import_module(rotary.__name__ + ".triton_kernels")
+STANDARD, ZERO_CENTERED = rotary.reference.STANDARD, rotary.reference.ZERO_CENTERED
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT = torch.bfloat16 if DEV == "cuda" else torch.float32
@@ -37,23 +41,16 @@ KERNEL_NAMES = ("_fwd_kernel", "_bwd_kernel")  # the rotary Triton kernels, as t
 
 ELEMS_PER_WARP = (256, 512, 1024)
 # row_tile=True: the row-tile kernels for partial RoPE (one [BLOCK_M, next_pow2(D)] tile per row, partner
-# loads); the column-group candidates are the best of the earlier full sweep (run 6, H200). row_tile only
-# changes the partial (R < D) cases; the full-RoPE cases run the same kernel in every candidate. lean=True
-# (norm only): the lean row-tile kernels, partial and full (see CONFIG's comment in triton_kernels.py).
+# loads); the column-group candidates are the best of an earlier full sweep on H200. row_tile only changes the
+# partial (R < D) cases; the full-RoPE cases run the same kernel in every candidate.
 CANDIDATES = {
     "norm_bwd": [dict(block_elems=b, elems_per_warp=w, programs_per_sm=p, row_tile=False)
                  for b, w, p in ((2048, 512, 16), (4096, 512, 16), (2048, 1024, 32))]
                 + [dict(block_elems=b, elems_per_warp=w, programs_per_sm=p, row_tile=True)
-                   for b, w, p in itertools.product((1024, 2048, 4096), ELEMS_PER_WARP, (8, 16, 32))]
-                + [dict(block_elems=b, elems_per_warp=w, programs_per_sm=p, row_tile=True, lean=True, dw_rows=r)
-                   for b, w, p, r in ((2048, 512, 16, 8), (2048, 512, 16, 4), (2048, 512, 32, 4), (2048, 512, 8, 8),
-                                      (4096, 512, 16, 8), (2048, 256, 16, 4), (1024, 256, 32, 4))],
+                   for b, w, p in itertools.product((1024, 2048, 4096), ELEMS_PER_WARP, (8, 16, 32))],
     "norm_fwd": [dict(block_elems=b, elems_per_warp=w, row_tile=False) for b, w in ((2048, 1024), (4096, 1024), (2048, 512))]
                 + [dict(block_elems=b, elems_per_warp=w, row_tile=True)
-                   for b, w in itertools.product((1024, 2048, 4096, 8192), ELEMS_PER_WARP)]
-                + [dict(block_elems=b, elems_per_warp=w, row_tile=True, lean=True, tiles_per_program=t)
-                   for b, w, t in ((2048, 512, 1), (2048, 512, 4), (2048, 512, 8), (2048, 512, 16), (4096, 512, 8),
-                                   (2048, 256, 8), (1024, 256, 8))],
+                   for b, w in itertools.product((1024, 2048, 4096, 8192), ELEMS_PER_WARP)],
     "rope_bwd": [dict(block_elems=b, elems_per_warp=w, row_tile=False)
                  for b, w in ((4096, 512), (16384, 1024), (2048, 512), (8192, 256))]
                 + [dict(block_elems=b, elems_per_warp=w, row_tile=True)
@@ -149,7 +146,7 @@ def rope_case(B, T, Hq, Hk, D, R, _):
     fwd = lambda: ops._rope_fwd(q, k, cos, sin, 1)
     bwd = lambda: ops._rope_bwd(dq_out, dk_out, cos, sin, 1, order, order)
     kernels = {"rope_fwd": fwd, "rope_bwd": bwd}
-    if R < D:  # in place on the rotary slice (uses CONFIG["rope_fwd"]); each call rotates q and k again
+    if R < D:  # in place on the rotary slice (uses TUNING["rope_fwd"]); each call rotates q and k again
         qi, ki = q.clone(), k.clone()
 
         def inplace():
@@ -167,7 +164,7 @@ def rope_case(B, T, Hq, Hk, D, R, _):
 def sweep(cases, budget_s, t_start):
     best = {}
     for key, candidates in CANDIDATES.items():
-        default = copy.deepcopy(tk.CONFIG[key])
+        default = copy.deepcopy(tk.TUNING[key])
         # (case name, run-for-check, run-for-timing) of the kernels this key drives
         users = []
         for cname, kernels in cases.items():
@@ -181,7 +178,7 @@ def sweep(cases, budget_s, t_start):
             if time.time() - t_start > budget_s:
                 print(f"  {key}: budget spent, {len(candidates) - len(totals)} candidates skipped", flush=True)
                 break
-            tk.CONFIG[key] = cand
+            tk.TUNING[key] = cand
             total, parts, bad = 0.0, [], []
             try:
                 for name, check, run in users:
@@ -203,7 +200,7 @@ def sweep(cases, budget_s, t_start):
             print(f"  {key} {cand}{mark}: total {total:.4f} ms = " + ", ".join(parts) + tag, flush=True)
             if not bad:
                 totals.append((total, cand))
-        tk.CONFIG[key] = default
+        tk.TUNING[key] = default
         if totals:
             base = next((t for t, c in totals if c == default), None)
             t, cand = min(totals, key=lambda x: x[0])
@@ -254,7 +251,7 @@ def e2e_cases(small):
 
 
 def run_e2e(label, small):
-    print(f"-- fwd+bwd through autograd, {label} CONFIG", flush=True)
+    print(f"-- fwd+bwd through autograd, {label} TUNING", flush=True)
     for name, mk, fn in e2e_cases(small):
         try:
             inputs = mk()
@@ -289,20 +286,20 @@ def main():
     torch.manual_seed(0)
     t0 = time.time()
     device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
-    print(f"device {device}, torch {torch.__version__}, triton {triton.__version__}; default CONFIG {tk.CONFIG}", flush=True)
+    print(f"device {device}, torch {torch.__version__}, triton {triton.__version__}; default TUNING {tk.TUNING}", flush=True)
     sh = shapes(a.small)
     cases = {n: (norm_case if n.startswith("norm") else rope_case)(*sh[n]) for n in sh}
     best = sweep(cases, a.budget_s - (15 if not a.small else 0), t0)
     del cases
-    default = copy.deepcopy(tk.CONFIG)
+    default = copy.deepcopy(tk.TUNING)
     run_e2e("default", a.small)
     tuned = {**default, **best}
     if tuned != default:
-        tk.CONFIG.update(tuned)
+        tk.TUNING.update(tuned)
         run_e2e("best", a.small)
-        tk.CONFIG.update(default)
+        tk.TUNING.update(default)
     print(f"total {time.time() - t0:.0f} s", flush=True)
-    print("best CONFIG = {\n" + "".join(f"    {k!r}: dict({', '.join(f'{n}={v}' for n, v in c.items())}),\n"
+    print("best TUNING = {\n" + "".join(f"    {k!r}: dict({', '.join(f'{n}={v}' for n, v in c.items())}),\n"
                                         for k, c in tuned.items()) + "}", flush=True)
 
 

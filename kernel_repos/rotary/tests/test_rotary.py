@@ -18,7 +18,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(params=["triton", "triton_row_tile", "torch"])
 def path(request, monkeypatch):
-    """Run each CPU test through the Triton kernels (interpreter), through them with CONFIG's row_tile flipped
+    """Run each CPU test through the Triton kernels (interpreter), through them with TUNING's row_tile flipped
     (partial RoPE: the row-tile kernels if the default runs the column groups, and vice versa), and through
     the torch reference path."""
     if request.param == "torch":
@@ -35,8 +35,15 @@ def path(request, monkeypatch):
 def _flip_row_tile(monkeypatch):
     from rotary import triton_kernels as tk
 
-    for kind, cfg in tk.CONFIG.items():
-        monkeypatch.setitem(tk.CONFIG, kind, dict(cfg, row_tile=not cfg["row_tile"]))
+    for kind, cfg in tk.TUNING.items():
+        monkeypatch.setitem(tk.TUNING, kind, dict(cfg, row_tile=not cfg["row_tile"]))
+
+
+def _maybe_flip_row_tile(flip: bool, R: int, D: int, monkeypatch) -> None:
+    if flip:
+        if R == D:
+            pytest.skip("row_tile only changes partial RoPE")
+        _flip_row_tile(monkeypatch)
 
 
 def make_cos_sin(B, S, R, dtype, device=DEV, batch_broadcast=False, shifted=True):
@@ -266,15 +273,21 @@ def _norm_inputs(case, dtype, wdtype=None):
 
 
 FUSED = {STANDARD: rotary.qk_norm_rope, ZERO_CENTERED: rotary.qk_norm_rope_zero_centered}
+MODES_AND_DTYPES = pytest.mark.parametrize("mode, dtype", [(m, d) for m in (STANDARD, ZERO_CENTERED)
+                                                           for d in (torch.float32, torch.float16)])
+
+
+def _fused_outputs(case, mode, dtype, seed):
+    """Fresh inputs (q, k, wq, wk, cos, sin) of a norm + RoPE case and the fused op's (q_out, k_out) on them."""
+    torch.manual_seed(seed)
+    inputs = _norm_inputs(case, dtype)
+    return inputs, FUSED[mode](*inputs, 1e-6)
 
 
 @pytest.mark.parametrize("case", NORM_CASES)
-@pytest.mark.parametrize("mode", [STANDARD, ZERO_CENTERED])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@MODES_AND_DTYPES
 def test_qk_norm_rope_vs_float64(case, mode, dtype, path):
-    torch.manual_seed(3)
-    q, k, wq, wk, cos, sin = _norm_inputs(case, dtype)
-    qo, ko = FUSED[mode](q, k, wq, wk, cos, sin, 1e-6)
+    (q, k, wq, wk, cos, sin), (qo, ko) = _fused_outputs(case, mode, dtype, seed=3)
     leaves = (q, k, wq, wk)
     l64 = [t.detach().double().requires_grad_() for t in leaves]
     qr, kr = qk_norm_rope_hf(*l64, cos.double(), sin.double(), 1e-6, mode)
@@ -291,13 +304,10 @@ def test_qk_norm_rope_vs_float64(case, mode, dtype, path):
 
 
 @pytest.mark.parametrize("case", NORM_CASES[:2])
-@pytest.mark.parametrize("mode", [STANDARD, ZERO_CENTERED])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@MODES_AND_DTYPES
 def test_qk_norm_rope_forward_matches_hf_eager(case, mode, dtype, path):
     """Same dtype as eager: HF's cast order is reproduced (fp16: bitwise; fp32: to rounding), and its strides."""
-    torch.manual_seed(4)
-    q, k, wq, wk, cos, sin = _norm_inputs(case, dtype)
-    qo, ko = FUSED[mode](q, k, wq, wk, cos, sin, 1e-6)
+    (q, k, wq, wk, cos, sin), (qo, ko) = _fused_outputs(case, mode, dtype, seed=4)
     qr, kr = qk_norm_rope_hf(q, k, wq, wk, cos, sin, 1e-6, mode)
     assert qo.stride() == qr.stride() and ko.stride() == kr.stride()
     if dtype == torch.float16:
@@ -329,53 +339,6 @@ def test_qk_norm_rope_weight_dtype_promotion():
     qr, _ = qk_norm_rope_hf(q, k, wq, wk, cos, sin, 1e-6, STANDARD)
     assert qo.dtype == qr.dtype == torch.float32
     torch.testing.assert_close(qo, qr, atol=1e-5, rtol=1e-5)
-
-
-LEAN = dict(lean=True, tiles_per_program=2, dw_rows=2)  # the lean kernels, looping, dweight rows folded
-
-
-def _set_lean(monkeypatch, **entries):
-    from rotary import triton_kernels as tk
-
-    for kind in ("norm_fwd", "norm_bwd"):
-        monkeypatch.setitem(tk.CONFIG, kind, dict(tk.CONFIG[kind], **entries))
-
-
-@pytest.mark.parametrize("case", NORM_CASES)
-@pytest.mark.parametrize("mode", [STANDARD, ZERO_CENTERED])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_qk_norm_rope_lean_vs_float64(case, mode, dtype, monkeypatch):
-    """The lean row-tile kernels (CONFIG lean, a bench variant): as the default ones against float64."""
-    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
-    _set_lean(monkeypatch, **LEAN)
-    test_qk_norm_rope_vs_float64(case, mode, dtype, "triton")
-
-
-@pytest.mark.parametrize("case", NORM_CASES[1:])
-@pytest.mark.parametrize("mode", [STANDARD, ZERO_CENTERED])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_qk_norm_rope_lean_forward_bitwise_equal_to_row_tile(case, mode, dtype, monkeypatch):
-    """Partial RoPE: the lean forward rounds as the row-tile one (HF's order), bit for bit; the lean
-    backward differs from it by fp32 contraction only."""
-    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
-    from rotary import triton_kernels as tk
-
-    for kind in ("norm_fwd", "norm_bwd"):
-        monkeypatch.setitem(tk.CONFIG, kind, dict(tk.CONFIG[kind], row_tile=True))
-    outs = []
-    for lean in (False, True):
-        _set_lean(monkeypatch, lean=lean, tiles_per_program=3)
-        torch.manual_seed(5)
-        q, k, wq, wk, cos, sin = _norm_inputs(case, dtype)
-        outs.append(FUSED[mode](q, k, wq, wk, cos, sin, 1e-6))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-
-
-def test_qk_norm_rope_lean_backward_deterministic(monkeypatch):
-    _set_lean(monkeypatch, **LEAN)
-    test_qk_norm_rope_backward_deterministic()
 
 
 def test_qk_norm_rope_backward_deterministic():
@@ -503,10 +466,7 @@ def _assert_bitwise(got, want, what):
 def test_rope_gpu_bf16(Hq, Hk, D, R, ud, flip_row_tile, monkeypatch):
     """Plain RoPE has no reduction: with HF's roundings reproduced (and no fma contraction) it is bitwise
     equal to eager, forward and backward, also in bf16 on the GPU (both partial-RoPE kernel variants)."""
-    if flip_row_tile:
-        if R == D:
-            pytest.skip("row_tile only changes partial RoPE")
-        _flip_row_tile(monkeypatch)
+    _maybe_flip_row_tile(flip_row_tile, R, D, monkeypatch)
     torch.manual_seed(9)
     B, S, dt = 8, 2048, torch.bfloat16
     if ud == 1:  # as the attention produces it: transposed (B, S, H, D)
@@ -539,14 +499,8 @@ def test_rope_gpu_bf16(Hq, Hk, D, R, ud, flip_row_tile, monkeypatch):
 @pytest.mark.parametrize("Hq, Hk, D, R, mode, strided", [(32, 8, 128, 128, STANDARD, False),
                                                          (16, 2, 256, 64, ZERO_CENTERED, True)])
 @pytest.mark.parametrize("flip_row_tile", [False, True])
-@pytest.mark.parametrize("lean", [False, True])
-def test_qk_norm_rope_gpu_bf16(Hq, Hk, D, R, mode, strided, flip_row_tile, lean, monkeypatch):
-    if flip_row_tile:
-        if R == D or lean:
-            pytest.skip("row_tile only changes partial RoPE (and lean overrides it)")
-        _flip_row_tile(monkeypatch)
-    if lean:
-        _set_lean(monkeypatch, lean=True, tiles_per_program=4)
+def test_qk_norm_rope_gpu_bf16(Hq, Hk, D, R, mode, strided, flip_row_tile, monkeypatch):
+    _maybe_flip_row_tile(flip_row_tile, R, D, monkeypatch)
     torch.manual_seed(10)
     B, S, dt = 8, 2048, torch.bfloat16
     q = torch.randn(B, S, Hq, 2 * D if strided else D, device="cuda", dtype=dt)[..., :D].requires_grad_()

@@ -7,14 +7,17 @@ Times the forward, the activation backward (dgate_up to a new buffer) and the ML
 against the default config, and prints the times beside the bandwidth floor (bytes / measured copy rate).
 Paste the winner into `_launch_shape` in triton_kernels.py. Not uploaded (only benchmark*.py is).
 """
+import importlib
 import sys
 from pathlib import Path
 
 import torch
 import triton
+from kernels import get_local_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from swiglu import triton_kernels as tk  # noqa: E402
+# the built repo, as users load it (run `python scripts/build.py swiglu` first)
+swiglu = get_local_kernel(Path(__file__).resolve().parents[1])
+tk = importlib.import_module(swiglu.__name__ + ".triton_kernels")
 
 CANDIDATES = [None, (1, 1024, 4), (1, 2048, 8), (2, 2048, 8), (1, 4096, 8), (1, 4096, 16), (4, 1024, 8),
               (2, 1024, 4), (8, 512, 8), (1, 8192, 16), (4, 2048, 16)]

@@ -14,7 +14,7 @@ Both are `torch.library.custom_op`s under this build's namespace with fake imple
 on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch twin (`reference.ce_rows_reference`)
 otherwise. Deterministic: no atomics; every reduction has a fixed order.
 """
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -35,18 +35,16 @@ CHUNK_ALIGN = 256
 #   vector_lse   row kernel pass 1 with per-lane running max/sum (no block reductions) instead of a scalar
 #   block_v      columns per block of the row kernel, 0 = automatic (see triton_kernels.GPU_MAX_BLOCK)
 #   num_warps    warps per row program, 0 = automatic
-#   label_check  "sync": labels out of range raise ValueError (one host sync per call);
-#                "async": on CUDA a device-side assert instead (no host sync); CPU always raises
 #   skip_unit_scale  backward of a scalar loss scales the saved gradients by the upstream gradient with a
 #                kernel that skips the work on the device when it is 1 (no sync); False: torch mul_
-KERNEL_CONFIG = dict(vector_lse=False, block_v=0, num_warps=0, label_check="sync", skip_unit_scale=True)
+TUNING = dict(vector_lse=False, block_v=0, num_warps=0, skip_unit_scale=True)
 
 
 def _ce_rows(logits, labels, scale, ignore_index, label_smoothing, z_loss_weight, softcap, compute_grad):
     if use_triton(logits):
         from .triton_kernels import ce_rows
 
-        cfg = KERNEL_CONFIG
+        cfg = TUNING
         return ce_rows(logits, labels, scale, ignore_index, label_smoothing, z_loss_weight, softcap, compute_grad,
                        vector_lse=bool(cfg["vector_lse"]), block_v=int(cfg["block_v"]),
                        num_warps=int(cfg["num_warps"]))
@@ -57,11 +55,10 @@ def _ce_rows(logits, labels, scale, ignore_index, label_smoothing, z_loss_weight
 def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
     # (the kernel masks its label load, so a bad label never reads out of bounds; this is the error report)
     msg = f"labels must be in [0, {vocab}) or equal ignore_index={ignore_index}"
-    if labels.device.type == "cuda" and KERNEL_CONFIG["label_check"] == "async":
+    if labels.device.type != "cpu":  # a device-side assert: no host sync (CUDA-graph capturable)
         valid = labels.masked_fill(labels == ignore_index, 0)
         torch._assert_async(((valid >= 0) & (valid < vocab)).all(), msg)
         return
-    # one host sync: min and max of the non-ignored labels in one transfer
     valid = labels.masked_fill(labels == ignore_index, 0)
     lo, hi = torch.stack(torch.aminmax(valid)).tolist()
     if lo < 0 or hi >= vocab:
@@ -207,6 +204,20 @@ def _(grad_rows, hidden, weight, bias, labels, ignore_index, label_smoothing, z_
     return _lce_grad_shapes(hidden, weight, bias, MEAN, grad_flags, weight_grad_fp32)
 
 
+class _RowOptions(NamedTuple):
+    """What the reduction="none" backward passes on to `_linear_ce_bwd_rows` besides tensors and grad_flags."""
+    ignore_index: int
+    label_smoothing: float
+    z_loss_weight: float
+    softcap: float
+    chunk_size: int
+    weight_grad_fp32: bool
+
+
+# `_linear_ce_fwd`'s inputs after hidden, weight and bias (labels, num_items_in_batch, the options) get no grad
+_NO_GRAD_AFTER_BIAS = (None,) * 10
+
+
 def _lce_setup_context(ctx, inputs, output):
     (hidden, weight, bias, labels, _nib, ignore_index, reduction, label_smoothing, z_loss_weight, softcap,
      chunk_size, grad_flags, weight_grad_fp32) = inputs
@@ -219,7 +230,7 @@ def _lce_setup_context(ctx, inputs, output):
     ctx.dtypes = (hidden.dtype, weight.dtype)
     if reduction == NONE:
         ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.options = (ignore_index, label_smoothing, z_loss_weight, softcap, chunk_size, weight_grad_fp32)
+        ctx.options = _RowOptions(ignore_index, label_smoothing, z_loss_weight, softcap, chunk_size, weight_grad_fp32)
     else:
         ctx.save_for_backward(output[2], output[3], output[4])
 
@@ -228,7 +239,7 @@ def _scale_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     # the gradients were built for an upstream gradient of 1: scale them in place (no second dW buffer).
     # On the Triton path a kernel does it that skips the work on the device when g == 1 (the usual case:
     # loss.backward()), which saves reading and writing dW (2 x 1.2 GB at V=151936, H=4096) without a sync.
-    if KERNEL_CONFIG["skip_unit_scale"] and use_triton(t) and t.is_contiguous() and g.numel() == 1:
+    if TUNING["skip_unit_scale"] and use_triton(t) and t.is_contiguous() and g.numel() == 1:
         _scale_unless_one_op(t, g.detach().reshape(1))
         return t
     return t.mul_(g.to(t.dtype))
@@ -254,8 +265,9 @@ def _lce_backward(ctx, grad_loss, _grad_z, _gdh, _gdw, _gdb):
     flags = ctx.grad_flags
     if ctx.reduction == NONE:
         hidden, weight, bias, labels = ctx.saved_tensors
-        dh, dw, db = _linear_ce_bwd_rows(grad_loss, hidden, weight, bias, labels, *ctx.options[:5], flags,
-                                         ctx.options[5])
+        o = ctx.options
+        dh, dw, db = _linear_ce_bwd_rows(grad_loss, hidden, weight, bias, labels, o.ignore_index, o.label_smoothing,
+                                         o.z_loss_weight, o.softcap, o.chunk_size, flags, o.weight_grad_fp32)
     else:
         dh, dw, db = ctx.saved_tensors
         dh = _scale_(dh, grad_loss) if flags & GRAD_HIDDEN else None
@@ -264,7 +276,7 @@ def _lce_backward(ctx, grad_loss, _grad_z, _gdh, _gdw, _gdb):
     dh = dh if flags & GRAD_HIDDEN else None
     dw = dw.to(ctx.dtypes[1]) if flags & GRAD_WEIGHT else None
     db = db if (flags & GRAD_BIAS and ctx.has_bias) else None
-    return dh, dw, db, None, None, None, None, None, None, None, None, None, None
+    return (dh, dw, db) + _NO_GRAD_AFTER_BIAS
 
 
 _linear_ce_fwd.register_autograd(_lce_backward, setup_context=_lce_setup_context)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._device import sm_count
+from ._launch import cdiv, next_power_of_2, launch
 
 
 @triton.jit
@@ -125,7 +126,7 @@ def _ce_rows_kernel(
 # Launch configuration of the row kernel on GPUs. `block_v`/`num_warps` 0 = automatic: 32768-wide blocks
 # with 32 warps for the scalar kernel (few blocks per row, so few block reductions; Liger's choice on
 # Hopper), 8192 with 16 warps for the per-lane kernel (its running max/sum take 2 registers per element
-# of the block). ops.KERNEL_CONFIG feeds these so a benchmark can compare the alternatives.
+# of the block). ops.TUNING feeds these so a benchmark can compare the alternatives.
 # H200, CE from logits 16384 x 151936 bf16 fwd+bwd: scalar LSE 4096 x 8 warps 3.87 ms, 32768 x 32 warps 4.63,
 # vector LSE 4096 x 8 3.97, 8192 x 16 4.02 (Liger 4.44); linear CE: 4096 x 8 also the fastest row kernel.
 GPU_MAX_BLOCK = {False: 4096, True: 8192}
@@ -134,10 +135,10 @@ GPU_WARPS = {False: 8, True: 16}
 
 def _block_v(V: int, device_type: str, vector_lse: bool = False, block_v: int = 0) -> int:
     if block_v:
-        return min(triton.next_power_of_2(V), triton.next_power_of_2(block_v))
+        return min(next_power_of_2(V), next_power_of_2(block_v))
     if device_type == "cpu":  # interpreter: one block per row is fastest
-        return min(triton.next_power_of_2(V), 16384)
-    return min(triton.next_power_of_2(V), GPU_MAX_BLOCK[vector_lse])
+        return min(next_power_of_2(V), 16384)
+    return min(next_power_of_2(V), GPU_MAX_BLOCK[vector_lse])
 
 
 def _num_warps(block_v: int, device_type: str, vector_lse: bool, num_warps: int) -> int:
@@ -162,7 +163,7 @@ def ce_rows(
         return loss, z_rows
     block_v = _block_v(V, logits.device.type, vector_lse, block_v)
     num_warps = _num_warps(block_v, logits.device.type, vector_lse, num_warps)
-    _ce_rows_kernel[(rows,)](
+    launch(_ce_rows_kernel, (rows,),
         logits, logits.stride(0), labels, scale, 1 if scale.numel() > 1 else 0, loss, z_rows, V,
         ignore_index, float(label_smoothing), float(z_loss_weight), float(softcap) if softcap > 0 else 1.0,
         HAS_SOFTCAP=softcap > 0, HAS_SMOOTHING=label_smoothing > 0, HAS_Z=z_loss_weight != 0,
@@ -192,7 +193,7 @@ def scale_unless_one_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return x
     block = 4096 if x.device.type != "cpu" else 1024
     programs = sm_count(x.device) * 8 if x.device.type == "cuda" else 4
-    grid = (max(1, min(programs, triton.cdiv(n, block))),)
-    _scale_unless_one_kernel[grid](x, g.reshape(1).to(torch.float32), n, BLOCK=block,
+    grid = (max(1, min(programs, cdiv(n, block))),)
+    launch(_scale_unless_one_kernel, grid, x, g.reshape(1).to(torch.float32), n, BLOCK=block,
                                    num_warps=8 if block >= 4096 else 4)
     return x

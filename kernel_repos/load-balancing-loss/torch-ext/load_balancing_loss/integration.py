@@ -20,7 +20,7 @@ import types
 
 from torch import nn
 
-from .ops import load_balancing_loss_func
+from .ops import group_load_balancing_loss_func, load_balancing_loss_func
 
 _HF_NAME = "load_balancing_loss_func"
 _MARK = "_hubfuse_fused_aux_loss"  # per-instance state (a plain dict in the instance __dict__)
@@ -58,7 +58,7 @@ def _rebuild(fn, new_globals: dict):
     return new
 
 
-def _fused_forward_for(model: nn.Module):
+def _fused_forward_for(model: nn.Module, aux_fn):
     class_forward = type(model).forward
     innermost = class_forward
     while getattr(innermost, "__wrapped__", None) is not None:
@@ -67,16 +67,21 @@ def _fused_forward_for(model: nn.Module):
         raise ValueError(f"enable_fused_aux_loss: {type(model).__name__}.forward does not use "
                          f"`{_HF_NAME}` (not a transformers MoE causal-LM?)")
     new_globals = dict(innermost.__globals__)
-    new_globals[_HF_NAME] = load_balancing_loss_func
+    new_globals[_HF_NAME] = aux_fn
     new_forward = _rebuild(class_forward, new_globals)
     if new_forward is None:
         raise ValueError(f"enable_fused_aux_loss: cannot rebuild the decorators of {type(model).__name__}.forward")
     return types.MethodType(new_forward, model)
 
 
-def enable_fused_aux_loss(model: nn.Module) -> nn.Module:
+def enable_fused_aux_loss(model: nn.Module, group=None) -> nn.Module:
     """Make this model instance (a transformers MoE `*ForCausalLM`: Qwen3-MoE, Qwen3.5-MoE, ...) compute
     `aux_loss` with the fused kernel. Per instance, idempotent; returns the model.
+
+    `group` (a torch.distributed process group, e.g. the world in data-parallel training): the load-balancing
+    statistics are reduced over it, so every rank's aux loss is that of the whole group's batch (the
+    single-process value on the concatenated batch; see `load_balancing_loss`). None: each rank's own tokens,
+    as transformers computes it. Enabling again with another group replaces the first.
 
     With the hubfuse cross-entropy hook (`enable_fused_loss(model)`, state in `model._hubfuse_fused_loss`)
     already on the instance, this plugs the fused aux loss into that hook's `aux_loss_fn` slot (and into its
@@ -87,13 +92,17 @@ def enable_fused_aux_loss(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_fused_aux_loss: expected an nn.Module, got {type(model).__name__}")
     state = model.__dict__.get(_MARK)
+    if state is not None and state["group"] is not group:
+        disable_fused_aux_loss(model)
+        state = None
     if state is None:
-        state = {"fused_forward": _fused_forward_for(model)}
+        aux_fn = load_balancing_loss_func if group is None else group_load_balancing_loss_func(group)
+        state = {"fused_forward": _fused_forward_for(model, aux_fn), "aux_fn": aux_fn, "group": group}
     ce_state = model.__dict__.get(_CE_STATE)
     if ce_state is not None:
         if "ce_previous_aux" not in state:
             state["ce_previous_aux"] = ce_state.get("aux_loss_fn")
-        ce_state["aux_loss_fn"] = load_balancing_loss_func
+        ce_state["aux_loss_fn"] = state["aux_fn"]
         if ce_state.get("previous_forward") is None:
             ce_state["previous_forward"] = state["fused_forward"]
     elif "_hf_hook" in model.__dict__ and "_old_forward" in model.__dict__:
@@ -119,7 +128,7 @@ def disable_fused_aux_loss(model: nn.Module) -> nn.Module:
         return model
     ce_state = model.__dict__.get(_CE_STATE)
     if ce_state is not None:
-        if "ce_previous_aux" in state and ce_state.get("aux_loss_fn") is load_balancing_loss_func:
+        if "ce_previous_aux" in state and ce_state.get("aux_loss_fn") is state["aux_fn"]:
             ce_state["aux_loss_fn"] = state["ce_previous_aux"]
         if ce_state.get("previous_forward") is state["fused_forward"]:
             ce_state["previous_forward"] = None

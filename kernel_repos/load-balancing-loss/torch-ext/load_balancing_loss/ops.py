@@ -12,16 +12,39 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from ._device import use_triton
+from ._custom_op import call, custom_op, differentiable_op
 from ._ops import add_op_namespace_prefix
 from .reference import (
     MAX_EXPERTS,
     load_balancing_loss_bwd_reference,
     load_balancing_loss_fwd_reference,
+    router_statistics_reference,
     softmax_topk_bwd_reference,
     softmax_topk_fwd_reference,
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_logits(name: str, what: str, logits) -> None:
+    """A 2-D (tokens, experts) float tensor, or a TypeError / ValueError naming `what`."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{name}: {what} is a {type(logits).__name__}, not a tensor")
+    if logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: {what} has dtype {logits.dtype}; expected float32/float16/bfloat16")
+    if logits.dim() != 2:
+        raise ValueError(f"{name}: {what} must be 2-D (tokens, experts), got {tuple(logits.shape)}")
+
+
+def _check_routing_shape(name: str, shape, top_k: int) -> None:
+    """Non-empty (tokens, experts) logits, at most MAX_EXPERTS experts, 1 <= top_k <= experts."""
+    tokens, experts = shape
+    if tokens == 0 or experts == 0:
+        raise ValueError(f"{name}: empty router logits {tuple(shape)}")
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{name}: top_k={top_k} must be in [1, num_experts={experts}]")
 
 
 # ---------------------------------------------------------------- load-balancing loss
@@ -109,6 +132,54 @@ class _load_balancing_loss_fwd(torch.autograd.Function):
         return None, None, None, *grads.unbind(0)  # views of one (layers, T, E) buffer
 
 
+def _router_statistics_impl(gate_logits, mask, num_experts, top_k, layers=None):
+    if use_triton(gate_logits[0]):
+        from .triton_kernels import router_statistics
+
+        return router_statistics(gate_logits, mask, top_k, layers)
+    return router_statistics_reference(gate_logits, mask, num_experts, top_k)
+
+
+class _RouterStatistics(torch.autograd.Function):
+    """(2, E) fp32 over all layers' rows: top-k selection counts (piecewise constant: no gradient) and
+    routing-probability sums (differentiable; the backward is the loss's backward kernel with d/dprob_sum given)."""
+
+    @staticmethod
+    def forward(ctx, mask, num_experts, top_k, *gate_logits):
+        layers = None
+        if use_triton(gate_logits[0]):
+            from .triton_kernels import layer_table
+
+            layers = layer_table(gate_logits)
+        totals = _router_statistics_impl(gate_logits, mask, num_experts, top_k, layers)
+        ctx.save_for_backward(mask, *gate_logits)
+        ctx.layers = layers
+        return totals
+
+    @staticmethod
+    def backward(ctx, grad_totals):
+        mask, *gate_logits = ctx.saved_tensors
+        one = torch.ones((), dtype=torch.float32, device=grad_totals.device)
+        grads = _lbl_bwd_impl(one, gate_logits, mask, grad_totals[1].float().contiguous(), ctx.layers)
+        return None, None, None, *grads.unbind(0)
+
+
+def _group_load_balancing_loss(gate_logits, mask, num_experts, top_k, group):
+    """The aux loss of the whole group's batch: counts and probability sums all-reduced over `group` (one
+    all_reduce of 2 x E floats, no host sync). Every rank gets the same value; the gradient reaching this rank's
+    logits is the group size times its share, so that averaging gradients over the data-parallel ranks (FSDP /
+    DDP) yields the gradient of the group-batch loss. No collective in the backward."""
+    import torch.distributed as dist
+
+    local = _RouterStatistics.apply(mask, num_experts, top_k, *gate_logits)
+    total = local.detach().clone()
+    dist.all_reduce(total, group=group)
+    size = dist.get_world_size(group)
+    counts, prob_sum = total[0], total[1] + size * (local[1] - local[1].detach())
+    rows = counts.sum() / top_k  # every (layer, token) row picks top_k experts (mask-weighted)
+    return (counts / rows * (prob_sum / rows)).sum() * num_experts
+
+
 def _check_int(name: str, what: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: {what} must be an int, got {type(value).__name__}")
@@ -119,6 +190,7 @@ def load_balancing_loss(
     num_experts: int,
     top_k: int,
     attention_mask: Optional[torch.Tensor] = None,
+    group=None,
 ):
     """Switch-Transformer auxiliary loss over all layers, as transformers' `load_balancing_loss_func`.
 
@@ -127,7 +199,11 @@ def load_balancing_loss(
     attention_mask: optional, any shape with `tokens` elements (HF: (batch, seq)), 0 marks padding.
     Returns a fp32 scalar tensor: num_experts * sum_e f_e * P_e, with f_e the (mask-weighted) fraction of
     top-k assignments to e and P_e the mean routing probability of e over all layers' unmasked tokens.
-    Gradient flows to every layer's logits through P_e (the top-k selection is piecewise constant)."""
+    Gradient flows to every layer's logits through P_e (the top-k selection is piecewise constant).
+    group: a torch.distributed process group (data parallel, e.g. the world): f_e and P_e are then those of
+    every rank's tokens together (global-batch load balancing; the single-process loss of the concatenated
+    batch), the same value on every rank, with the gradient scaled so that averaging gradients over the
+    data-parallel ranks gives that loss's gradient (see `_group_load_balancing_loss`). None: this rank's tokens."""
     name = "load_balancing_loss"
     if gate_logits is None:
         return 0
@@ -146,12 +222,7 @@ def load_balancing_loss(
     _check_int(name, "num_experts", num_experts)
     _check_int(name, "top_k", top_k)
     first = gate_logits[0]
-    if not isinstance(first, torch.Tensor):
-        raise TypeError(f"{name}: gate_logits[0] is a {type(first).__name__}, not a tensor")
-    if first.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name}: gate_logits have dtype {first.dtype}; expected float32/float16/bfloat16")
-    if first.dim() != 2:
-        raise ValueError(f"{name}: gate_logits[0] must be 2-D (tokens, experts), got {tuple(first.shape)}")
+    _check_logits(name, "gate_logits[0]", first)
     shape, dtype, device = first.shape, first.dtype, first.device
     # one cheap pass over the layers (this runs every step with ~50 layers); details only on failure
     if not all(isinstance(z, torch.Tensor) and z.dtype is dtype and z.shape == shape for z in gate_logits):
@@ -166,12 +237,7 @@ def load_balancing_loss(
     tokens, experts = shape
     if experts != num_experts:
         raise ValueError(f"{name}: num_experts={num_experts} does not match the logits' last dim {experts}")
-    if tokens == 0 or experts == 0:
-        raise ValueError(f"{name}: empty router logits {tuple(shape)}")
-    if experts > MAX_EXPERTS:
-        raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"{name}: top_k={top_k} must be in [1, num_experts={experts}]")
+    _check_routing_shape(name, shape, top_k)
     # HF computes on the first layer's device; the kernels need contiguous rows
     if not all(z.device == device and z.is_contiguous() for z in gate_logits):
         gate_logits = [z.to(device).contiguous() for z in gate_logits]
@@ -185,17 +251,40 @@ def load_balancing_loss(
         # read in its own dtype by the kernels (no cast launch); bool as bytes
         mask = attention_mask.detach().reshape(-1)
         mask = (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(device).contiguous()
+    if group is not None and _group_size(group) > 1:
+        return _group_load_balancing_loss(gate_logits, mask, num_experts, top_k, group)
     if torch.compiler.is_compiling():
         return _lbl_fwd(gate_logits, mask, num_experts, top_k)[0]
     return _load_balancing_loss_fwd.apply(mask, num_experts, top_k, *gate_logits)
 
 
+def _group_size(group) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("load_balancing_loss: group= needs torch.distributed initialized")
+    return dist.get_world_size(group)
+
+
 def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
     """Drop-in for transformers' `load_balancing_loss_func`, same signature and the same 0 for a
-    non-tuple input, computed by the fused kernel."""
+    non-tuple input, computed by the fused kernel. (Keep the signature: torch.compile guards on its defaults
+    under the name of the function it replaces.)"""
     if gate_logits is None or not isinstance(gate_logits, tuple):
         return 0
     return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask)
+
+
+def group_load_balancing_loss_func(group):
+    """`load_balancing_loss_func` with the load-balancing statistics reduced over the process group `group`
+    (see `load_balancing_loss`): what `enable_fused_aux_loss(model, group=...)` installs."""
+
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        if gate_logits is None or not isinstance(gate_logits, tuple):
+            return 0
+        return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask, group=group)
+
+    return load_balancing_loss_func
 
 
 # ---------------------------------------------------------------- softmax + top-k router
@@ -216,7 +305,7 @@ def _router_bwd_impl(d_scores, router_logits, stats, indices, normalize):
     return softmax_topk_bwd_reference(d_scores, router_logits, stats, indices, normalize)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_fwd"), mutates_args=())
+@custom_op("softmax_topk_fwd")
 def _router_fwd(
     router_logits: torch.Tensor, top_k: int, normalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -230,7 +319,7 @@ def _(router_logits, top_k, normalize):
             router_logits.new_empty(T, 2, dtype=torch.float32))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("softmax_topk_bwd"), mutates_args=())
+@custom_op("softmax_topk_bwd")
 def _router_bwd(
     d_scores: torch.Tensor, router_logits: torch.Tensor, stats: torch.Tensor, indices: torch.Tensor,
     normalize: bool,
@@ -253,27 +342,10 @@ def _router_setup_context(ctx, inputs, output):
 
 def _router_backward(ctx, d_scores, _d_indices, _d_stats):
     router_logits, stats, indices = ctx.saved_tensors
-    return _router_bwd(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
+    return call(ctx, _router_bwd, d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
 
 
-_router_fwd.register_autograd(_router_backward, setup_context=_router_setup_context)
-
-
-class _softmax_topk_fwd(torch.autograd.Function):
-    """Eager twin of the custom op of the same name."""
-
-    @staticmethod
-    def forward(ctx, router_logits, top_k, normalize):
-        scores, indices, stats = _router_fwd_impl(router_logits, top_k, normalize)
-        ctx.mark_non_differentiable(indices)
-        ctx.save_for_backward(router_logits, stats, indices)
-        ctx.normalize = normalize
-        return scores, indices
-
-    @staticmethod
-    def backward(ctx, d_scores, _d_indices):
-        router_logits, stats, indices = ctx.saved_tensors
-        return _router_bwd_impl(d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
+_router = differentiable_op(_router_fwd, _router_setup_context, _router_backward)
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True):
@@ -283,26 +355,13 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool = True
     exactly what `Qwen3MoeTopKRouter` / `Qwen3_5MoeTopKRouter` return after the linear. Ties go to the
     lower expert index (torch.topk's CUDA behaviour)."""
     name = "softmax_topk"
-    if not isinstance(router_logits, torch.Tensor):
-        raise TypeError(f"{name}: router_logits must be a tensor")
-    if router_logits.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name}: router_logits dtype {router_logits.dtype}; expected float32/float16/bfloat16")
-    if router_logits.dim() != 2:
-        raise ValueError(f"{name}: router_logits must be (tokens, experts), got {tuple(router_logits.shape)}")
+    _check_logits(name, "router_logits", router_logits)
     _check_int(name, "top_k", top_k)
-    tokens, experts = router_logits.shape
-    if tokens == 0 or experts == 0:
-        raise ValueError(f"{name}: empty router logits {tuple(router_logits.shape)}")
-    if experts > MAX_EXPERTS:
-        raise ValueError(f"{name}: {experts} experts exceeds the supported maximum {MAX_EXPERTS}")
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"{name}: top_k={top_k} must be in [1, experts={experts}]")
+    _check_routing_shape(name, router_logits.shape, top_k)
     if top_k > 64:
         raise ValueError(f"{name}: top_k={top_k} exceeds the supported maximum 64")
-    if torch.compiler.is_compiling():
-        scores, indices, _ = _router_fwd(router_logits.contiguous(), top_k, bool(normalize))
-        return scores, indices
-    return _softmax_topk_fwd.apply(router_logits.contiguous(), top_k, bool(normalize))
+    scores, indices, _ = _router(router_logits.contiguous(), top_k, bool(normalize))
+    return scores, indices
 
 
 def topk_router(hidden_states: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool = True):

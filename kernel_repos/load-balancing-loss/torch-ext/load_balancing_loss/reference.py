@@ -74,9 +74,8 @@ def _routing_probs(z: torch.Tensor) -> torch.Tensor:
     return torch.softmax(z.float(), dim=-1).to(z.dtype).float()
 
 
-def load_balancing_loss_fwd_reference(gate_logits, mask, num_experts: int, top_k: int):
-    """Forward of the fused op. gate_logits: list of (T, E); mask: (T,) of any dtype (0 = padding) or None.
-    Returns (loss: fp32 0-d, dloss_dprobsum: fp32 (E,) = E * tokens_per_expert / total_rows)."""
+def router_statistics_reference(gate_logits, mask, num_experts: int, top_k: int):
+    """(2, E) fp32: mask-weighted top-k selection counts and routing-probability sums over all layers' rows."""
     dev = gate_logits[0].device
     counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
     prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=dev)
@@ -88,6 +87,15 @@ def load_balancing_loss_fwd_reference(gate_logits, mask, num_experts: int, top_k
         counts += torch.zeros(num_experts, dtype=torch.float32, device=dev).scatter_add_(
             0, sel.reshape(-1), weight.repeat_interleave(top_k))
         prob_sum += (p * weight[:, None]).sum(0)
+    return torch.stack([counts, prob_sum])
+
+
+def load_balancing_loss_fwd_reference(gate_logits, mask, num_experts: int, top_k: int):
+    """Forward of the fused op. gate_logits: list of (T, E); mask: (T,) of any dtype (0 = padding) or None.
+    Returns (loss: fp32 0-d, dloss_dprobsum: fp32 (E,) = E * tokens_per_expert / total_rows)."""
+    counts, prob_sum = router_statistics_reference(gate_logits, mask, num_experts, top_k)
+    T = gate_logits[0].shape[0]
+    weight = mask.float() if mask is not None else torch.ones(T, dtype=torch.float32, device=counts.device)
     total_rows = weight.sum() * len(gate_logits)
     tokens_per_expert = counts / total_rows
     loss = (tokens_per_expert * (prob_sum / total_rows)).sum() * num_experts

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, next_power_of_2, launch
+
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _TARGET_PROGRAMS = 1024  # router: ~8 per SM on H100/H200, enough to hide latency
 
@@ -35,7 +37,7 @@ _TARGET_PROGRAMS = 1024  # router: ~8 per SM on H100/H200, enough to hide latenc
 # row reduction); programs: grid size aimed at (each program owns whole tiles of one layer and writes one
 # partial row); num_stages > 1 asks Triton to pipeline the row loop (never in the backward: 15x slower on
 # H200). Defaults: the H200 sweep winners at 48 layers x 8192 tokens x 128 experts, top-8.
-LBL_CONFIG = {
+TUNING = {
     "fwd": dict(tile=4096, lanes=4, num_warps=4, programs=528, num_stages=1),
     "bwd": dict(tile=4096, lanes=4, num_warps=4, programs=2112, num_stages=1),
     "fwd_fp32": dict(tile=4096, lanes=4, num_warps=4, programs=1024, num_stages=1),
@@ -46,21 +48,21 @@ LBL_CONFIG = {
 FINALIZE_EXPERTS = 8  # experts per program of the partials' reduction (8 fp32 = one 32-byte sector per row)
 
 
-def lbl_config(kind: str, elem_bytes: int) -> dict:
-    """The `LBL_CONFIG` entry of kernel `kind` ("fwd"/"bwd") for logits of elem_bytes bytes."""
-    return LBL_CONFIG.get(f"{kind}_fp32", LBL_CONFIG[kind]) if elem_bytes == 4 else LBL_CONFIG[kind]
+def tuning(kind: str, elem_bytes: int) -> dict:
+    """The `TUNING` entry of kernel `kind` ("fwd"/"bwd") for logits of elem_bytes bytes."""
+    return TUNING.get(f"{kind}_fp32", TUNING[kind]) if elem_bytes == 4 else TUNING[kind]
 
 
 def _tile(num_experts: int):
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     block_t = max(1, min(128, 4096 // block_e))
     num_warps = 4 if block_t * block_e <= 4096 else 8
     return block_t, block_e, num_warps
 
 
 def _rows_per_program(rows: int, layers: int, block_t: int, programs: int = _TARGET_PROGRAMS) -> int:
-    per = triton.cdiv(rows * layers, programs)
-    return triton.cdiv(max(per, block_t), block_t) * block_t
+    per = cdiv(rows * layers, programs)
+    return cdiv(max(per, block_t), block_t) * block_t
 
 
 # Load-balancing-loss tiles are (BLOCK_T, CHUNKS, CHUNK): expert chunk * CHUNK + c of each row. Triton lays
@@ -250,7 +252,8 @@ def layer_table(tensors):
 
     Offsets are relative to tensors[0], in units of 16 bytes when every start is 16-byte aligned relative to
     the first (fresh allocations always are; it keeps the loads vectorised), else one element. Tables are
-    cached by content: no host->device copy when the layout repeats, as it does step after step. Under
+    cached by content: no host->device copy when the layout repeats, as it does step after step (a new one is
+    copied asynchronously from pinned memory). Under
     CUDA-graph capture a new layout cannot be copied from the host: the layers are then stacked (one
     capturable copy) and the table is built on the device."""
     elem = tensors[0].element_size()
@@ -268,53 +271,64 @@ def layer_table(tensors):
         unit_bytes = 16 if layer_bytes % 16 == 0 else elem
         table = torch.arange(len(tensors), device=device, dtype=torch.int64) * (layer_bytes // unit_bytes)
         return stacked, table, unit_bytes // elem
-    table = torch.tensor(key[2], dtype=torch.int64).to(device)
+    # pinned host memory and an asynchronous copy: no host sync (a pageable copy would wait for the stream)
+    table = torch.tensor(key[2], dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
     if len(_OFFSET_TABLES) < _OFFSET_TABLES_CAP:
         _OFFSET_TABLES[key] = table
     return tensors[0], table, unit_bytes // elem
 
 
 def _lbl_launch(T: int, E: int, L: int, elem_bytes: int, cfg: dict):
-    block_e = triton.next_power_of_2(E)
+    block_e = next_power_of_2(E)
     block_t = max(1, min(256, cfg["tile"] // block_e))
     vec = 16 // elem_bytes
     # enough lanes per row that the warps' rows fill BLOCK_T (else Triton spreads rows over warps), at
     # most one 16-byte piece each
     lanes = min(32, max(cfg["lanes"], 32 * cfg["num_warps"] // block_t), max(1, block_e // vec))
     rows_per_program = _rows_per_program(T, L, block_t, cfg["programs"])
-    grid = (triton.cdiv(T, rows_per_program), L)
+    grid = (cdiv(T, rows_per_program), L)
     meta = dict(E=E, BLOCK_T=block_t, BLOCK_E=block_e, CHUNK=min(block_e, lanes * vec),
                 NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
     return grid, rows_per_program, meta
 
 
-def load_balancing_loss_fwd(gate_logits, mask, top_k: int, layers=None):
-    """(loss, dloss/dprob_sum). mask: None or (T,) of any dtype (0 = padding); layers: `layer_table` result."""
+def router_statistics(gate_logits, mask, top_k: int, layers=None):
+    """(2, E) fp32: the mask-weighted top-k selection counts and routing-probability sums over every layer's
+    rows (the loss's sufficient statistics). mask: None or (T,) of any dtype (0 = padding); layers: `layer_table`
+    result."""
     first = gate_logits[0]
     L, (T, E) = len(gate_logits), first.shape
     base, offsets, unit = layers or layer_table(gate_logits)
-    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), lbl_config("fwd", first.element_size()))
+    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), tuning("fwd", first.element_size()))
     num_parts = grid[0] * L
-    # per-program partials (counts, prob sums) and their totals in one allocation (no launch: torch.empty);
-    # loss and dloss are separate (custom-op outputs may not alias each other)
+    # per-program partials (counts, prob sums) and their totals in one allocation (no launch: torch.empty)
     buf = torch.empty(2 * (num_parts + 1) * E, dtype=torch.float32, device=first.device)
     parts, totals = buf[:2 * num_parts * E], buf[2 * num_parts * E:]
-    loss = torch.empty((), dtype=torch.float32, device=first.device)
-    dloss = torch.empty(E, dtype=torch.float32, device=first.device)
-    _lbl_fwd_kernel[grid](
+    launch(_lbl_fwd_kernel, grid,
         base, offsets, mask if mask is not None else parts, parts, T, rows_per_program, num_parts,
         DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, TOP_K=top_k,
         COL_BITS=max(2, (meta["BLOCK_E"] - 1).bit_length()), EXACT_KEYS=first.dtype != torch.float32, **meta,
     )
     # the partials are reduced in parallel over expert slices (it was one program serial over all parts:
-    # latency bound at ~1 MB), then one tiny program forms the scalar
-    block_e = triton.next_power_of_2(E)
+    # latency bound at ~1 MB); the loss is then one tiny program (load_balancing_loss_fwd)
+    block_e = next_power_of_2(E)
     reduce_e = min(block_e, FINALIZE_EXPERTS)
-    _lbl_reduce_parts_kernel[(triton.cdiv(E, reduce_e), 2)](
+    launch(_lbl_reduce_parts_kernel, (cdiv(E, reduce_e), 2),
         parts, totals, num_parts, E, BLOCK_P=max(1, min(1024, 4096 // reduce_e)), BLOCK_E=reduce_e, num_warps=4,
     )
-    _lbl_loss_kernel[(1,)](totals, loss, dloss, E, float(top_k), float(E), BLOCK_E=block_e,
-                           num_warps=4 if block_e <= 1024 else 8)
+    return totals.view(2, E)
+
+
+def load_balancing_loss_fwd(gate_logits, mask, top_k: int, layers=None):
+    """(loss, dloss/dprob_sum). mask: None or (T,) of any dtype (0 = padding); layers: `layer_table` result."""
+    totals = router_statistics(gate_logits, mask, top_k, layers)
+    E = totals.shape[1]
+    block_e = next_power_of_2(E)
+    # loss and dloss are separate (custom-op outputs may not alias each other)
+    loss = torch.empty((), dtype=torch.float32, device=totals.device)
+    dloss = torch.empty(E, dtype=torch.float32, device=totals.device)
+    launch(_lbl_loss_kernel, (1,), totals, loss, dloss, E, float(top_k), float(E), BLOCK_E=block_e,
+           num_warps=4 if block_e <= 1024 else 8)
     return loss, dloss
 
 
@@ -322,9 +336,9 @@ def load_balancing_loss_bwd(grad_loss, gate_logits, mask, dloss, layers=None):
     first = gate_logits[0]
     L, (T, E) = len(gate_logits), first.shape
     base, offsets, unit = layers or layer_table(gate_logits)
-    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), lbl_config("bwd", first.element_size()))
+    grid, rows_per_program, meta = _lbl_launch(T, E, L, first.element_size(), tuning("bwd", first.element_size()))
     grads = torch.empty(L, T, E, dtype=first.dtype, device=first.device)
-    _lbl_bwd_kernel[grid](
+    launch(_lbl_bwd_kernel, grid,
         base, offsets, grads, mask if mask is not None else dloss, dloss, grad_loss, T, rows_per_program,
         DT=_TL_DTYPE[first.dtype], UNIT=unit, HAS_MASK=mask is not None, **meta,
     )
@@ -420,7 +434,7 @@ def _router_bwd_kernel(
 
 def _router_launch_params(T: int, E: int, top_k: int):
     block_t, block_e, num_warps = _tile(E)
-    while block_t > 1 and block_t * (block_e + 2 * triton.next_power_of_2(top_k)) > 4096:
+    while block_t > 1 and block_t * (block_e + 2 * next_power_of_2(top_k)) > 4096:
         block_t //= 2
     rows_per_program = _rows_per_program(T, 1, block_t)
     return block_t, block_e, num_warps, rows_per_program
@@ -432,10 +446,10 @@ def softmax_topk_fwd(router_logits, top_k: int, normalize: bool):
     scores = torch.empty(T, top_k, dtype=router_logits.dtype, device=router_logits.device)
     indices = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
     stats = torch.empty(T, 2, dtype=torch.float32, device=router_logits.device)
-    _router_fwd_kernel[(triton.cdiv(T, rows_per_program),)](
+    launch(_router_fwd_kernel, (cdiv(T, rows_per_program),),
         router_logits, scores, indices, stats, T, E, router_logits.stride(0), rows_per_program,
         TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
+        BLOCK_K=next_power_of_2(top_k), num_warps=num_warps,
     )
     return scores, indices, stats
 
@@ -445,9 +459,9 @@ def softmax_topk_bwd(d_scores, router_logits, stats, indices, normalize: bool):
     top_k = indices.shape[1]
     block_t, block_e, num_warps, rows_per_program = _router_launch_params(T, E, top_k)
     dz = torch.empty(T, E, dtype=router_logits.dtype, device=router_logits.device)
-    _router_bwd_kernel[(triton.cdiv(T, rows_per_program),)](
+    launch(_router_bwd_kernel, (cdiv(T, rows_per_program),),
         d_scores, router_logits, stats, indices, dz, T, E, router_logits.stride(0), rows_per_program,
         TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
+        BLOCK_K=next_power_of_2(top_k), num_warps=num_warps,
     )
     return dz

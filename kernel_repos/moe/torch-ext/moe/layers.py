@@ -8,11 +8,18 @@ Two ways into transformers, both supported:
   experts class (same `__init__(config)` and parameter names, so checkpoints load and save unchanged) and
   `kernelize` binds `GroupedGemmExperts.forward` to it. The router stays HF's, so `output_router_logits` and
   the aux loss keep working.
+
+Both run expert-parallel when the experts are sharded over an EP mesh (`expert_parallel.shard_experts`, or
+transformers' `distributed_config` EP plan): see expert_parallel.py.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import expert_parallel
+from .expert_parallel import is_expert_parallel
 from .ops import moe_experts
 from .reference import experts_hf
 
@@ -23,12 +30,18 @@ def _is_silu(act_fn) -> bool:
     return act_fn is F.silu or isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
 
-def _experts_forward(module, hidden_states, top_k_index, top_k_weights):
+def _local_experts(module, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
     if not _is_silu(getattr(module, "act_fn", F.silu)):
         # the fused epilogue is SwiGLU only; any other activation takes the HF reference path
-        return experts_hf(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
-                          module.act_fn)
-    return moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+        return experts_hf(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, module.act_fn)
+    return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+
+
+def _experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    if is_expert_parallel(module):  # experts sharded over an EP mesh: all-to-all around the local experts
+        return expert_parallel.experts_forward(module, hidden_states, top_k_index, top_k_weights,
+                                               functools.partial(_local_experts, module))
+    return _local_experts(module, hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
 
 
 class GroupedGemmExperts(nn.Module):
@@ -44,7 +57,8 @@ class GroupedGemmExperts(nn.Module):
 
 
 class GroupedGemmExpertsLayout(nn.Module):
-    """Same `__init__` and parameters as `Qwen3MoeExperts` / `Qwen3_5MoeExperts`; `forward` is HF's eager loop."""
+    """Same `__init__` and parameters as `Qwen3MoeExperts` / `Qwen3_5MoeExperts`; `forward` is HF's eager loop
+    (expert-parallel around it when the experts are sharded)."""
 
     conversion_mapping = []  # the kernel reads the HF v5 layout directly: no re-layout, checkpoints unchanged
 
@@ -61,6 +75,10 @@ class GroupedGemmExpertsLayout(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if is_expert_parallel(self):
+            return expert_parallel.experts_forward(
+                self, hidden_states, top_k_index, top_k_weights,
+                lambda h, i, w, gate_up, down: experts_hf(h, i, w, gate_up, down, self.act_fn))
         return experts_hf(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                           self.act_fn)
 

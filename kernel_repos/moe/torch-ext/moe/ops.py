@@ -1,8 +1,8 @@
 """Custom ops and the functional API of the routed experts (grouped GEMM, SwiGLU, weighted combine).
 
-`moe_experts_fwd` / `moe_experts_bwd` are `torch.library.custom_op`s under this build's namespace, with fake
-implementations and autograd, so `torch.compile(fullgraph=True)` sees one opaque node per direction; eager calls
-run `_MoeExpertsFunction`, their autograd.Function twin over the same implementations (less host time). Each
+`moe_experts_fwd` / `moe_experts_bwd` are custom ops under this build's namespace, with fake implementations and
+autograd, so `torch.compile(fullgraph=True)` sees one opaque node per direction; eager calls run the same
+implementations through an autograd.Function (`_custom_op.differentiable_op`: less host time). Each
 dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on CPU under
 `TRITON_INTERPRET=1`), the torch reference otherwise. Routing (sort by expert) runs on the device with no
 host sync, so the CUDA path is graph-capturable.
@@ -11,7 +11,7 @@ host sync, so the CUDA path is graph-capturable.
 import torch
 
 from ._device import use_triton
-from ._ops import add_op_namespace_prefix
+from ._custom_op import call, custom_op, differentiable_op
 from .reference import moe_bwd_reference, moe_fwd_reference, route
 
 MAX_EXPERTS = 512
@@ -49,7 +49,7 @@ def _experts_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_pr
 
 
 # The custom ops: what torch.compile sees (one opaque node per direction).
-@torch.library.custom_op(add_op_namespace_prefix("moe_experts_fwd"), mutates_args=())
+@custom_op("moe_experts_fwd")
 def moe_experts_fwd(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
@@ -71,7 +71,7 @@ def _(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
     )
 
 
-@torch.library.custom_op(add_op_namespace_prefix("moe_experts_bwd"), mutates_args=("gate_up_out",))
+@custom_op("moe_experts_bwd", mutates_args=("gate_up_out",))
 def moe_experts_bwd(
     dout: torch.Tensor, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_out: torch.Tensor, sorted_slot: torch.Tensor,
@@ -91,47 +91,22 @@ def _(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up
             torch.empty_like(down_proj))
 
 
-def _save_for_backward(ctx, inputs, output):
-    # the five inputs and the forward's four saved outputs: the argument list of the backward after dout
-    ctx.save_for_backward(*inputs, *output[1:])
-
-
 def _setup_context(ctx, inputs, output):
     # the four saved outputs get no grad: None in the backward, instead of zeros that autograd would otherwise
     # allocate and fill every step (a (T*K, 2I) memset among them: 0.2 GB at T=8192)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
-    _save_for_backward(ctx, inputs, output)
+    # the five inputs and the forward's four saved outputs: the argument list of the backward after dout
+    ctx.save_for_backward(*inputs, *output[1:])
 
 
 def _backward(ctx, dout, *_unused):
     saved = ctx.saved_tensors
-    dhidden, dweights, dgate_up, ddown = moe_experts_bwd(dout.to(saved[0].dtype).contiguous(), *saved)
+    dhidden, dweights, dgate_up, ddown = call(ctx, moe_experts_bwd, dout.to(saved[0].dtype).contiguous(), *saved)
     return dhidden, None, dweights, dgate_up, ddown
 
 
-moe_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _MoeExpertsFunction(torch.autograd.Function):
-    """Eager-mode twin of the custom ops (same implementations, less dispatch overhead: ~0.3 ms of host time per
-    fwd + bwd step on the CI CPU; the op is host-bound below ~2k tokens, docs/benchmarks.md run 17). torch.compile
-    traces the custom ops instead (`moe_experts`)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):  # hidden, top_k_index, top_k_weights, gate_up_proj, down_proj
-        output = _experts_fwd(*inputs)
-        _save_for_backward(ctx, inputs, output)
-        return output[0]
-
-    @staticmethod
-    def backward(ctx, dout):
-        saved = ctx.saved_tensors
-        hidden, gate_up_out = saved[0], saved[5]
-        dhidden, dweights, dgate_up, ddown = _experts_bwd(dout.to(hidden.dtype).contiguous(), *saved)
-        if use_triton(hidden):  # gate_up_out now holds its grad: a second backward must fail, as with the custom op
-            torch.autograd.graph.increment_version(gate_up_out)
-        return dhidden, None, dweights, dgate_up, ddown
+_moe_experts = differentiable_op(moe_experts_fwd, _setup_context, _backward)
 
 
 def _check_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
@@ -209,6 +184,4 @@ def moe_experts(
     _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     args = (hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(),
             gate_up_proj.contiguous(), down_proj.contiguous())
-    if torch.compiler.is_compiling():
-        return moe_experts_fwd(*args)[0]
-    return _MoeExpertsFunction.apply(*args)
+    return _moe_experts(*args)[0]

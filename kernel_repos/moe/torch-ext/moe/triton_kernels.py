@@ -11,10 +11,10 @@ Forward:  gate_up GEMM with SwiGLU in the epilogue -> down GEMM -> weighted comb
           gate_up_out is kept for the backward (act is recomputed from it).
 Backward: g_act = (dout @ Wd) with the routing-weight grad and the SwiGLU backward in the epilogue ->
           dx rows (dgate_up @ Wgu) -> combine; per-expert weight grads reduce over the expert's rows
-          inside one program (fixed order, no atomics: deterministic). On sm_90/sm_100 bf16 (GPU_CONFIGS
+          inside one program (fixed order, no atomics: deterministic). On sm_90/sm_100 bf16 (TUNING
           ["backward"], the default there) the weight grads and g_act are torch._grouped_mm (CUTLASS) GEMMs over
           gathered expert-sorted rows instead (deterministic too; g_act optionally the Triton row GEMM on those
-          rows, GPU_CONFIGS["backward"]["g_act"]), g_act's epilogue a separate row pass. The
+          rows, TUNING["backward"]["g_act"]), g_act's epilogue a separate row pass. The
           grad of the gate_up output is written over gate_up_out when the caller allows it (the custom op does).
 All products accumulate in fp32; operands are the input dtype (bf16/fp16 tensor cores, fp32 in IEEE).
 This module imports triton: import it lazily.
@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._device import capability, sm_count
+from ._launch import cdiv, next_power_of_2, launch
 
 
 @triton.jit
@@ -124,7 +125,7 @@ def _gate_up_fwd_tile(
 ):
     # One dot of 2 * BLOCK_N columns per K step: the BLOCK_N gate rows and the BLOCK_N up rows of the weight side by
     # side. Two dots of BLOCK_N would read the x tile from shared memory twice, and with BLOCK_N = 64 Hopper's
-    # warpgroup MMAs are then bound by shared-memory reads (run 18: this kernel 11 % faster, bitwise the same).
+    # warpgroup MMAs are then bound by shared-memory reads (this kernel 11 % faster, bitwise the same).
     rows, row_mask = _tile_rows(TILE_START, OFFSETS, e, pid_m, TILE_M, BM)
     tok = tl.load(SORTED_SLOT + rows, mask=row_mask, other=0).to(tl.int64) // TOP_K  # slot t * K + k: token t
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -492,33 +493,25 @@ def _gather_rows_kernel(
 
 # ----------------------------------------------------------------------------------------------- launch
 
-# Tile configs for 16-bit inputs on CUDA (H100/H200 class), one entry per kernel. Row tiles (BLOCK_M) of the
-# grouped kernels drop to 64 when experts get few rows (decode, many experts). TMA: read the (dense, per expert)
-# weight operand through a Hopper tensor descriptor instead of pointer loads (sm_90+, when the tile fits the
-# expert's slice; ignored otherwise); TMA_A: the same for the contiguous sorted-row operand. HALF_TILES: a row
-# tile holding at most BLOCK_M / 2 of its expert's rows computes only those (`_half_tile`; not in persistent
-# launches). PERSISTENT: one program per SM loops over the tiles (`_persistent_grid`). Module-level and read
-# at call time, so that a tuning run (benchmarks/tune_moe.py) can sweep them without editing code.
-GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 I=768; logs in docs/gpu_runs/)
-    # TMA weight loads: down_fwd 0.505 -> 0.404 ms, gate_up_bwd_x 0.798 -> 0.731 ms (run 6); TMA_A (run 13, timed
-    # interleaved call by call, null variants within 0.3 %): fwd phase -0.5 %, bwd phase -1.1 %; HALF_TILES (run 13,
-    # the same way): fwd phase -2.4 % (gate_up_fwd) and -1.0 % (down_fwd), bwd phase -0.7 % (gate_up_bwd_x);
-    # PERSISTENT (run 14, the same way, both directions): down_fwd fwd phase -2.7 % / +2.4 % when turned off again,
-    # gate_up_bwd_x (4 stages) bwd phase -1.0 % / +0.9 %; gate_up_fwd +13-14 % slower (off). gate_up_fwd with 64
-    # gate + 64 up columns per tile and 3 stages (run 16: 96 KB of shared memory, so two CTAs per SM, one's epilogue
-    # overlapping the other's main loop) +1.5 % on the fwd phase over 128 + 128 columns and 4 stages (one CTA per
-    # SM); 64 columns with 4 stages (one CTA per SM again) -24 %. Run 18: the gate and up halves as one dot of 128
-    # columns (`_gate_up_fwd_tile`): the kernel 1.11x, same tiles and shared memory. Run 19: persistent launches with
-    # two programs per SM (128-column tiles, 3 stages, 96 KB each) slower on every row GEMM: down_fwd -11.5 %,
-    # gate_up_bwd_x -10.6 %, down_bwd_g -5.2 %, gate_up_fwd -24 % on their phase (docs/gpu_runs/run19/tune.log)
+# Tile configs for 16-bit inputs on CUDA (H100/H200 class), one entry per kernel, from H200 sweeps at the
+# Qwen3-30B-A3B shape (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 I=768; each variant timed call by call,
+# interleaved with the default). Row tiles (BLOCK_M) drop to 64 when experts get few rows (decode, many experts).
+# TMA: read the (dense, per expert) weight operand through a Hopper tensor descriptor (sm_90+, when the tile fits
+# the expert's slice; ignored otherwise): down_fwd 0.505 -> 0.404 ms, gate_up_bwd_x 0.798 -> 0.731 ms. TMA_A: the
+# same for the contiguous sorted-row operand (-0.5 % / -1.1 % on the fwd / bwd phase). HALF_TILES: a row tile
+# holding at most BLOCK_M / 2 of its expert's rows computes only those (`_half_tile`; not in persistent launches):
+# -2.4 % gate_up_fwd, -1.0 % down_fwd. PERSISTENT: one program per SM loops over the tiles (`_persistent_grid`):
+# -2.7 % down_fwd, -1.0 % gate_up_bwd_x, but +13 % on gate_up_fwd (off there); two programs per SM were slower on
+# every row GEMM. gate_up_fwd: 64 gate + 64 up columns per tile, 3 stages (96 KB of shared memory: two CTAs per
+# SM, one's epilogue overlapping the other's main loop), gate and up as ONE dot of 128 columns (1.11x over two).
+# Module-level and read at call time, so that benchmarks/tune_moe.py can sweep them without editing code.
+TUNING = {
     "gate_up_fwd": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True,
                         HALF_TILES=True, PERSISTENT=False),
     "down_fwd": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, TMA=True, TMA_A=True,
                      HALF_TILES=True, PERSISTENT=True),
-    # the fused g_act kernel (impls "triton", "grouped_mm_wgrad"; run 15, grouped_mm_wgrad timed call by call): TMA
-    # weights + TMA_A dout rows + half tiles +1.8 % on the bwd phase; persistent -3.4 %; 256-column tiles -24..-33 %
-    # (the epilogue's fp32 temporaries beside a 128x256 accumulator). Even tuned, grouped_mm_wgrad stays 10-14 %
-    # slower than the default: the SwiGLU epilogue is not overlapped with the MMAs, a separate pass runs at bandwidth
+    # the fused g_act kernel (impls "triton", "grouped_mm_wgrad"): persistent -3.4 %, 256-column tiles -24..-33 %
+    # (the epilogue's fp32 temporaries beside a 128x256 accumulator)
     "down_bwd_act": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, TMA_A=True,
                          HALF_TILES=True, PERSISTENT=False),
     "gate_up_bwd_x": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, TMA_A=True,
@@ -527,23 +520,15 @@ GPU_CONFIGS = {  # H200 sweeps (benchmarks/tune_moe.py, T=8192 E=128 K=8 H=2048 
     "down_bwd_w": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "combine": dict(BLOCK_T=8, BLOCK_N=256, num_warps=4),
     # backward GEMMs (see moe_bwd): "triton" (all Triton kernels), "grouped_mm_wgrad" (the two weight grads
-    # through torch._grouped_mm: CUTLASS K-grouped GEMMs over gathered expert-sorted rows) or "grouped_mm" (those
-    # and g_act = dout_rows @ Wd[e] as a CUTLASS M-grouped GEMM, its SwiGLU epilogue in _swiglu_bwd_rows_kernel) or
-    # "grouped_mm_lean" (the same but the gate_up weight grad in Triton, which gathers x rows itself: no (S, H)
-    # buffer of them at the backward's peak);
-    # falls back to "triton" where _grouped_mm's fast path does not apply (`_grouped_mm_applies`).
-    # Run 10: bwd 3.675 -> 3.037 ms with CUTLASS weight grads (Triton's weight-grad kernels reach ~55% of the
-    # matmul rate, CUTLASS's persistent TMA kernel ~80%). Run 11 probe: the M-grouped g_act GEMM 0.368 ms vs
-    # 0.714 ms for the fused Triton _down_bwd_act_kernel; run 15: grouped_mm_wgrad with that kernel tuned (reading the
-    # gathered dout rows) still 10-14 % slower on the bwd phase than "grouped_mm".
-    # Default "grouped_mm" (run 13): since the backward writes dgate_up over the saved gate_up_out, its Qwen3-30B-A3B
-    # training-step peak (bench.py; the first MoE layer's gate_up weight grad, every other grad live) fell from
-    # 25.16 to 24.78 GiB, under Liger's; "grouped_mm_lean" saves another (T*K, H) buffer there (24.25 GiB) at
-    # ~3 % of the step's speed (127.6k vs 131.1k tokens/s, same machine)
-    # g_act (impls "grouped_mm", "grouped_mm_lean"): "cutlass" (torch._grouped_mm, M-grouped) or "triton" (the row
-    # GEMM kernel on the gathered dout rows, GPU_CONFIGS["down_bwd_g"]: persistent, and no padding rows past half a
-    # tile where the M-grouped GEMM computes a full one); the SwiGLU epilogue is its own pass either way.
-    # Run 15 (timed call by call): "triton" +2.4 % on the bwd phase; its per-tile launch -0.7 %, 128-col tiles -2.3 %
+    # through torch._grouped_mm: CUTLASS K-grouped GEMMs over gathered expert-sorted rows), "grouped_mm" (those,
+    # and g_act = dout_rows @ Wd[e] as a row GEMM on the gathered rows, its SwiGLU epilogue in
+    # _swiglu_bwd_rows_kernel) or "grouped_mm_lean" (the same but the gate_up weight grad in Triton, which gathers
+    # x rows itself: no (S, H) buffer of them at the backward's peak, ~3 % slower); falls back to "triton" where
+    # _grouped_mm's fast path does not apply (`_grouped_mm_applies`). CUTLASS's weight grads reach ~80 % of the
+    # matmul rate, Triton's ~55 % (bwd 3.675 -> 3.037 ms). g_act: "triton" (the row GEMM kernel, TUNING
+    # ["down_bwd_g"]: persistent, no padding rows past half a tile) or "cutlass" (torch._grouped_mm, M-grouped,
+    # 2.4 % slower on the bwd phase); the fused Triton g_act kernel of "grouped_mm_wgrad" stays 10-14 % slower (its
+    # SwiGLU epilogue is not overlapped with the MMAs).
     "backward": dict(impl="grouped_mm", g_act="triton"),
     "down_bwd_g": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, TMA=True, TMA_A=True,
                        HALF_TILES=True, PERSISTENT=True),
@@ -570,7 +555,7 @@ def _config(name: str, t: torch.Tensor, S: int, E: int) -> dict:
         return dict(_INTERPRETER_W_CONFIG if name.endswith("_w") else _INTERPRETER_CONFIG)
     if t.dtype == torch.float32:
         return dict(_FP32_CONFIG, TMA=False)
-    cfg = dict(GPU_CONFIGS[name])
+    cfg = dict(TUNING[name])
     if not name.endswith("_w") and S < 96 * E:  # few rows per expert: less padding waste per row tile
         cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 64)
     if cfg["BLOCK_M"] < 128:  # half tiles of fewer than 64 rows would not fill a Hopper warpgroup MMA
@@ -595,18 +580,18 @@ class _RowTiles:
             offsets = self.expert_offsets
             E = offsets.numel() - 1
             # static bound on the number of row tiles: the grid size never depends on the routing
-            max_tiles = max(1, min(triton.cdiv(self.S, block_m) + E, self.S))
+            max_tiles = max(1, min(cdiv(self.S, block_m) + E, self.S))
             tile_expert = torch.empty(max_tiles, dtype=torch.int64, device=offsets.device)
             tile_start = torch.empty(E + 1, dtype=torch.int64, device=offsets.device)  # [E]: the tile count
-            block_e = triton.next_power_of_2(E)
-            # a (BLOCK_J, BLOCK_E) comparison per program, <= 4096 elements (run 18: 16384, 7-10 us per launch)
+            block_e = next_power_of_2(E)
+            # a (BLOCK_J, BLOCK_E) comparison per program, <= 4096 elements (16384 took 7-10 us per launch, this 2)
             block_j = max(16, min(1024, 4096 // block_e))
-            map_programs = triton.cdiv(max_tiles, block_j)
+            map_programs = cdiv(max_tiles, block_j)
             pos_programs = 0
             if self.sorted_slot is not None and self._pos is None:
                 self._pos = torch.empty_like(self.sorted_slot)
-                pos_programs = triton.cdiv(self.S, _POSITIONS_BLOCK)
-            _tile_map_kernel[(map_programs + pos_programs,)](
+                pos_programs = cdiv(self.S, _POSITIONS_BLOCK)
+            launch(_tile_map_kernel, (map_programs + pos_programs,),
                 offsets, tile_expert, tile_start, self.sorted_slot if pos_programs else tile_expert,
                 self._pos if pos_programs else tile_expert, E, max_tiles, self.S, map_programs, BLOCK_M=block_m,
                 BLOCK_E=block_e, BLOCK_J=block_j, BLOCK_P=_POSITIONS_BLOCK, num_warps=4)
@@ -695,11 +680,11 @@ def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype, refill=None)
     same pass over y_rows."""
     K = top_k_index.shape[1]
     out = torch.empty((T, H), dtype=out_dtype, device=y_rows.device)
-    cfg = GPU_CONFIGS["combine"] if _on_gpu(y_rows) else dict(BLOCK_T=16, BLOCK_N=32, num_warps=4)
-    block_t, block_n = cfg["BLOCK_T"], min(cfg["BLOCK_N"], triton.next_power_of_2(H))
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_n))
+    cfg = TUNING["combine"] if _on_gpu(y_rows) else dict(BLOCK_T=16, BLOCK_N=32, num_warps=4)
+    block_t, block_n = cfg["BLOCK_T"], min(cfg["BLOCK_N"], next_power_of_2(H))
+    grid = (cdiv(T, block_t), cdiv(H, block_n))
     src = refill if refill is not None else y_rows
-    _combine_kernel[grid](
+    launch(_combine_kernel, grid,
         y_rows, pos, top_k_index, weights if weights is not None else y_rows, out, src, T, H, E,
         y_rows.stride(0), out.stride(0), src.stride(0), K=K, HAS_WEIGHT=weights is not None,
         REFILL=refill is not None, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=cfg["num_warps"],
@@ -710,10 +695,10 @@ def _combine(y_rows, pos, top_k_index, weights, T, H, E, out_dtype, refill=None)
 def _gather_rows(src, sorted_slot, top_k, dst):
     """dst[r] = src[token of row r] (token = sorted_slot[r] // top_k), dst (S, N) in src's dtype."""
     S, N = dst.shape
-    cfg = GPU_CONFIGS["gather_rows"] if _on_gpu(src) else dict(BLOCK_R=8, BLOCK_N=32, num_warps=4)
-    block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(N))
-    grid = (triton.cdiv(S, cfg["BLOCK_R"]), triton.cdiv(N, block_n))
-    _gather_rows_kernel[grid](src, sorted_slot, dst, S, N, top_k, src.stride(0), dst.stride(0),
+    cfg = TUNING["gather_rows"] if _on_gpu(src) else dict(BLOCK_R=8, BLOCK_N=32, num_warps=4)
+    block_n = min(cfg["BLOCK_N"], next_power_of_2(N))
+    grid = (cdiv(S, cfg["BLOCK_R"]), cdiv(N, block_n))
+    launch(_gather_rows_kernel, grid, src, sorted_slot, dst, S, N, top_k, src.stride(0), dst.stride(0),
                               BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n, num_warps=cfg["num_warps"])
     return dst
 
@@ -722,10 +707,10 @@ def _swiglu_bwd_rows(g_act, gate_up_out, sorted_slot, top_k_weights, expert_offs
     """The SwiGLU backward of g_act's rows (`_swiglu_bwd_rows_kernel`): writes dgate_up_out, overwrites g_act with
     act_w, returns the routing-weight grad (T, K) in the weights' dtype (zero for slots routed outside [0, E))."""
     S, inter = g_act.shape
-    cfg = GPU_CONFIGS["swiglu_bwd_rows"] if _on_gpu(g_act) else dict(BLOCK_R=4, BLOCK_N=16, num_warps=4)
-    block_n = min(cfg["BLOCK_N"], triton.next_power_of_2(inter))
+    cfg = TUNING["swiglu_bwd_rows"] if _on_gpu(g_act) else dict(BLOCK_R=4, BLOCK_N=16, num_warps=4)
+    block_n = min(cfg["BLOCK_N"], next_power_of_2(inter))
     dweights = torch.empty_like(top_k_weights)
-    _swiglu_bwd_rows_kernel[(triton.cdiv(S, cfg["BLOCK_R"]),)](
+    launch(_swiglu_bwd_rows_kernel, (cdiv(S, cfg["BLOCK_R"]),),
         g_act, gate_up_out, sorted_slot, top_k_weights, expert_offsets, dgate_up_out, dweights, S, inter,
         expert_offsets.numel() - 1, g_act.stride(0), gate_up_out.stride(0), dgate_up_out.stride(0),
         BLOCK_R=cfg["BLOCK_R"], BLOCK_N=block_n, num_warps=cfg["num_warps"],
@@ -748,11 +733,11 @@ BACKWARD_IMPLS = ("triton", "grouped_mm", "grouped_mm_lean", "grouped_mm_wgrad")
 
 
 def backward_impl(t: torch.Tensor, H: int, inter: int, E: int) -> str:
-    """The backward implementation that runs for these inputs: GPU_CONFIGS["backward"]["impl"] (read at call time)
+    """The backward implementation that runs for these inputs: TUNING["backward"]["impl"] (read at call time)
     where it applies (`_grouped_mm_applies`), else "triton"."""
-    impl = GPU_CONFIGS.get("backward", {}).get("impl", "triton")
+    impl = TUNING.get("backward", {}).get("impl", "triton")
     if impl not in BACKWARD_IMPLS:
-        raise ValueError(f"moe: unknown GPU_CONFIGS['backward'] impl {impl!r} (one of {BACKWARD_IMPLS})")
+        raise ValueError(f"moe: unknown TUNING['backward'] impl {impl!r} (one of {BACKWARD_IMPLS})")
     if impl.startswith("grouped_mm"):
         return impl if _grouped_mm_applies(t, H, inter, E) else "triton"
     return impl
@@ -794,12 +779,12 @@ def _k_grouped_mm(a_sorted, b_sorted, expert_offsets):
 
 
 def _weight_grad_triton(name, rows_a, rows_b, sorted_slot, top_k, expert_offsets, like, a_by_token):
-    """out[e] (M, N) = sum over expert e's rows r of a_r^T b_r with `_weight_grad_kernel` (its GPU_CONFIGS entry
+    """out[e] (M, N) = sum over expert e's rows r of a_r^T b_r with `_weight_grad_kernel` (its TUNING entry
     `name`); out has the shape of `like` (E, M, N); a_by_token: rows_a is indexed by token, else rows_b is."""
     E, M, N = like.shape
     cfg = _config(name, rows_a, sorted_slot.numel(), E)
     out = torch.empty_like(like)
-    _weight_grad_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), E)](
+    launch(_weight_grad_kernel, (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), E),
         rows_a, rows_b, sorted_slot, expert_offsets, out, M, N, top_k, rows_a.stride(0), rows_b.stride(0),
         out.stride(0),
         out.stride(1), PREC=_prec(rows_a.dtype), EVEN_M=M % cfg["BLOCK_M"] == 0, EVEN_N=N % cfg["BLOCK_N"] == 0,
@@ -817,13 +802,13 @@ def _down_bwd_act(dout, dout_sorted, down_proj, sorted_slot, top_k_weights, row_
     E, H, inter = down_proj.shape
     cfg = _config("down_bwd_act", dout, S, E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-    tiles_i = triton.cdiv(inter, cfg["BLOCK_N"])
+    tiles_i = cdiv(inter, cfg["BLOCK_N"])
     act_w = torch.empty((S, inter), dtype=dout.dtype, device=dout.device)
     dw_part = torch.empty((S, tiles_i), dtype=torch.float32, device=dout.device)
     even_k = H % cfg["BLOCK_K"] == 0
     w_down, tma = _weight_operand(down_proj, cfg, [cfg["BLOCK_K"], cfg["BLOCK_N"]], even_k)
     a_op, tma_a = _rows_operand(dout, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]]) if dout_sorted else (dout, False)
-    _down_bwd_act_kernel[(_persistent_grid(cfg, tiles_i * max_tiles, dout.device),)](
+    launch(_down_bwd_act_kernel, (_persistent_grid(cfg, tiles_i * max_tiles, dout.device),),
         dout, a_op, w_down, sorted_slot, top_k_weights, tile_expert, tile_start, expert_offsets, gate_up_out,
         dgate_up_out, act_w, dw_part, H, inter, E, top_k_weights.shape[1], tiles_i, dout.stride(0),
         down_proj.stride(0), down_proj.stride(1), gate_up_out.stride(0), dgate_up_out.stride(0), act_w.stride(0),
@@ -836,7 +821,7 @@ def _down_bwd_act(dout, dout_sorted, down_proj, sorted_slot, top_k_weights, row_
 
 
 def _rows_gemm(name, a, w, row_tiles, expert_offsets, out):
-    """out[r] = a[r] @ W[e] over the expert-sorted rows with `_rows_gemm_kernel` (its GPU_CONFIGS entry `name`):
+    """out[r] = a[r] @ W[e] over the expert-sorted rows with `_rows_gemm_kernel` (its TUNING entry `name`):
     "down_fwd" (w = down_proj (E, N, K), used transposed), "gate_up_bwd_x" (w = gate_up_proj (E, K, N)) or
     "down_bwd_g" (g_act: w = down_proj (E, K=H, N=I))."""
     b_nk = name == "down_fwd"
@@ -844,13 +829,13 @@ def _rows_gemm(name, a, w, row_tiles, expert_offsets, out):
     N, K = (w.shape[1], w.shape[2]) if b_nk else (w.shape[2], w.shape[1])
     cfg = _config(name, a, a.shape[0], E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-    tiles_n = triton.cdiv(N, cfg["BLOCK_N"])
+    tiles_n = cdiv(N, cfg["BLOCK_N"])
     # a TMA weight tile must not straddle two experts' slices of the 2-D view: along N for (E, N, K), along K else
     in_expert = (N if b_nk else K) % (cfg["BLOCK_N"] if b_nk else cfg["BLOCK_K"]) == 0
     block = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
     w_op, tma = _weight_operand(w, cfg, block, in_expert)
     a_op, tma_a = _rows_operand(a, cfg, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    _rows_gemm_kernel[(_persistent_grid(cfg, tiles_n * max_tiles, a.device),)](
+    launch(_rows_gemm_kernel, (_persistent_grid(cfg, tiles_n * max_tiles, a.device),),
         a, a_op, w_op, tile_expert, tile_start, expert_offsets, out,
         N, K, E, tiles_n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         PREC=_prec(a.dtype), EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, TMA=tma, TMA_A=tma_a,
@@ -862,15 +847,15 @@ def _rows_gemm(name, a, w, row_tiles, expert_offsets, out):
 
 def _gate_up_fwd(hidden, gate_up_proj, sorted_slot, top_k, row_tiles, expert_offsets, gate_up_out, act):
     """gate_up_out[r] = x[token_r] @ Wgu[e]^T (rounded), act[r] = SwiGLU of it, over the expert-sorted rows
-    (`_gate_up_fwd_kernel`, GPU_CONFIGS["gate_up_fwd"])."""
+    (`_gate_up_fwd_kernel`, TUNING["gate_up_fwd"])."""
     H = hidden.shape[1]
     E, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     cfg = _config("gate_up_fwd", hidden, gate_up_out.shape[0], E)
     tile_expert, tile_start, max_tiles = row_tiles(cfg["BLOCK_M"])
-    tiles_n = triton.cdiv(inter, cfg["BLOCK_N"])
+    tiles_n = cdiv(inter, cfg["BLOCK_N"])
     w_gu, tma = _gate_up_operand(gate_up_proj, cfg)
-    _gate_up_fwd_kernel[(_persistent_grid(cfg, tiles_n * max_tiles, hidden.device),)](
+    launch(_gate_up_fwd_kernel, (_persistent_grid(cfg, tiles_n * max_tiles, hidden.device),),
         hidden, w_gu, sorted_slot, tile_expert, tile_start, expert_offsets, gate_up_out, act,
         H, inter, E, top_k, tiles_n, hidden.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
         gate_up_out.stride(0), act.stride(0), PREC=_prec(hidden.dtype), EVEN_N=inter % cfg["BLOCK_N"] == 0,
@@ -929,7 +914,7 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     dout_rows = None
     if impl in ("grouped_mm", "grouped_mm_lean"):
         dout_rows = _gather_rows(dout, sorted_slot, K, rows_buf)
-        if GPU_CONFIGS["backward"].get("g_act", "triton") == "triton":
+        if TUNING["backward"].get("g_act", "triton") == "triton":
             act_w = _rows_gemm("down_bwd_g", dout_rows, down_proj, row_tiles, expert_offsets,
                                torch.empty((S, inter), dtype=dtype, device=hidden.device))
         else:

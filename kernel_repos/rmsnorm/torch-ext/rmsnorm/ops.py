@@ -1,10 +1,9 @@
 """Custom ops and the functional API of the RMSNorm family.
 
-The fused forward and backward are `torch.library.custom_op`s registered under this build's unique
-namespace (`_ops.add_op_namespace_prefix`), with fake implementations and autograd, so that
-`torch.compile(fullgraph=True)` sees one opaque node per call. In eager mode the same implementations run
-through a plain `autograd.Function`, which costs far less Python per call than the custom-op dispatcher
-(the ops are small enough for that overhead to show). Both dispatch on the tensor's device at run time:
+The fused forward and backward are custom ops under this build's unique namespace, with fake implementations
+and autograd, so that `torch.compile(fullgraph=True)` sees one opaque node per call. In eager mode the same
+implementations run through an autograd.Function (`_custom_op.differentiable_op`), which costs far less Python
+per call than the custom-op dispatcher (the ops are small enough for that overhead to show). Both dispatch on the tensor's device at run time:
 Triton on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
 """
 from typing import Optional
@@ -12,7 +11,7 @@ from typing import Optional
 import torch
 
 from ._device import use_triton
-from ._ops import add_op_namespace_prefix
+from ._custom_op import call, custom_op, differentiable_op
 from .reference import GATED, STANDARD, ZERO_CENTERED, rms_norm_bwd_reference, rms_norm_fwd_reference
 
 
@@ -38,7 +37,7 @@ def _out_dtype(x: torch.Tensor, weight: torch.Tensor, mode: int) -> torch.dtype:
     return torch.promote_types(weight.dtype, x.dtype) if mode == STANDARD else x.dtype
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rms_norm_fwd"), mutates_args=())
+@custom_op("rms_norm_fwd")
 def _rms_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor], eps: float, mode: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +49,7 @@ def _(x, weight, gate, eps, mode):
     return x.new_empty(x.shape, dtype=_out_dtype(x, weight, mode)), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rms_norm_bwd"), mutates_args=())
+@custom_op("rms_norm_bwd")
 def _rms_norm_bwd(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor], rstd: torch.Tensor,
     mode: int,
@@ -66,34 +65,18 @@ def _(dy, x, weight, gate, rstd, mode):
 
 def _setup_context(ctx, inputs, output):
     x, weight, gate, eps, mode = inputs
+    ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(x, weight, gate, output[1])
     ctx.mode = mode
 
 
 def _backward(ctx, dy, _drstd):
     x, weight, gate, rstd = ctx.saved_tensors
-    dx, dw, dgate = _rms_norm_bwd(dy.contiguous(), x, weight, gate, rstd, ctx.mode)
+    dx, dw, dgate = call(ctx, _rms_norm_bwd, dy.contiguous(), x, weight, gate, rstd, ctx.mode)
     return dx, dw, (dgate if gate is not None else None), None, None
 
 
-_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """Eager-mode twin of the custom op (same implementations, less dispatch overhead)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, gate, eps, mode):
-        y, rstd = _fwd_impl(x, weight, gate, eps, mode)
-        ctx.save_for_backward(x, weight, gate, rstd)
-        ctx.mode = mode
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, gate, rstd = ctx.saved_tensors
-        dx, dw, dgate = _bwd_impl(dy.contiguous(), x, weight, gate, rstd, ctx.mode)
-        return dx, dw, (dgate if gate is not None else None), None, None
+_rms_norm = differentiable_op(_rms_norm_fwd, _setup_context, _backward)
 
 
 def _check_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor]) -> None:
@@ -130,10 +113,7 @@ def _apply(name, x, weight, gate, eps, mode):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     g2 = gate.reshape(-1, shape[-1]).contiguous() if gate is not None else None
-    if torch.compiler.is_compiling():
-        y, _ = _rms_norm_fwd(x2, weight.contiguous(), g2, float(eps), mode)
-    else:
-        y = _RMSNormFunction.apply(x2, weight.contiguous(), g2, float(eps), mode)
+    y, _ = _rms_norm(x2, weight.contiguous(), g2, float(eps), mode)
     return y.view(shape)
 
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ._device import sm_count
+from ._launch import cdiv, next_power_of_2, launch
 from .reference import GATED
 
 MAX_HIDDEN = 65536
@@ -94,7 +95,7 @@ def _rms_norm_bwd_kernel(
 
 def _fwd_config(n_cols: int):
     """(BLOCK_M, BLOCK_N, num_warps): whole rows per program; several rows when rows are short."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     block_m = max(1, min(64, 2048 // block_n))
     num_warps = min(16, max(1, block_m * block_n // 512))
     return block_m, block_n, num_warps
@@ -104,7 +105,7 @@ def _bwd_config(n_cols: int, device: torch.device):
     """(BLOCK_M, BLOCK_N, num_warps, max programs): 2 programs per SM, each looping over a slab of rows in
     tiles of ~16K elements (measured on H200: 4 x 4096 rows per iteration beats 1 row; short rows need
     many rows per tile or the loop is latency-bound)."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     block_m = max(1, min(128, 16384 // block_n))
     num_warps = 16 if block_m * block_n >= 8192 else 8
     programs = sm_count(device) * 2
@@ -122,7 +123,7 @@ def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     block_m, block_n, num_warps = _fwd_config(N)
     g = gate if gate is not None else x
-    _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+    launch(_rms_norm_fwd_kernel, (cdiv(M, block_m),),
         x, weight, g, y, rstd, M, N, x.stride(0), g.stride(0), y.stride(0), eps,
         MODE=mode, ROUND_T=_round_t(x, weight, mode), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
@@ -132,14 +133,14 @@ def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype)
 def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int):
     M, N = x.shape
     block_m, block_n, num_warps, programs = _bwd_config(N, x.device)
-    rows_per_program = triton.cdiv(triton.cdiv(M, min(programs, triton.cdiv(M, block_m))), block_m) * block_m
-    grid = triton.cdiv(M, rows_per_program)
+    rows_per_program = cdiv(cdiv(M, min(programs, cdiv(M, block_m))), block_m) * block_m
+    grid = cdiv(M, rows_per_program)
     dx = torch.empty_like(x)
     dgate = torch.empty_like(gate) if gate is not None else x.new_empty(0)
     dw_partial = torch.empty((grid, N), dtype=torch.float32, device=x.device)
     g = gate if gate is not None else x
     dg = dgate if gate is not None else dx
-    _rms_norm_bwd_kernel[(grid,)](
+    launch(_rms_norm_bwd_kernel, (grid,),
         dy, x, weight, g, rstd, dx, dg, dw_partial, M, N, rows_per_program,
         dy.stride(0), x.stride(0), g.stride(0), dx.stride(0), dg.stride(0),
         MODE=mode, ROUND_T=_round_t(x, weight, mode), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,

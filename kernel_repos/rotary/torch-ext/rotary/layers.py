@@ -163,15 +163,16 @@ class QKNormRopeAttentionLayout(nn.Module):
     """Replaces `^Qwen3Attention$` / `^Qwen3MoeAttention$`: same `__init__(config, layer_idx)` and parameters."""
 
     conversion_mapping = []  # same parameter names and shapes as the HF class: nothing to re-lay
+    gated = False
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        _init_attention(self, config, layer_idx, gated=False)
+        _init_attention(self, config, layer_idx, gated=self.gated)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: Optional[torch.Tensor], past_key_values=None, **kwargs):
         return _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
-                                  gated=False, fused=False)
+                                  gated=self.gated, fused=False)
 
 
 # ------------------------------------------------------------------ Qwen3.5-MoE gated attention
@@ -188,19 +189,11 @@ class GatedQKNormRopeAttention(nn.Module):
                                   gated=True, fused=True)
 
 
-class GatedQKNormRopeAttentionLayout(nn.Module):
+class GatedQKNormRopeAttentionLayout(QKNormRopeAttentionLayout):
     """Replaces `^Qwen3_5MoeAttention$`: same `__init__(config, layer_idx)` and parameters (q_proj is 2x wide)."""
 
-    conversion_mapping = []
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        _init_attention(self, config, layer_idx, gated=True)
-
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: Optional[torch.Tensor], past_key_values=None, **kwargs):
-        return _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
-                                  gated=True, fused=False)
+    gated = True
+    forward = QKNormRopeAttentionLayout.forward  # transformers wants a forward in the Layout's own class dict
 
 
 __all__ = [

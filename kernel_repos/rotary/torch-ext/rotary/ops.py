@@ -1,8 +1,8 @@
 """Custom ops and the functional API: RoPE (full / partial) and fused per-head RMSNorm + RoPE.
 
-Every forward and backward is a `torch.library.custom_op` registered under this build's unique namespace
-(`_ops.add_op_namespace_prefix`), with a fake implementation and autograd, so `torch.compile(fullgraph=True)`
-sees one opaque node per call. Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU
+Every forward and backward is a custom op under this build's unique namespace, with a fake implementation and
+autograd, so `torch.compile(fullgraph=True)` sees one opaque node per call; eager calls run the same
+implementations through an autograd.Function (`_custom_op.differentiable_op`: no dispatcher cost). Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU
 (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
 
 Output memory layout follows HF so that downstream attention kernels see the same strides as in eager:
@@ -14,7 +14,7 @@ again by autograd (AccumulateGrad into a transposed leaf, `view`'s backward of a
 import torch
 
 from ._device import use_triton
-from ._ops import add_op_namespace_prefix
+from ._custom_op import call, custom_op, differentiable_op
 from .reference import (
     NONE, STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_bwd_reference, qk_norm_rope_hf,
     rope_bwd_reference,
@@ -67,7 +67,7 @@ def _rope_into(q, k, cos, sin, head_pos, q_out, k_out) -> None:
         k_out.copy_(kr)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rope_fwd"), mutates_args=())
+@custom_op("rope_fwd")
 def _rope_fwd(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +85,7 @@ def _(q, k, cos, sin, head_pos):
     return _rope_out(q, dtype, full), _rope_out(k, dtype, full)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rope_fwd_flat"), mutates_args=())
+@custom_op("rope_fwd_flat")
 def _rope_fwd_flat(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int) -> torch.Tensor:
     dtype = torch.promote_types(q.dtype, cos.dtype)
     flat = q.new_empty(q.numel() + k.numel(), dtype=dtype)
@@ -99,7 +99,7 @@ def _(q, k, cos, sin, head_pos):
     return q.new_empty(q.numel() + k.numel(), dtype=torch.promote_types(q.dtype, cos.dtype))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rope_bwd"), mutates_args=())
+@custom_op("rope_bwd")
 def _rope_bwd(
     dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int,
     q_order: list[int], k_order: list[int],
@@ -136,7 +136,7 @@ def _rope_backward(ctx, dq_out, dk_out):
     cos, sin = ctx.saved_tensors
     dq_out = dq_out if dq_out is not None and dq_out.stride(-1) == 1 else _grad_or_zeros(dq_out, ctx, 0)
     dk_out = dk_out if dk_out is not None and dk_out.stride(-1) == 1 else _grad_or_zeros(dk_out, ctx, 1)
-    dq, dk = _rope_bwd(dq_out, dk_out, cos, sin, ctx.head_pos, *ctx.orders)
+    dq, dk = call(ctx, _rope_bwd, dq_out, dk_out, cos, sin, ctx.head_pos, *ctx.orders)
     return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), None, None, None
 
 
@@ -147,18 +147,18 @@ def _grad_or_zeros(g, ctx, i):
     return g.contiguous()
 
 
-_rope_fwd.register_autograd(_rope_backward, setup_context=_rope_setup_context)
+_rope = differentiable_op(_rope_fwd, _rope_setup_context, _rope_backward)
 
 
 def _rope_flat_backward(ctx, dflat):
     cos, sin = ctx.saved_tensors
     dflat = dflat.contiguous()
     (qs, ks), nq = ctx.shapes, ctx.shapes[0].numel()
-    dq, dk = _rope_bwd(dflat[:nq].view(qs), dflat[nq:].view(ks), cos, sin, ctx.head_pos, *ctx.orders)
+    dq, dk = call(ctx, _rope_bwd, dflat[:nq].view(qs), dflat[nq:].view(ks), cos, sin, ctx.head_pos, *ctx.orders)
     return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), None, None, None
 
 
-_rope_fwd_flat.register_autograd(_rope_flat_backward, setup_context=_rope_setup_context)
+_rope_flat = differentiable_op(_rope_fwd_flat, _rope_setup_context, _rope_flat_backward)
 
 
 def _check_tensor(name, what, t):
@@ -212,13 +212,13 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
     launch. q: (B, Hq, S, D) and k: (B, Hk, S, D) for unsqueeze_dim=1, (B, S, H, D) for 2; cos/sin (B or 1, S, R).
     Returns (q_embed, k_embed) in `promote(q.dtype, cos.dtype)`."""
     head_pos = _check_rope("apply_rotary_pos_emb", q, k, cos, sin, unsqueeze_dim)
-    return _rope_fwd(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
+    return _rope(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
 
 
 def apply_rotary_pos_emb_flat(q, k, cos, sin, unsqueeze_dim: int = 1):
     """`torch.cat([q_embed.flatten(), k_embed.flatten()])` written directly by the kernel (one 1-D output)."""
     head_pos = _check_rope("apply_rotary_pos_emb_flat", q, k, cos, sin, unsqueeze_dim)
-    return _rope_fwd_flat(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
+    return _rope_flat(_last_contig(q), _last_contig(k), _last_contig(cos), _last_contig(sin), head_pos)
 
 
 # ------------------------------------------------------------------ in-place RoPE
@@ -229,7 +229,7 @@ def _no_heads(x: torch.Tensor, head_pos: int) -> torch.Tensor:
     return x.narrow(head_pos, 0, 0)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rope_fwd_"), mutates_args=("x",))
+@custom_op("rope_fwd_", mutates_args=("x",))
 def _rope_fwd_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int) -> None:
     if use_triton(x):
         from .triton_kernels import qk_rope_fwd
@@ -249,7 +249,8 @@ class _RopeInplace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin, head_pos):
-        _rope_fwd_(x, cos, sin, head_pos)
+        ctx.eager = not torch.compiler.is_compiling()
+        call(ctx, _rope_fwd_, x, cos, sin, head_pos)
         ctx.mark_dirty(x)
         ctx.save_for_backward(cos, sin)
         ctx.head_pos, ctx.order = head_pos, _dim_order(x)
@@ -259,7 +260,8 @@ class _RopeInplace(torch.autograd.Function):
     def backward(ctx, dx_out):
         cos, sin = ctx.saved_tensors
         dx_out = _last_contig(dx_out)
-        dx, _ = _rope_bwd(dx_out, _no_heads(dx_out, ctx.head_pos), cos, sin, ctx.head_pos, ctx.order, ctx.order)
+        dx, _ = call(ctx, _rope_bwd, dx_out, _no_heads(dx_out, ctx.head_pos), cos, sin, ctx.head_pos, ctx.order,
+                     ctx.order)
         return dx, None, None, None
 
 
@@ -310,7 +312,7 @@ def _qk_norm_rope_into(q, k, q_weight, k_weight, cos, sin, eps, mode, norm_dtype
         k_out.copy_(kr)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("qk_norm_rope_fwd"), mutates_args=())
+@custom_op("qk_norm_rope_fwd")
 def _qk_norm_rope_fwd(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, eps: float, mode: int,
@@ -329,7 +331,7 @@ def _(q, k, q_weight, k_weight, cos, sin, eps, mode):
     return _norm_rope_out(q, dtype, full), _norm_rope_out(k, dtype, full)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("qk_norm_rope_bwd"), mutates_args=())
+@custom_op("qk_norm_rope_bwd")
 def _qk_norm_rope_bwd(
     dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, mode: int,
@@ -362,14 +364,15 @@ def _norm_rope_backward(ctx, dq_out, dk_out):
     dtype = _norm_dtypes(q, q_weight, cos, ctx.mode)[1]
     dq_out = _last_contig(dq_out) if dq_out is not None else q.new_zeros((B, Hq, S, D), dtype=dtype)
     dk_out = _last_contig(dk_out) if dk_out is not None else k.new_zeros((B, k.shape[2], S, D), dtype=dtype)
-    dq, dk, dwq, dwk = _qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.mode)
+    dq, dk, dwq, dwk = call(ctx, _qk_norm_rope_bwd, dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps,
+                            ctx.mode)
     return dq, dk, dwq, dwk, None, None, None, None
 
 
-_qk_norm_rope_fwd.register_autograd(_norm_rope_backward, setup_context=_norm_rope_setup_context)
+_qk_norm_rope_op = differentiable_op(_qk_norm_rope_fwd, _norm_rope_setup_context, _norm_rope_backward)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("qk_norm_rope_fwd_flat"), mutates_args=())
+@custom_op("qk_norm_rope_fwd_flat")
 def _qk_norm_rope_fwd_flat(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, eps: float, mode: int,
@@ -395,11 +398,12 @@ def _norm_rope_flat_backward(ctx, dflat):
     dflat = dflat.contiguous()
     dq_out = dflat[: q.numel()].view(B, Hq, S, D)
     dk_out = dflat[q.numel():].view(B, k.shape[2], S, D)
-    dq, dk, dwq, dwk = _qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.mode)
+    dq, dk, dwq, dwk = call(ctx, _qk_norm_rope_bwd, dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps,
+                            ctx.mode)
     return dq, dk, dwq, dwk, None, None, None, None
 
 
-_qk_norm_rope_fwd_flat.register_autograd(_norm_rope_flat_backward, setup_context=_norm_rope_setup_context)
+_qk_norm_rope_flat_op = differentiable_op(_qk_norm_rope_fwd_flat, _norm_rope_setup_context, _norm_rope_flat_backward)
 
 
 def _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin):
@@ -416,8 +420,8 @@ def _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin):
 
 def _qk_norm_rope(name, q, k, q_weight, k_weight, cos, sin, eps, mode):
     _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin)
-    return _qk_norm_rope_fwd(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
-                             _last_contig(cos), _last_contig(sin), float(eps), mode)
+    return _qk_norm_rope_op(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
+                            _last_contig(cos), _last_contig(sin), float(eps), mode)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
@@ -437,9 +441,9 @@ def qk_norm_rope_flat(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, zer
     """`torch.cat([q_out.flatten(), k_out.flatten()])` of `qk_norm_rope` (or `_zero_centered`), written directly."""
     name = "qk_norm_rope_flat"
     _check_norm_rope(name, q, k, q_weight, k_weight, cos, sin)
-    return _qk_norm_rope_fwd_flat(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
-                                  _last_contig(cos), _last_contig(sin), float(eps),
-                                  ZERO_CENTERED if zero_centered else STANDARD)
+    return _qk_norm_rope_flat_op(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
+                                 _last_contig(cos), _last_contig(sin), float(eps),
+                                 ZERO_CENTERED if zero_centered else STANDARD)
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "apply_rotary_pos_emb_", "qk_norm_rope",

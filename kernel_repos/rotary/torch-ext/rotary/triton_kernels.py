@@ -4,11 +4,8 @@ All tensors are seen as canonical (B, H, S, D) views with arbitrary strides (las
 k go through ONE launch (programs [0, Pq) take q rows, the rest k rows). A program owns a contiguous range of
 rows (b, h, s); each row is read once as three column groups: the two rotary halves [0, R/2), [R/2, R)
 and the pass-through part [R, D). cos/sin are (Bc, S, R) with Bc in {1, B} (batch stride 0 broadcasts).
-With CONFIG[...]["row_tile"] and R < D, the row-tile kernels read the row as ONE tile instead (rotate_half
+With TUNING[...]["row_tile"] and R < D, the row-tile kernels read the row as ONE tile instead (rotate_half
 partners by second, cache-hitting loads): one register layout, no shuffles between column groups.
-With CONFIG[norm_*]["lean"] (a variant under measurement), the fused norm + RoPE runs the lean row-tile
-kernels instead (partial and full RoPE): the same math with ~40% fewer instructions per element (sm_90
-SASS, Qwen3.5 shape: backward 773 -> 469 per loop iteration, 130 -> 124 registers; forward 615 -> 450).
 
 Arithmetic is fp32. The forward reproduces HF's roundings when the output dtype is narrower than fp32
 (each product rounded, then the sum; the norm output rounded before the rotation), so outputs match eager
@@ -18,51 +15,31 @@ products to bf16/fp16 multiplies and fuses each with the following add into one 
 of HF's two), which the interpreter never shows; fp32 outputs likewise lose eager's separate mul and add.
 The fused backward is plain fp32 and deterministic: each program accumulates its dweight share as 2-D
 register tiles (reduced once, at the end) and writes one fp32 partial; the partials are summed afterwards.
-Launch shapes come from `CONFIG`, read at every launch. This module imports triton: import it lazily.
+Launch shapes come from `TUNING`, read at every launch. This module imports triton: import it lazily.
 """
 import torch
 import triton
 import triton.language as tl
 
 from ._device import sm_count
+from ._launch import cdiv, next_power_of_2, launch
 from .reference import NONE, STANDARD
-
-
-@triton.jit
-def _coords_init(rows, H, S, HEAD_INNER: tl.constexpr):
-    # row index -> (b, j, i) with i the innermost index (h if HEAD_INNER else s), j the middle one; int32.
-    # The lean kernels divide once per program and then step the coordinates with _coords_step.
-    if HEAD_INNER:
-        i = rows % H
-        t = rows // H
-        j = t % S
-        b = t // S
-    else:
-        i = rows % S
-        t = rows // S
-        j = t % H
-        b = t // H
-    return b, j, i
-
-
-@triton.jit
-def _head_seq(j, i, HEAD_INNER: tl.constexpr):
-    # (h, s) from _coords_init's middle and innermost coordinates
-    if HEAD_INNER:
-        h = i
-        s = j
-    else:
-        h = j
-        s = i
-    return h, s
 
 
 @triton.jit
 def _row_offsets(rows, H, S, s_b, s_h, s_s, HEAD_INNER: tl.constexpr):
     # row index -> (b, h, s) in int64 and the row's offset; HEAD_INNER: h innermost (rows of a program share s),
     # else s innermost
-    b, j, i = _coords_init(rows, H, S, HEAD_INNER)
-    h, s = _head_seq(j, i, HEAD_INNER)
+    if HEAD_INNER:
+        h = rows % H
+        t = rows // H
+        s = t % S
+        b = t // S
+    else:
+        s = rows % S
+        t = rows // S
+        h = t % H
+        b = t // H
     b = b.to(tl.int64)
     h = h.to(tl.int64)
     s = s.to(tl.int64)
@@ -205,165 +182,14 @@ def _fwd_rows_tile(
 
 
 @triton.jit
-def _coords_step(b, j, i, n_inner, n_mid, step_i, step_j0, step_j1, step_b0, step_b1):
-    # (b, j, i) of the rows BLOCK_M further on, without integer division: the scalars are BLOCK_M % n_inner
-    # (step_i), (BLOCK_M // n_inner [+ 1]) % n_mid (step_j0 / step_j1) and its quotient (step_b0 / step_b1),
-    # the +1 taken where i wraps around
-    i = i + step_i
-    wrap_i = i >= n_inner
-    i = tl.where(wrap_i, i - n_inner, i)
-    j = j + tl.where(wrap_i, step_j1, step_j0)
-    b = b + tl.where(wrap_i, step_b1, step_b0)
-    wrap_j = j >= n_mid
-    j = tl.where(wrap_j, j - n_mid, j)
-    b = tl.where(wrap_j, b + 1, b)
-    return b, j, i
-
-
-@triton.jit
-def _lean_offsets(b, j, i, s_b, s_h, s_s, HEAD_INNER: tl.constexpr, OFF64: tl.constexpr):
-    h, s = _head_seq(j, i, HEAD_INNER)
-    if OFF64:
-        b = b.to(tl.int64)
-        h = h.to(tl.int64)
-        s = s.to(tl.int64)
-    return b * s_b + h * s_h + s * s_s
-
-
-@triton.jit
-def _cos_offsets(b, j, i, sc_b, sc_s, HEAD_INNER: tl.constexpr, OFF64: tl.constexpr):
-    if HEAD_INNER:
-        s = j
-    else:
-        s = i
-    if OFF64:
-        b = b.to(tl.int64)
-        s = s.to(tl.int64)
-    return b * sc_b + s * sc_s
-
-
-@triton.jit
-def _step_scalars(H, S, BLOCK_M: tl.constexpr, HEAD_INNER: tl.constexpr):
-    if HEAD_INNER:
-        n_inner = H
-        n_mid = S
-    else:
-        n_inner = S
-        n_mid = H
-    q = BLOCK_M // n_inner
-    return (n_inner, n_mid, BLOCK_M % n_inner, q % n_mid, (q + 1) % n_mid, q // n_mid, (q + 1) // n_mid)
-
-
-@triton.jit
-def _fwd_rows_lean(
-    X, O, W, COS, SIN, row_begin, row_end, H, S,
-    sx_b, sx_h, sx_s, so_b, so_h, so_s, sc_b, sc_s, eps, D, HALF,
-    NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER: tl.constexpr,
-    BLOCK_M: tl.constexpr, ROW_BLOCK: tl.constexpr, OFF64: tl.constexpr,
-):
-    # The row-tile forward with fewer instructions per element (same results bit for bit): one partner load
-    # at column (c + R/2) mod R instead of two masked loads and a select; the sign of rotate_half applied to
-    # the partner (-x2 exactly as HF forms it) so that y = x c + x' s everywhere in [0, R); row coordinates
-    # divided out once per program and stepped without division; int32 offsets unless OFF64.
-    c = tl.arange(0, ROW_BLOCK)
-    cmask = c < D
-    rot = c < 2 * HALF
-    cq = (c + HALF) % (2 * HALF)  # rotate_half's partner column, where rot
-    neg = (c < HALF)[None, :]  # rotate_half(x) = [-x2, x1]
-    if NORM != 0:
-        w = tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        wq = tl.load(W + cq, mask=rot, other=0.0).to(tl.float32)[None, :]
-    n_inner, n_mid, step_i, step_j0, step_j1, step_b0, step_b1 = _step_scalars(H, S, BLOCK_M, HEAD_INNER)
-    b, j, i = _coords_init(row_begin + tl.arange(0, BLOCK_M), H, S, HEAD_INNER)
-    for start in range(row_begin, row_end, BLOCK_M):
-        rmask = start + tl.arange(0, BLOCK_M) < row_end
-        x_off = _lean_offsets(b, j, i, sx_b, sx_h, sx_s, HEAD_INNER, OFF64)
-        o_off = _lean_offsets(b, j, i, so_b, so_h, so_s, HEAD_INNER, OFF64)
-        c_off = _cos_offsets(b, j, i, sc_b, sc_s, HEAD_INNER, OFF64)
-        m = rmask[:, None] & cmask[None, :]
-        mr = rmask[:, None] & rot[None, :]
-        x_raw = tl.load(X + x_off[:, None] + c[None, :], mask=m, other=0.0)
-        x = x_raw.to(tl.float32)
-        xq = tl.load(X + x_off[:, None] + cq[None, :], mask=mr, other=0.0).to(tl.float32)
-        if NORM != 0:
-            rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # as torch.rsqrt
-            x = _norm_block(x, rstd, w, x_raw, NORM, ROUND_NORM)
-            xq = _norm_block(xq, rstd, wq, x_raw, NORM, ROUND_NORM)
-        cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
-        sn = tl.load(SIN + c_off[:, None] + c[None, :], mask=mr, other=0.0).to(tl.float32)
-        a, p = _rope_products(x, cs, tl.where(neg, -xq, xq), sn, O, ROUND_ROPE)
-        y = tl.where(rot[None, :], a + p, x)  # the pass-through part [R, D) as is
-        tl.store(O + o_off[:, None] + c[None, :], y.to(O.dtype.element_ty), mask=m)
-        b, j, i = _coords_step(b, j, i, n_inner, n_mid, step_i, step_j0, step_j1, step_b0, step_b1)
-
-
-@triton.jit
-def _bwd_rows_lean(
-    DY, X, DX, W, DW, COS, SIN, row_begin, row_end, H, S,
-    sdy_b, sdy_h, sdy_s, sx_b, sx_h, sx_s, sdx_b, sdx_h, sdx_s, sc_b, sc_s, eps, D, HALF,
-    NORM: tl.constexpr, HEAD_INNER: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    OFF64: tl.constexpr, DW_ROWS: tl.constexpr,
-):
-    # The fused (norm != none) row-tile backward with fewer instructions per element (see _fwd_rows_lean):
-    # d = dy c + dy' s' with the partner's sign folded into s' (cos loaded as 1 past R, so that d = dy
-    # there with no select), launched with fp contraction on (fp32 throughout, no rounding to reproduce).
-    # DW_ROWS < BLOCK_M: the dweight accumulator is [DW_ROWS, ROW_BLOCK] (the tile's rows folded in first).
-    c = tl.arange(0, ROW_BLOCK)
-    cmask = c < D
-    rot = c < 2 * HALF
-    cq = (c + HALF) % (2 * HALF)
-    pos = (c < HALF)[None, :]  # d = dy c + dy[c + R/2] s[c + R/2] here, d = dy c - dy[c - R/2] s[c - R/2] in [R/2, R)
-    w = tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    if NORM == 2:
-        w = 1.0 + w
-    dw = tl.zeros([DW_ROWS, ROW_BLOCK], dtype=tl.float32)
-    n_inner, n_mid, step_i, step_j0, step_j1, step_b0, step_b1 = _step_scalars(H, S, BLOCK_M, HEAD_INNER)
-    b, j, i = _coords_init(row_begin + tl.arange(0, BLOCK_M), H, S, HEAD_INNER)
-    for start in range(row_begin, row_end, BLOCK_M):
-        rmask = start + tl.arange(0, BLOCK_M) < row_end
-        dy_off = _lean_offsets(b, j, i, sdy_b, sdy_h, sdy_s, HEAD_INNER, OFF64)
-        x_off = _lean_offsets(b, j, i, sx_b, sx_h, sx_s, HEAD_INNER, OFF64)
-        dx_off = _lean_offsets(b, j, i, sdx_b, sdx_h, sdx_s, HEAD_INNER, OFF64)
-        c_off = _cos_offsets(b, j, i, sc_b, sc_s, HEAD_INNER, OFF64)
-        m = rmask[:, None] & cmask[None, :]
-        mr = rmask[:, None] & rot[None, :]
-        dy = tl.load(DY + dy_off[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
-        dyq = tl.load(DY + dy_off[:, None] + cq[None, :], mask=mr, other=0.0).to(tl.float32)
-        cs = tl.load(COS + c_off[:, None] + c[None, :], mask=mr, other=1.0).to(tl.float32)
-        snq = tl.load(SIN + c_off[:, None] + cq[None, :], mask=mr, other=0.0).to(tl.float32)
-        d = dy * cs + dyq * tl.where(pos, snq, -snq)  # = dy exactly past R (dy * 1 + 0 * -0)
-        x_raw = tl.load(X + x_off[:, None] + c[None, :], mask=m, other=0.0)
-        x = x_raw.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # as torch.rsqrt
-        n = x * rstd
-        if NORM == 1:  # y = w * cast(n)
-            dwt = d * n.to(x_raw.dtype).to(tl.float32)
-        else:  # y = n * (1 + w)
-            dwt = d * n
-        if DW_ROWS == BLOCK_M:
-            dw += dwt
-        else:
-            dw += tl.sum(tl.reshape(dwt, [BLOCK_M // DW_ROWS, DW_ROWS, ROW_BLOCK]), axis=0)
-        g = d * w
-        mean = (tl.sum(g * n, axis=1) / D)[:, None]
-        # d/dx of x * rstd(x): rstd * (g - n * mean(g * n))
-        tl.store(DX + dx_off[:, None] + c[None, :], (rstd * (g - n * mean)).to(DX.dtype.element_ty), mask=m)
-        b, j, i = _coords_step(b, j, i, n_inner, n_mid, step_i, step_j0, step_j1, step_b0, step_b1)
-    tl.store(DW + c, tl.sum(dw, axis=0), mask=cmask)
-
-
-@triton.jit
 def _fwd_variant(
     X, XO, W, COS, SIN, row_begin, row_end, H, S, sx_b, sx_h, sx_s, so_b, so_h, so_s, sc_b, sc_s, eps, D, HALF,
     NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER: tl.constexpr,
     HAS_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr, LEAN: tl.constexpr, OFF64: tl.constexpr,
+    ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     # rows [row_begin, row_end) of one tensor (q or k) through the row variant the launcher picked
-    if LEAN:
-        _fwd_rows_lean(X, XO, W, COS, SIN, row_begin, row_end, H, S, sx_b, sx_h, sx_s, so_b, so_h, so_s,
-                       sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER, BLOCK_M, ROW_BLOCK, OFF64)
-    elif ROW_TILE:
+    if ROW_TILE:
         _fwd_rows_tile(X, XO, W, COS, SIN, row_begin, row_end, H, S, sx_b, sx_h, sx_s, so_b, so_h, so_s,
                        sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER, BLOCK_M, ROW_BLOCK)
     else:
@@ -379,7 +205,7 @@ def _fwd_kernel(
     NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_ROPE: tl.constexpr,
     HEAD_INNER_Q: tl.constexpr, HEAD_INNER_K: tl.constexpr, HAS_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr, LEAN: tl.constexpr = False, OFF64: tl.constexpr = True,
+    ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     # programs [0, n_prog_q) take q's rows, the rest k's
     pid = tl.program_id(0)
@@ -388,13 +214,13 @@ def _fwd_kernel(
         row_end = tl.minimum(row_begin + rows_per_prog_q, Mq)
         _fwd_variant(Q, QO, WQ, COS, SIN, row_begin, row_end, H_q, S, sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
                      sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS, BLOCK_M,
-                     HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK, LEAN, OFF64)
+                     HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK)
     else:
         row_begin = (pid - n_prog_q) * rows_per_prog_k
         row_end = tl.minimum(row_begin + rows_per_prog_k, Mk)
         _fwd_variant(K, KO, WK, COS, SIN, row_begin, row_end, H_k, S, sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
                      sc_b, sc_s, eps, D, HALF, NORM, ROUND_NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS, BLOCK_M,
-                     HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK, LEAN, OFF64)
+                     HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK)
 
 
 @triton.jit
@@ -549,14 +375,10 @@ def _bwd_variant(
     sg_b, sg_h, sg_s, sc_b, sc_s, eps, D, HALF,
     NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER: tl.constexpr, HAS_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, ROW_TILE: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, LEAN: tl.constexpr, OFF64: tl.constexpr, DW_ROWS: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):
     # rows [row_begin, row_end) of one tensor's grads (q or k) through the row variant the launcher picked
-    if LEAN:
-        _bwd_rows_lean(DXO, X, DX, W, DW, COS, SIN, row_begin, row_end, H, S,
-                       sdo_b, sdo_h, sdo_s, sx_b, sx_h, sx_s, sg_b, sg_h, sg_s, sc_b, sc_s, eps, D, HALF,
-                       NORM, HEAD_INNER, BLOCK_M, ROW_BLOCK, OFF64, DW_ROWS)
-    elif ROW_TILE:
+    if ROW_TILE:
         _bwd_rows_tile(DXO, X, DX, W, DW, COS, SIN, row_begin, row_end, H, S,
                        sdo_b, sdo_h, sdo_s, sx_b, sx_h, sx_s, sg_b, sg_h, sg_s, sc_b, sc_s, eps, D, HALF,
                        NORM, ROUND_ROPE, HEAD_INNER, BLOCK_M, ROW_BLOCK)
@@ -574,8 +396,7 @@ def _bwd_kernel(
     sgq_b, sgq_h, sgq_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
     NORM: tl.constexpr, ROUND_ROPE: tl.constexpr, HEAD_INNER_Q: tl.constexpr, HEAD_INNER_K: tl.constexpr,
     HAS_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr, LEAN: tl.constexpr = False, OFF64: tl.constexpr = True,
-    DW_ROWS: tl.constexpr = 1,
+    ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     # programs [0, n_prog_q) take q's rows, the rest k's; each writes its own row of the weight-grad partials
     pid = tl.program_id(0)
@@ -584,16 +405,14 @@ def _bwd_kernel(
         row_end = tl.minimum(row_begin + rows_per_prog_q, Mq)
         _bwd_variant(DQO, Q, DQ, WQ, DWQ + pid * D, COS, SIN, row_begin, row_end, H_q, S,
                      sdq_b, sdq_h, sdq_s, sq_b, sq_h, sq_s, sgq_b, sgq_h, sgq_s, sc_b, sc_s, eps, D, HALF,
-                     NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK,
-                     LEAN, OFF64, DW_ROWS)
+                     NORM, ROUND_ROPE, HEAD_INNER_Q, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK)
     else:
         kp = pid - n_prog_q
         row_begin = kp * rows_per_prog_k
         row_end = tl.minimum(row_begin + rows_per_prog_k, Mk)
         _bwd_variant(DKO, K, DK, WK, DWK + kp * D, COS, SIN, row_begin, row_end, H_k, S,
                      sdk_b, sdk_h, sdk_s, sk_b, sk_h, sk_s, sgk_b, sgk_h, sgk_s, sc_b, sc_s, eps, D, HALF,
-                     NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK,
-                     LEAN, OFF64, DW_ROWS)
+                     NORM, ROUND_ROPE, HEAD_INNER_K, HAS_PASS, BLOCK_M, HALF_BLOCK, PASS_BLOCK, ROW_TILE, ROW_BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -606,14 +425,10 @@ def _bwd_kernel(
 # programs_per_sm (fused backward): programs looping over rows, one fp32 dweight partial each (0: one per tile);
 # row_tile: partial RoPE (R < D, not in place) runs the row-tile kernels (_fwd_rows_tile / _bwd_rows_tile: one
 # [BLOCK_M, next_pow2(D)] tile per row) instead of three column groups; full RoPE is unaffected.
-# Optional keys of norm_fwd / norm_bwd (absent = off): lean: the lean row-tile kernels (_fwd_rows_lean /
-# _bwd_rows_lean: fewer instructions per element; partial AND full RoPE, overrides row_tile); lean only:
-# tiles_per_program (norm_fwd: tiles each program loops over, default 1), dw_rows (norm_bwd: rows of the
-# dweight accumulator, a power of 2 <= BLOCK_M; default BLOCK_M), maxnreg (registers per thread cap, 0: none).
-CONFIG = {
+TUNING = {
     "rope_fwd": dict(block_elems=4096, elems_per_warp=512, row_tile=False),
     "rope_bwd": dict(block_elems=4096, elems_per_warp=512, row_tile=False),
-    # H200 (run 6 sweep; run 7 bench: fused partial zero-centred norm + RoPE 0.695 -> 0.630 ms with the row tile)
+    # H200 sweep: the row tile makes the fused partial zero-centred norm + RoPE 0.695 -> 0.630 ms
     "norm_fwd": dict(block_elems=2048, elems_per_warp=512, row_tile=True),
     "norm_bwd": dict(block_elems=2048, elems_per_warp=512, programs_per_sm=16, row_tile=True),
 }
@@ -624,32 +439,18 @@ def _pow2_floor(n: int) -> int:
 
 
 def _blocks(kind: str, D: int, R: int, has_pass: bool):
-    """(BLOCK_M, HALF_BLOCK, PASS_BLOCK, ROW_BLOCK, num_warps) for CONFIG[kind] and a row of D features, R
+    """(BLOCK_M, HALF_BLOCK, PASS_BLOCK, ROW_BLOCK, num_warps) for TUNING[kind] and a row of D features, R
     rotated. ROW_BLOCK > 0: the row-tile kernels (one [BLOCK_M, ROW_BLOCK] tile per row; only with a
-    pass-through part and CONFIG[kind]["row_tile"], or with CONFIG[kind]["lean"]), else the column-group
+    pass-through part and TUNING[kind]["row_tile"]), else the column-group
     kernels (ROW_BLOCK 0)."""
-    cfg = CONFIG[kind]
-    half_block = triton.next_power_of_2(max(R // 2, 1))
-    pass_block = triton.next_power_of_2(D - R) if has_pass else 1
-    row_block = triton.next_power_of_2(D) if (has_pass and cfg["row_tile"]) or _lean(kind) else 0
+    cfg = TUNING[kind]
+    half_block = next_power_of_2(max(R // 2, 1))
+    pass_block = next_power_of_2(D - R) if has_pass else 1
+    row_block = next_power_of_2(D) if has_pass and cfg["row_tile"] else 0
     row_elems = row_block or 2 * half_block + (pass_block if has_pass else 0)
     block_m = _pow2_floor(cfg["block_elems"] // row_elems)
     num_warps = min(8, _pow2_floor(block_m * row_elems // cfg["elems_per_warp"]))
     return block_m, half_block, pass_block, row_block, num_warps
-
-
-def _lean(kind: str) -> bool:
-    return kind.startswith("norm") and bool(CONFIG[kind].get("lean", False))
-
-
-def _needs_off64(*tensors) -> bool:
-    """Whether an element offset of any of these views can reach 2**31 (else the lean kernels use int32)."""
-    return any(sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) + 1 >= 2**31 for t in tensors)
-
-
-def _reg_cap(kind: str) -> dict:
-    cap = CONFIG[kind].get("maxnreg", 0) if _lean(kind) else 0
-    return {"maxnreg": cap} if cap else {}
 
 
 def _bhs(t):
@@ -682,27 +483,24 @@ def qk_rope_fwd(q, k, cos, sin, q_out, k_out, q_weight=None, k_weight=None, eps=
     has_pass = D > R and not inplace
     kind = "rope_fwd" if norm == NONE else "norm_fwd"
     block_m, half_block, pass_block, row_block, num_warps = _blocks(kind, D, R, has_pass)
-    lean = norm != NONE and _lean(kind)
-    rpp = block_m * (max(1, CONFIG[kind].get("tiles_per_program", 1)) if lean else 1)
-    n_prog_q, n_prog_k = triton.cdiv(Mq, rpp), triton.cdiv(Mk, rpp)
+    rpp = block_m
+    n_prog_q, n_prog_k = cdiv(Mq, rpp), cdiv(Mk, rpp)
     wq = q_weight if q_weight is not None else cos
     wk = k_weight if k_weight is not None else cos
     sc_b, sc_s = _cos_strides(cos)
-    _fwd_kernel[(n_prog_q + n_prog_k,)](
+    launch(_fwd_kernel, (n_prog_q + n_prog_k,),
         q, k, q_out, k_out, wq, wk, cos, sin, Mq, Mk, rpp, rpp, n_prog_q, Hq, Hk, S,
         *_bhs(q), *_bhs(k), *_bhs(q_out), *_bhs(k_out), sc_b, sc_s, float(eps), D, R // 2,
         NORM=norm, ROUND_NORM=round_norm, ROUND_ROPE=_round(q_out.dtype),
         HEAD_INNER_Q=_head_inner(q), HEAD_INNER_K=_head_inner(k), HAS_PASS=has_pass,
         BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block,
         ROW_TILE=row_block > 0, ROW_BLOCK=max(row_block, 1), num_warps=num_warps,
-        LEAN=lean, OFF64=(not lean) or _needs_off64(q, k, q_out, k_out, cos),
         enable_fp_fusion=False,  # keep HF's separate roundings (see the module docstring)
-        **_reg_cap(kind),
     )
 
 
 def _num_programs(device: torch.device) -> int:
-    per_sm = CONFIG["norm_bwd"]["programs_per_sm"]
+    per_sm = TUNING["norm_bwd"]["programs_per_sm"]
     if device.type == "cuda" and per_sm > 0:
         return sm_count(device) * per_sm
     return per_sm and 4  # the interpreter: a few programs, so that each loops over several tiles
@@ -717,17 +515,16 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
     Mq, Mk = B * Hq * S, B * Hk * S
     kind = "rope_bwd" if norm == NONE else "norm_bwd"
     block_m, half_block, pass_block, row_block, num_warps = _blocks(kind, D, R, D > R)
-    lean = norm != NONE and _lean(kind)
-    blocks_q, blocks_k = triton.cdiv(Mq, block_m), triton.cdiv(Mk, block_m)
+    blocks_q, blocks_k = cdiv(Mq, block_m), cdiv(Mk, block_m)
     programs = _num_programs(dq_out.device)
     if norm == NONE or programs <= 0:  # one tile of rows per program
         rpp_q = rpp_k = block_m
     else:  # programs looping over rows, split between q and k by row count
         n_q = max(1, min(blocks_q, programs * Mq // (Mq + Mk)))
         n_k = max(1, min(blocks_k, programs * Mk // (Mq + Mk)))
-        rpp_q = triton.cdiv(blocks_q, n_q) * block_m
-        rpp_k = triton.cdiv(blocks_k, n_k) * block_m
-    n_prog_q, n_prog_k = triton.cdiv(Mq, rpp_q), triton.cdiv(Mk, rpp_k)
+        rpp_q = cdiv(blocks_q, n_q) * block_m
+        rpp_k = cdiv(blocks_k, n_k) * block_m
+    n_prog_q, n_prog_k = cdiv(Mq, rpp_q), cdiv(Mk, rpp_k)
     if norm != NONE:
         dwq = torch.empty((n_prog_q, D), dtype=torch.float32, device=dq.device)
         dwk = torch.empty((n_prog_k, D), dtype=torch.float32, device=dq.device)
@@ -736,7 +533,7 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
         dwq = dwk = cos
         qx, kx, wq, wk = dq_out, dk_out, cos, cos
     sc_b, sc_s = _cos_strides(cos)
-    _bwd_kernel[(n_prog_q + n_prog_k,)](
+    launch(_bwd_kernel, (n_prog_q + n_prog_k,),
         dq_out, dk_out, qx, kx, dq, dk, wq, wk, dwq, dwk, cos, sin,
         Mq, Mk, rpp_q, rpp_k, n_prog_q, Hq, Hk, S,
         *_bhs(dq_out), *_bhs(dk_out), *_bhs(qx), *_bhs(kx), *_bhs(dq), *_bhs(dk), sc_b, sc_s,
@@ -745,12 +542,7 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
         HEAD_INNER_Q=_head_inner(dq_out), HEAD_INNER_K=_head_inner(dk_out), HAS_PASS=D > R,
         BLOCK_M=block_m, HALF_BLOCK=half_block, PASS_BLOCK=pass_block,
         ROW_TILE=row_block > 0, ROW_BLOCK=max(row_block, 1), num_warps=num_warps,
-        LEAN=lean, OFF64=(not lean) or _needs_off64(dq_out, dk_out, qx, kx, dq, dk, cos),
-        DW_ROWS=min(block_m, CONFIG[kind].get("dw_rows", block_m)) if lean else 1,
-        # keep HF's / autograd's separate roundings (see the module docstring); the lean fused backward is
-        # plain fp32 with nothing to reproduce: contraction on (fma)
-        enable_fp_fusion=lean,
-        **_reg_cap(kind),
+        enable_fp_fusion=False,  # keep autograd's separate roundings (see the module docstring)
     )
     if norm != NONE:
         return dwq.sum(0), dwk.sum(0)

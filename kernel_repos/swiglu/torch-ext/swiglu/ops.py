@@ -1,7 +1,8 @@
 """Custom ops and the functional API of the SwiGLU MLP.
 
-Two custom-op pairs, registered under this build's unique namespace (`_ops.add_op_namespace_prefix`) with fake
-implementations and autograd, so `torch.compile(fullgraph=True)` sees one opaque node per call:
+Two custom-op pairs under this build's unique namespace, with fake implementations and autograd, so
+`torch.compile(fullgraph=True)` sees one opaque node per call (eager calls run the same implementations through an
+autograd.Function, `_custom_op.differentiable_op`: no dispatcher cost):
 
 - `swiglu_fwd` / `swiglu_bwd`: the activation alone, `[..., 2I] -> [..., I]`, functional backward.
 - `swiglu_down_fwd` / `swiglu_down_bwd`: the activation followed by `down_proj`, the tail of the MLP. Only
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ._device import use_triton
-from ._ops import add_op_namespace_prefix
+from ._custom_op import call, custom_op, differentiable_op
 from ._rmsnorm.ops import rms_norm
 from .reference import swiglu_bwd_reference, swiglu_fwd_reference
 
@@ -28,7 +29,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------- activation alone
-@torch.library.custom_op(add_op_namespace_prefix("swiglu_fwd"), mutates_args=())
+@custom_op("swiglu_fwd")
 def _swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
     if use_triton(gate_up):
         from .triton_kernels import swiglu_fwd
@@ -42,7 +43,7 @@ def _(gate_up):
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("swiglu_bwd"), mutates_args=())
+@custom_op("swiglu_bwd")
 def _swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     if use_triton(gate_up):
         from .triton_kernels import swiglu_bwd
@@ -64,18 +65,18 @@ def _swiglu_setup_context(ctx, inputs, output):
 
 def _swiglu_backward(ctx, dh):
     (gate_up,) = ctx.saved_tensors
-    return _swiglu_bwd(dh.contiguous(), gate_up)
+    return call(ctx, _swiglu_bwd, dh.contiguous(), gate_up)
 
 
-_swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
+_swiglu = differentiable_op(_swiglu_fwd, _swiglu_setup_context, _swiglu_backward)
 
 
 # ---------------------------------------------------------------- activation + down_proj
-@torch.library.custom_op(add_op_namespace_prefix("swiglu_down_fwd"), mutates_args=())
+@custom_op("swiglu_down_fwd")
 def _swiglu_down_fwd(
     gate_up: torch.Tensor, down_weight: torch.Tensor, down_bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    h = _swiglu_fwd(gate_up)
+    h = _swiglu_fwd.eager_impl(gate_up)  # inside an op: the implementation, not a nested op call
     return F.linear(h, down_weight, down_bias)
 
 
@@ -84,7 +85,7 @@ def _(gate_up, down_weight, down_bias):
     return gate_up.new_empty((gate_up.shape[0], down_weight.shape[0]))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("swiglu_down_bwd"), mutates_args=("gate_up",))
+@custom_op("swiglu_down_bwd", mutates_args=("gate_up",))
 def _swiglu_down_bwd(
     dout: torch.Tensor, gate_up: torch.Tensor, down_weight: torch.Tensor, has_down_bias: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,12 +118,13 @@ def _swiglu_down_setup_context(ctx, inputs, output):
 
 def _swiglu_down_backward(ctx, dout):
     gate_up, down_weight = ctx.saved_tensors
-    d_down_weight, d_down_bias = _swiglu_down_bwd(dout.contiguous(), gate_up, down_weight, ctx.has_down_bias)
+    d_down_weight, d_down_bias = call(ctx, _swiglu_down_bwd, dout.contiguous(), gate_up, down_weight,
+                                      ctx.has_down_bias)
     # `gate_up` now holds its own gradient
     return gate_up, d_down_weight, (d_down_bias if ctx.has_down_bias else None)
 
 
-_swiglu_down_fwd.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup_context)
+_swiglu_down = differentiable_op(_swiglu_down_fwd, _swiglu_down_setup_context, _swiglu_down_backward)
 
 
 # ---------------------------------------------------------------- input checks
@@ -178,7 +180,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for `gate_up = [gate | up]` on the last dimension: `[..., 2I] -> [..., I]`."""
     _check_gate_up("swiglu", gate_up)
     shape = gate_up.shape
-    h = _swiglu_fwd(gate_up.reshape(-1, shape[-1]).contiguous())
+    h = _swiglu(gate_up.reshape(-1, shape[-1]).contiguous())
     return h.view(*shape[:-1], shape[-1] // 2)
 
 
@@ -206,7 +208,7 @@ def swiglu_mlp(
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     gate_up = F.linear(x, gate_up_weight, gate_up_bias)
-    out = _swiglu_down_fwd(gate_up, down_weight, down_bias)
+    out = _swiglu_down(gate_up, down_weight, down_bias)
     return out.view(*shape[:-1], down_weight.shape[0])
 
 

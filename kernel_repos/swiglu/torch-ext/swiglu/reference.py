@@ -18,13 +18,8 @@ def swiglu_hf(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_mlp_hf(
-    x: torch.Tensor,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    gate_up_bias: Optional[torch.Tensor] = None,
-    down_bias: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def swiglu_mlp_hf(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+                  gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """HF MLP forward on the fused `[2I, H]` gate/up weight: one GEMM, `silu(gate) * up`, `down_proj`."""
     return F.linear(swiglu_hf(F.linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, next_power_of_2, launch
+
 
 @triton.jit
 def _swiglu_fwd_kernel(
@@ -70,10 +72,10 @@ def _launch_shape(M: int, I: int, config=None):
     if config is not None:
         block_m, block_n, num_warps = config
     else:
-        block_n = min(triton.next_power_of_2(I), 2048)
+        block_n = min(next_power_of_2(I), 2048)
         block_m = max(1, min(64, 4096 // block_n))
         num_warps = 8 if block_m * block_n >= 4096 else 4
-    grid = (triton.cdiv(M, block_m), triton.cdiv(I, block_n))
+    grid = (cdiv(M, block_m), cdiv(I, block_n))
     return grid, block_m, block_n, num_warps
 
 
@@ -82,7 +84,7 @@ def swiglu_fwd(gate_up: torch.Tensor, config=None) -> torch.Tensor:
     I = two_i // 2
     h = torch.empty((M, I), dtype=gate_up.dtype, device=gate_up.device)
     grid, block_m, block_n, num_warps = _launch_shape(M, I, config)
-    _swiglu_fwd_kernel[grid](
+    launch(_swiglu_fwd_kernel, grid,
         gate_up, h, M, I, gate_up.stride(0), h.stride(0),
         ROUND=gate_up.dtype != torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
@@ -95,7 +97,7 @@ def swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor, dgate_up: torch.Tensor, 
     I = two_i // 2
     grid, block_m, block_n, num_warps = _launch_shape(M, I, config)
     h_out = h if h is not None else dh
-    _swiglu_bwd_kernel[grid](
+    launch(_swiglu_bwd_kernel, grid,
         dh, gate_up, dgate_up, h_out, M, I, dh.stride(0), gate_up.stride(0), dgate_up.stride(0), h_out.stride(0),
         STORE_H=h is not None, ROUND=gate_up.dtype != torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,

@@ -1,0 +1,354 @@
+"""Expert parallelism (EP) for the routed experts: each rank of an EP group holds E/ep of the experts, tokens
+travel to their experts' ranks and back with all-to-all, and the grouped GEMM runs on the local experts.
+
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))
+    moe.expert_parallel.shard_experts(model, mesh["ep"])   # after the (kernelized) load, before fully_shard
+
+`shard_experts` keeps rows [r*E/ep, (r+1)*E/ep) of `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I) on EP
+rank r, as DTensor parameters `Shard(0)` over the EP mesh (the layout of transformers' `"grouped_gemm"` EP
+style): `state_dict()` keys and global shapes stay those of the HF checkpoint, so distributed checkpoints and
+full-state-dict gathers see the original tensors. It binds `GroupedGemmExperts.forward` on each experts module
+(where `kernelize` has not already). That forward is expert-parallel whenever the parameters are sharded so,
+whoever sharded them: `shard_experts`, or transformers' `from_pretrained(distributed_config=DistributedConfig(
+ep_size=...))`, whose own dispatch forward `kernelize` replaces with ours.
+
+One forward of an expert-parallel experts module:
+
+1. route: token t goes to EP rank r once if any of its top-k experts lives on r (one row per (token, rank),
+   not per (token, expert): at most min(top_k, ep) rows per token on the wire). The per-rank row counts go
+   through one `all_to_all_single` and then to the host: **the one host sync of the layer**. Variable split
+   sizes need them on the host; fixed-capacity (padded) splits would avoid the sync only by dropping tokens or
+   by sending the worst case (every token to every rank).
+2. dispatch: one all-to-all of the packed rows (hidden state, the token's top-k weights, its expert ids local to
+   the receiving rank, where the experts of other ranks become the sentinel E/ep that the kernel skips).
+3. `moe_experts` (grouped GEMM, SwiGLU, weighted sum over this rank's slots) on the received rows.
+4. combine: one all-to-all back; each token sums its partial outputs in fp32, in rank order (deterministic, no
+   atomics; a transient (T, min(top_k, ep), H) gather).
+
+Backward runs the two exchanges in reverse with the same split sizes (no further host sync), from
+autograd.Functions over `torch.distributed.all_to_all_single`. The gradient of a sharded expert parameter is the
+**sum** over the EP group's ranks (every rank's loss sends its tokens' gradients to the experts' owners), as in
+torchtitan and transformers: data-parallel averaging must divide it by the number of data-parallel ranks (all
+dp x ep of them), not by the number of copies of the expert (`hubfuse.distributed.fully_shard_model` sets
+FSDP2's gradient divide factor so). The exchange is eager code: under `torch.compile` it is a graph break.
+"""
+import math
+from types import MethodType
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+DISTRIBUTED = torch.distributed.is_available()
+if DISTRIBUTED:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+_ALIGN = 16  # bytes: each packed field starts aligned, so it can be viewed back as its dtype
+
+
+# ----------------------------------------------------------------------------------------------- which modules
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every routed-experts module in the transformers v5 layout: 3-D `gate_up_proj` (E, 2I, H)
+    and `down_proj` (E, H, I) parameters with the same E (Qwen3-MoE / Qwen3.5-MoE experts, our Layout)."""
+    found = []
+    for name, module in model.named_modules():
+        gate_up, down = (module._parameters.get(p) for p in EXPERT_PARAMS)
+        if gate_up is not None and down is not None and gate_up.dim() == 3 and down.dim() == 3 \
+                and gate_up.shape[0] == down.shape[0]:
+            found.append((name, module))
+    return found
+
+
+def is_expert_parallel(module: nn.Module) -> bool:
+    """Whether this experts module's parameters are DTensors (sharded over an EP mesh; checked in the forward)."""
+    return DISTRIBUTED and isinstance(module._parameters.get("gate_up_proj"), DTensor)
+
+
+def _ep_layout(module: nn.Module):
+    """(process group, number of local experts) of an expert-parallel experts module, validated."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    for name, p in (("gate_up_proj", gate_up), ("down_proj", down)):
+        if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            where = f"DTensor {tuple(p.placements)} over a {p.device_mesh.ndim}-D mesh" if isinstance(p, DTensor) \
+                else "a plain tensor"
+            raise ValueError(f"expert parallelism: {type(module).__name__}.{name} is {where}; both expert parameters "
+                             "must be DTensors Shard(0) over the same 1-D expert-parallel mesh (shard_experts)")
+    if down.device_mesh != gate_up.device_mesh:
+        raise ValueError(f"expert parallelism: {type(module).__name__}.gate_up_proj and down_proj are sharded over "
+                         "different meshes")
+    mesh = gate_up.device_mesh
+    if mesh.mesh_dim_names == ("tp",):
+        # transformers' router-masking EP ("ep_router" + "moe_tp_experts"): every rank has every token and the
+        # router already remapped the ids to local ones; exchanging tokens on top of that would be wrong
+        raise NotImplementedError(f"expert parallelism: {type(module).__name__} is sharded over a 'tp' mesh "
+                                  "(transformers' router-masking EP plan); this kernel supports token dispatch: "
+                                  "the default ep_plan ('ep_dispatch_experts') or moe.shard_experts")
+    num_experts, ep_size = gate_up.shape[0], mesh.size()
+    if num_experts % ep_size:
+        raise ValueError(f"expert parallelism: {num_experts} experts are not divisible by the expert-parallel size "
+                         f"{ep_size}")
+    return mesh.get_group(), num_experts // ep_size
+
+
+# ----------------------------------------------------------------------------------------------- sharding
+
+def _as_mesh(ep_mesh, device_type: str):
+    if isinstance(ep_mesh, DeviceMesh):
+        if ep_mesh.ndim != 1:
+            raise ValueError(f"shard_experts: ep_mesh must be a 1-D DeviceMesh (e.g. mesh['ep'] of a (dp, ep) mesh), "
+                             f"got {ep_mesh.ndim} dimensions {ep_mesh.mesh_dim_names}")
+        if ep_mesh.device_type != device_type:
+            raise ValueError(f"shard_experts: ep_mesh is a {ep_mesh.device_type!r} mesh but the experts are on "
+                             f"{device_type!r}")
+        return ep_mesh
+    if isinstance(ep_mesh, dist.ProcessGroup):
+        return DeviceMesh.from_group(ep_mesh, device_type)
+    raise TypeError(f"shard_experts: ep_mesh must be a 1-D DeviceMesh or a ProcessGroup, got {type(ep_mesh).__name__}")
+
+
+def _check_layout(name: str, module: nn.Module) -> None:
+    gate_up, down = module.gate_up_proj, module.down_proj
+    E, two_i, H = gate_up.shape
+    others = [n for n, _ in module.named_parameters(recurse=False) if n not in EXPERT_PARAMS]
+    if others or getattr(module, "is_transposed", False) or tuple(down.shape) != (E, H, two_i // 2) or two_i % 2:
+        raise ValueError(f"shard_experts: {name} ({type(module).__name__}) is not in the supported layout: "
+                         f"gate_up_proj (E, 2I, H), down_proj (E, H, I), no other parameters (got {tuple(gate_up.shape)}, "
+                         f"{tuple(down.shape)}, extra {others})")
+
+
+def _bind_forward(name: str, module: nn.Module) -> None:
+    """Run our experts forward (expert-parallel aware) on this module, unless kernelize already bound it."""
+    from .layers import GroupedGemmExperts
+
+    current = module.__dict__.get("forward")
+    func = getattr(current, "__func__", None)
+    if current is None:
+        module.forward = MethodType(GroupedGemmExperts.forward, module)
+    elif func is not GroupedGemmExperts.forward and getattr(func, "__qualname__", "") != "GroupedGemmExperts.forward":
+        # (a qualname match: bound by another loaded copy of this kernel, e.g. the umbrella's `hubfuse.moe`)
+        raise ValueError(f"shard_experts: {name} ({type(module).__name__}) already has its own forward "
+                         f"({getattr(current, '__qualname__', current)!r}); expert parallelism needs this kernel's "
+                         "GroupedGemmExperts forward")
+
+
+def shard_experts(model: nn.Module, ep_mesh) -> nn.Module:
+    """Make every routed-experts module of `model` expert-parallel over `ep_mesh`; returns the model.
+
+    ep_mesh: a 1-D DeviceMesh (for FSDP2 on top, the EP dimension of the 2-D (dp, ep) mesh passed to
+    `fully_shard`: `mesh["ep"]`), or a ProcessGroup. Every rank must hold the same full expert weights (as after
+    every rank loaded the checkpoint); each keeps its own slice, the rest is freed. Call it before `fully_shard`
+    and before building the optimizer (the parameters are replaced). The experts then run
+    `GroupedGemmExperts.forward` (bound here if kernelize has not). Idempotent for the same mesh.
+    """
+    if not DISTRIBUTED:
+        raise RuntimeError("shard_experts: torch.distributed is not available in this build of torch")
+    if not dist.is_initialized():
+        raise RuntimeError("shard_experts: torch.distributed is not initialized (init_process_group first)")
+    experts = expert_modules(model)
+    if not experts:
+        raise ValueError(f"shard_experts: no routed-experts module (3-D gate_up_proj and down_proj parameters) in "
+                         f"{type(model).__name__}")
+    mesh = _as_mesh(ep_mesh, experts[0][1].gate_up_proj.device.type)
+    ep_size, ep_rank = mesh.size(), mesh.get_local_rank()
+    for name, module in experts:
+        _check_layout(name, module)
+        for pname in EXPERT_PARAMS:
+            p = module._parameters[pname]
+            if isinstance(p, DTensor):
+                if p.device_mesh == mesh and tuple(p.placements) == (Shard(0),):
+                    continue  # sharded by an earlier call
+                raise ValueError(f"shard_experts: {name}.{pname} is already a DTensor {tuple(p.placements)} over "
+                                 f"{p.device_mesh}; call shard_experts once, before fully_shard")
+            if p.device.type not in (mesh.device_type, "meta"):
+                raise ValueError(f"shard_experts: {name}.{pname} is on {p.device} but ep_mesh is a "
+                                 f"{mesh.device_type!r} mesh")
+            num_experts = p.shape[0]
+            if num_experts % ep_size:
+                raise ValueError(f"shard_experts: {name} has {num_experts} experts, not divisible by the "
+                                 f"expert-parallel size {ep_size} (ep_mesh)")
+            n = num_experts // ep_size
+            local = p.detach()[ep_rank * n:(ep_rank + 1) * n].clone()  # a copy: the full tensor is freed
+            sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+            setattr(module, pname, nn.Parameter(sharded, requires_grad=p.requires_grad))
+        _bind_forward(name, module)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- routing
+
+class _Route(NamedTuple):
+    send_token: torch.Tensor  # (S,) int64: the token of each sent row (rows grouped by destination rank)
+    table: torch.Tensor       # (T, D) int64: the sent rows of each token in rank order, -1 = none
+    local_ids: torch.Tensor   # (S, K) int32: top-k expert ids local to the row's destination (sentinel E/ep)
+    send_sizes: list          # rows sent to each rank
+    recv_sizes: list          # rows received from each rank
+
+
+def _route(top_k_index: torch.Tensor, num_local: int, group) -> _Route:
+    ep_size = dist.get_world_size(group)
+    T, K = top_k_index.shape
+    dev = top_k_index.device
+    index = top_k_index.long()
+    valid = (index >= 0) & (index < num_local * ep_size)  # an index outside [0, E) is skipped, as by the kernel
+    dest = torch.where(valid, torch.div(index, num_local, rounding_mode="floor"), ep_size)
+    member = torch.zeros(T, ep_size + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :ep_size]
+    m = member.long()
+    send_counts = m.sum(0)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    sizes = torch.cat([send_counts, recv_counts]).tolist()  # the host sync: split sizes for the all-to-alls
+    send_sizes, recv_sizes = sizes[:ep_size], sizes[ep_size:]
+    S = sum(send_sizes)
+    # the send row of (t, r): rows grouped by rank r, tokens in order within a rank
+    row = (torch.cumsum(send_counts, 0) - send_counts) + (torch.cumsum(m, 0) - m)
+    send_token = torch.empty(S + 1, dtype=torch.long, device=dev)  # slot S collects the non-members
+    tokens = torch.arange(T, device=dev)[:, None].expand(T, ep_size)
+    send_token.scatter_(0, torch.where(member, row, S).reshape(-1), tokens.reshape(-1))
+    send_token = send_token[:S]
+    width = min(K, ep_size)  # a token has at most this many rows
+    table = torch.full((T, width + 1), -1, dtype=torch.long, device=dev)  # column `width` collects non-members
+    table.scatter_(1, torch.where(member, torch.cumsum(m, 1) - 1, width), torch.where(member, row, -1))
+    send_rank = torch.repeat_interleave(torch.arange(ep_size, device=dev), send_counts, output_size=S)
+    ids = index.index_select(0, send_token) - send_rank[:, None] * num_local
+    local_ids = torch.where((ids >= 0) & (ids < num_local), ids, num_local).to(torch.int32)
+    return _Route(send_token, table[:, :width].contiguous(), local_ids, send_sizes, recv_sizes)
+
+
+def _sum_rows(rows: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = sum of rows[table[t, s]] over the entries >= 0: one gather into (T, D, H), the empty entries
+    zeroed, a sum over D accumulated in fp32 (fixed order: deterministic, unlike index_add_'s atomics)."""
+    (T, D), H = table.shape, rows.shape[1]
+    if rows.shape[0] == 0:
+        return rows.new_zeros((T, H), dtype=dtype)
+    gathered = rows.index_select(0, table.clamp(min=0).reshape(-1)).view(T, D, H)
+    gathered.masked_fill_((table < 0)[:, :, None], 0)
+    return torch.sum(gathered, dim=1, dtype=torch.float32).to(dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows = x[send_token]; the backward sums each token's row gradients (fp32, rank order: deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x, send_token, table):
+        ctx.save_for_backward(table)
+        ctx.dtype = x.dtype
+        return x.index_select(0, send_token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (table,) = ctx.saved_tensors
+        return _sum_rows(grad, table, ctx.dtype), None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """out[t] = sum of the token's rows (fp32, rank order); the backward hands each row its token's gradient."""
+
+    @staticmethod
+    def forward(ctx, rows, send_token, table, dtype):
+        ctx.save_for_backward(send_token)
+        ctx.rows_dtype = rows.dtype
+        return _sum_rows(rows, table, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (send_token,) = ctx.saved_tensors
+        return grad.index_select(0, send_token).to(ctx.rows_dtype), None, None, None
+
+
+# ----------------------------------------------------------------------------------------------- exchanges
+
+def _exchange(parts, send_sizes, recv_sizes, group):
+    """One all_to_all_single of several row-aligned tensors packed side by side as bytes; returns views."""
+    n = parts[0].shape[0]
+    dev = parts[0].device
+    widths = [math.prod(p.shape[1:]) * p.element_size() for p in parts]
+    starts, row_bytes = [], 0
+    for w in widths:
+        starts.append(row_bytes)
+        row_bytes += -(-w // _ALIGN) * _ALIGN
+    send = torch.empty(n, row_bytes, dtype=torch.uint8, device=dev)
+    for p, start, w in zip(parts, starts, widths):
+        if n:  # (an empty gradient may come as a stride-0 expansion, which has no byte view)
+            send[:, start:start + w] = p.contiguous().view(torch.uint8).reshape(n, w)
+    recv = torch.empty(sum(recv_sizes), row_bytes, dtype=torch.uint8, device=dev)
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    return [recv[:, start:start + w].view(p.dtype).reshape(recv.shape[0], *p.shape[1:])
+            for p, start, w in zip(parts, starts, widths)]
+
+
+class _Dispatch(torch.autograd.Function):
+    """Rows to their destination ranks: hidden states, top-k weights and local expert ids in one all-to-all;
+    the backward returns the hidden-state and weight gradients in one all-to-all."""
+
+    @staticmethod
+    def forward(ctx, hidden_rows, weight_rows, local_ids, send_sizes, recv_sizes, group):
+        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
+        hidden, weights, ids = _exchange([hidden_rows, weight_rows, local_ids], send_sizes, recv_sizes, group)
+        ctx.mark_non_differentiable(ids)
+        return hidden, weights, ids
+
+    @staticmethod
+    def backward(ctx, d_hidden, d_weights, _d_ids):
+        send_sizes, recv_sizes = ctx.sizes
+        d_hidden_rows, d_weight_rows = _exchange([d_hidden, d_weights], recv_sizes, send_sizes, ctx.group)
+        return d_hidden_rows, d_weight_rows, None, None, None, None
+
+
+class _Return(torch.autograd.Function):
+    """The experts' output rows back to the tokens' ranks (the backward: their gradients out again)."""
+
+    @staticmethod
+    def forward(ctx, rows, send_sizes, recv_sizes, group):
+        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
+        out = rows.new_empty((sum(recv_sizes), rows.shape[1]))
+        dist.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_sizes, recv_sizes = ctx.sizes
+        out = grad.new_empty((sum(send_sizes), grad.shape[1]))
+        dist.all_to_all_single(out, grad.contiguous(), send_sizes, recv_sizes, group=ctx.group)
+        return out, None, None, None
+
+
+def _no_rows(hidden, weights, gate_up_proj, down_proj):
+    """(0, H) output for a rank that received no rows, still connected to the received tensors and the local
+    experts, so that this rank's backward runs the reverse all-to-all like the others and its experts get a
+    (zero) gradient like on every data-parallel peer."""
+    zero = hidden.sum() + weights.sum() + gate_up_proj.sum() + down_proj.sum()
+    return hidden.new_zeros((0, hidden.shape[1])) + (zero * 0).to(hidden.dtype)
+
+
+def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, local_experts) -> torch.Tensor:
+    """The expert-parallel forward of one experts module (see the module docstring). `local_experts(hidden,
+    top_k_index, top_k_weights, gate_up_proj, down_proj)` computes this rank's experts on the received rows."""
+    group, num_local = _ep_layout(module)
+    gate_up_proj, down_proj = module.gate_up_proj.to_local(), module.down_proj.to_local()
+    if gate_up_proj.shape[0] != num_local:
+        raise ValueError(f"expert parallelism: {type(module).__name__} holds {gate_up_proj.shape[0]} local experts, "
+                         f"expected {num_local} (uneven sharding)")
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape \
+            or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"expert parallelism: expected hidden_states (T, H), top_k_index and top_k_weights (T, K), "
+                         f"got {tuple(hidden_states.shape)}, {tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+    route = _route(top_k_index, num_local, group)
+    hidden_rows = _GatherRows.apply(hidden_states, route.send_token, route.table)
+    weight_rows = _GatherRows.apply(top_k_weights, route.send_token, route.table)
+    hidden, weights, ids = _Dispatch.apply(hidden_rows, weight_rows, route.local_ids, route.send_sizes,
+                                           route.recv_sizes, group)
+    if hidden.shape[0]:
+        out_rows = local_experts(hidden, ids, weights, gate_up_proj, down_proj)
+    else:
+        out_rows = _no_rows(hidden, weights, gate_up_proj, down_proj)
+    back = _Return.apply(out_rows, route.recv_sizes, route.send_sizes, group)
+    return _SumRows.apply(back, route.send_token, route.table, out_rows.dtype)
+
+
+__all__ = ["shard_experts", "expert_modules", "is_expert_parallel", "experts_forward"]

@@ -1,0 +1,121 @@
+"""The Python blocks of README.md and of every hub card (CARD.md) run as written.
+
+Each document's ```python blocks run in order in one namespace, on CPU, with:
+- `ckpt`: a tiny local checkpoint with a word-level tokenizer ("t0" ... "t95"): Qwen3-MoE (one dense layer, router
+  logits on) unless an HTML comment `<!-- ckpt: FAMILY -->` before a block picks another family (qwen3, llama,
+  qwen3_5_moe_text, ...) from that block on;
+- the hub served by this clone's builds: `hubfuse.use_local_builds()` has run, so `hubfuse/<repo>` loads locally.
+A block preceded by `<!-- not run: REASON -->` is skipped (it needs a GPU or the real hub); the reason is required.
+"""
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import hubfuse
+from tests.utils import restore_rope_functions, rope_function, save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ["README.md", "CARD.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("kernel_repos/*/CARD.md"))]
+MARKER = re.compile(r"<!--\s*(not run|ckpt):\s*(.*?)\s*-->")
+TINY = {"qwen3_moe": dict(output_router_logits=True, mlp_only_layers=[1]),
+        "qwen3_5_moe_text": dict(output_router_logits=True)}
+ROPE_FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")
+
+
+def blocks(text: str):
+    """(code, directives) for each ```python block; directives from the HTML comments right above it."""
+    lines, out = text.splitlines(), []
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            directives, j = {}, i - 1
+            while j >= 0 and (MARKER.search(lines[j]) or not lines[j].strip()):
+                for kind, value in MARKER.findall(lines[j]):
+                    directives[kind] = value
+                j -= 1
+            end = lines.index("```", i + 1)
+            out.append(("\n".join(lines[i + 1:end]), directives))
+            i = end
+        i += 1
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _local_builds():
+    hubfuse.use_local_builds()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from tests.test_trainers import _tokenizer
+
+    d, made = tmp_path_factory.mktemp("docs_models"), {}
+
+    def get(family):
+        if family not in made:
+            made[family] = save_tiny_model(family, d, **TINY.get(family, {}))
+            _tokenizer(96).save_pretrained(made[family])
+        return str(made[family])
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outputs of the examples (trainer dirs) land here
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the documented CPU path: torch reference
+    saved = {f: rope_function(f).__dict__.get("forward") for f in ROPE_FAMILIES}
+    yield
+    restore_rope_functions(saved)  # a Llama / Qwen2 example binds the RoPE hub function process-wide
+
+
+def test_every_document_has_runnable_blocks():
+    for doc in DOCS:
+        runnable = [b for b, d in blocks((ROOT / doc).read_text()) if "not run" not in d]
+        assert runnable, f"{doc}: no runnable python block"
+        for _, d in blocks((ROOT / doc).read_text()):
+            assert d.get("not run", "x"), f"{doc}: `not run` needs a reason"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_python_blocks_run(doc, checkpoints):
+    namespace = {"ckpt": checkpoints("qwen3_moe")}
+    for n, (code, directives) in enumerate(blocks((ROOT / doc).read_text()), 1):
+        if "not run" in directives:
+            continue
+        if "ckpt" in directives:
+            namespace["ckpt"] = checkpoints(directives["ckpt"])
+        try:
+            exec(compile(code, f"{doc} python block {n}", "exec"), namespace)
+        except Exception as e:
+            raise AssertionError(f"{doc}: python block {n} failed: {type(e).__name__}: {e}\n{code}") from e
+
+
+def _tables(text: str) -> list[str]:
+    out, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            out.append("\n".join(current))
+            current = []
+    return out
+
+
+def test_numbers_are_the_current_ones_of_docs_benchmarks():
+    """Every table of a card's `## Numbers` section, and the README's training table, is a table of
+    docs/benchmarks.md as it is now."""
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        if doc == "README.md":
+            section = text[text.index("## Training benchmark"):]
+            section = section[:section.index("\n## ", 1)]
+        else:
+            section = re.search(r"^## Numbers\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S).group(1)
+        tables = _tables(section)
+        assert tables, f"{doc}: no numbers table"
+        for table in tables:
+            assert table in bench, f"{doc}: a table that docs/benchmarks.md does not have:\n{table}"

@@ -1,0 +1,149 @@
+"""FSDP2 (and expert parallelism) for hubfuse-kernelized models, and HF-format checkpoints of the sharded model.
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from hubfuse import distributed, presets
+
+    mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))  # or (world,): FSDP2 without EP
+    model = ...kernelized from_pretrained on every rank...
+    presets.enable_losses(model, "qwen3_moe", aux_loss_group=dist.group.WORLD)
+    moe.shard_experts(model, mesh["ep"])                 # the moe kernel (get_kernel("hubfuse/moe"))
+    distributed.fully_shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    optimizer = torch.optim.AdamW(model.parameters(), ...)
+    ...
+    distributed.save_pretrained(model, out_dir)          # every rank calls it; rank 0 writes the HF checkpoint
+
+Only engines from torch: `fully_shard`, DeviceMesh, `torch.distributed.checkpoint.state_dict`. Nothing here
+imports transformers; the kernels need nothing from this module (it is the recipe, as code).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _ep_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Experts modules whose parameters are sharded over an EP mesh (moe.shard_experts, or transformers' EP plan)."""
+    from torch.distributed.tensor import DTensor
+
+    return [(name, m) for name, m in module.named_modules()
+            if isinstance(m._parameters.get("gate_up_proj"), DTensor)
+            and not hasattr(m, "_get_fsdp_state")]  # not yet wrapped by fully_shard
+
+
+def decoder_layers(model: nn.Module):
+    """The decoder layers of a transformers causal LM (`model.model.layers`)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"fully_shard_model: {type(model).__name__} has no decoder layers at model.model.layers")
+    return layers
+
+
+def _flattened(mesh, dims: tuple[str, ...]):
+    name = "_".join(dims)
+    try:
+        return mesh[name]  # flattened already (an earlier call)
+    except (KeyError, RuntimeError, ValueError):
+        return mesh[dims]._flatten(name)
+
+
+def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=None, offload_policy=None,
+                      reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2 over a (kernelized) causal LM: each decoder layer, then the root (embeddings, final norm and
+    `lm_head` together: the fused loss reads `lm_head.weight` outside `lm_head`'s forward). Returns the model.
+
+    mesh: a 1-D DeviceMesh: every parameter is sharded over all its ranks. Or a 2-D mesh with dims (dp, `ep_dim`)
+    after `moe.shard_experts(model, mesh[ep_dim])`: the dense parameters are sharded over all dp x ep ranks (the
+    flattened mesh); each expert-parallel experts module gets its own `fully_shard` over mesh[dp] (its dim-0
+    slices further sharded: 2-D DTensors), with the gradient divide factor dp x ep, because its gradient is a
+    sum over the EP group (moe.expert_parallel), reduced as a sum (`set_force_sum_reduction_for_comms`: gloo
+    has no pre-multiplied sum) when dp > 1. `mp_policy`, `offload_policy`, `reshard_after_forward` go to every layer's
+    `fully_shard` (the root keeps FSDP2's default).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kw["offload_policy"] = offload_policy
+    layers = decoder_layers(model)
+    experts = _ep_experts(model)
+    if mesh.ndim == 1:
+        if experts:
+            raise ValueError(f"fully_shard_model: {experts[0][0]} is sharded over an expert-parallel mesh; pass "
+                             f"the 2-D (dp, {ep_dim!r}) mesh whose {ep_dim!r} dimension it uses")
+        dense_mesh, expert_mesh = mesh, None
+    elif mesh.ndim == 2:
+        names = mesh.mesh_dim_names or ()
+        if ep_dim not in names:
+            raise ValueError(f"fully_shard_model: a 2-D mesh needs an {ep_dim!r} dimension (ep_dim), got {names}")
+        dp_dim = names[1 - names.index(ep_dim)]
+        ep_mesh = mesh[ep_dim]
+        for name, module in experts:
+            if module.gate_up_proj.device_mesh != ep_mesh:
+                raise ValueError(f"fully_shard_model: {name} is sharded over {module.gate_up_proj.device_mesh}, "
+                                 f"not over this mesh's {ep_dim!r} dimension {ep_mesh} (mismatched process groups)")
+        if ep_mesh.size() > 1 and not experts:
+            raise ValueError(f"fully_shard_model: the mesh has {ep_dim!r} size {ep_mesh.size()} but no experts are "
+                             f"sharded over it: call moe.shard_experts(model, mesh[{ep_dim!r}]) first")
+        dense_mesh, expert_mesh = _flattened(mesh, names), mesh[dp_dim]
+    else:
+        raise ValueError(f"fully_shard_model: mesh must be 1-D (dp) or 2-D (dp, {ep_dim!r}), got {mesh.ndim}-D")
+    for layer in layers:
+        for _, module in _ep_experts(layer):
+            fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, **kw)
+            module.set_gradient_divide_factor(float(mesh.size()))
+            if expert_mesh.size() > 1:
+                # a plain sum, then the division (gloo has no pre-multiplied sum). Not with one rank per expert
+                # (dp 1): torch 2.13's FSDP2 then divides twice (its copy for a 1-rank group and the post-divide)
+                module.set_force_sum_reduction_for_comms(True)
+        fully_shard(layer, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, mesh=dense_mesh, **kw)
+    return model
+
+
+def fix_single_rank_expert_reduction(model: nn.Module) -> nn.Module:
+    """For models sharded by transformers' `from_pretrained(distributed_config=DistributedConfig(fsdp_size=N,
+    ep_size=N))` (5.22.2; every expert on one rank, `efsdp` = 1): transformers wraps each experts module with
+    gradient divide factor N and a forced sum reduction, and torch 2.13's FSDP2 divides twice on a 1-rank group
+    (expert gradients come out N times too small; seen at N = 2 on CPU). This turns the forced sum off where the
+    experts' FSDP group has one rank (then FSDP2 divides once). Returns the model."""
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        p = module._parameters.get("gate_up_proj")
+        if hasattr(module, "set_force_sum_reduction_for_comms") and isinstance(p, DTensor) \
+                and p.device_mesh.ndim == 2 and p.device_mesh.shape[0] == 1:
+            module.set_force_sum_reduction_for_comms(False)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank calls it: the full (unsharded) state dict, on the CPU, on rank 0; {} on the other ranks. Keys
+    are the model's own (a kernelized model's; `save_pretrained` reverts them to the checkpoint's)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_pretrained(model: nn.Module, directory, **kwargs) -> None:
+    """Gather-then-save: every rank calls it, rank 0 writes `model.save_pretrained(directory, state_dict=...)`
+    (HF keys and layout of the original architecture; a plain `from_pretrained` loads it). `kwargs` go to
+    `save_pretrained`. A model sharded by transformers' `distributed_config` saves through transformers (every
+    rank calls its `save_pretrained`, which gathers the same way). For resumable sharded checkpoints use
+    torch.distributed.checkpoint instead (docs/distributed.md)."""
+    if getattr(getattr(model, "config", None), "distributed_config", None) is not None:
+        model.save_pretrained(directory, **kwargs)
+        return
+    state_dict = full_state_dict(model)
+    if dist.get_rank() == 0:
+        model.save_pretrained(directory, state_dict=state_dict, **kwargs)
+    dist.barrier()
+
+
+__all__ = ["fully_shard_model", "decoder_layers", "fix_single_rank_expert_reduction", "full_state_dict",
+           "save_pretrained"]
