@@ -30,7 +30,7 @@ def test_build_writes_every_backend_with_unique_ids():
 
 
 @pytest.mark.parametrize("name", ["rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy",
-                                  "hubfuse"])
+                                  "gated-delta-net", "hubfuse"])
 def test_kernels_info_passes_on_every_build(name):
     """`kernels info <repo>` (the hub CLI) reads every build: name, version and all four backends."""
     build(name)
@@ -151,7 +151,8 @@ for name in set(sys.modules) - before:
     if Path(path).resolve().is_relative_to(root):
         assert Path(path).resolve().is_relative_to(variant.resolve()), (name, path)
 assert not [n for n in sys.modules if n.split(".")[0] in ("rmsnorm", "rotary", "swiglu", "moe", "cross_entropy",
-                                                          "load_balancing_loss", "hubfuse")], "imported a source package"
+                                                          "load_balancing_loss", "gated_delta_net", "hubfuse")], \
+    "imported a source package"
 print("ok", module.__name__)
 """
 

@@ -22,7 +22,7 @@ EXPECTED_BOUND = {
     "qwen3": {"RMSNorm": 3, "QKNormRopeAttention": 2, "RMSNormSwiGLUMLP": 2},
     "qwen3_moe": {"RMSNorm": 5, "QKNormRopeAttention": 2, "GroupedGemmExperts": 1, "TopKRouter": 1,
                   "SwiGLUMLP": 1},
-    "qwen3_5_moe_text": {"RMSNormZeroCentered": 5, "RMSNormGated": 1, "SoftmaxTopKRouter": 2,
+    "qwen3_5_moe_text": {"RMSNormZeroCentered": 5, "GatedDeltaNet": 1, "SoftmaxTopKRouter": 2,
                          "GatedQKNormRopeAttention": 1, "GroupedGemmExperts": 2, "SwiGLUMLP": 2},
     "llama": {"RMSNorm": 3, "RMSNormSwiGLUMLP": 2},
     "qwen2": {"RMSNorm": 3, "RMSNormSwiGLUMLP": 2},
@@ -42,7 +42,8 @@ def _rope_restored():
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
-    register_local_kernels("rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy")
+    register_local_kernels("rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy",
+                           "gated-delta-net")
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +189,10 @@ def test_preset_names_and_options(monkeypatch):
     assert "rotary_pos_emb" in presets.kernel_mapping("llama")
     assert "rotary_pos_emb" not in presets.kernel_mapping("llama", rope=False)
     assert presets.FUSION_KEY in presets.kernel_mapping("qwen2")
+    assert presets.kernel_mapping("qwen3_5_moe")["^Qwen3_5MoeGatedDeltaNet$"] == \
+        ("hubfuse/gated-delta-net:GatedDeltaNet", {"version": 1})
+    assert "gated-delta-net" in presets.kernel_repos("qwen3_5_moe")
+    assert "gated-delta-net" not in presets.kernel_repos("qwen3_moe")
     unfused = presets.kernel_mapping("qwen2", fuse_norm_mlp=False)
     assert presets.FUSION_KEY not in unfused and unfused["^Qwen2MLP$"][0] == "hubfuse/swiglu:SwiGLUMLP"
     assert presets.kernel_mapping("qwen2", org="me", revision="main")["^Qwen2RMSNorm$"] == \

@@ -29,6 +29,10 @@ hidden 4096, intermediate 12288):
   (two `RMSNorm` launches and a `rotary_pos_emb` launch). With them the `rotary_pos_emb` hub kernel would
   never be called, so it is left out: it is also a process-wide binding (it patches the model family's
   module-global `apply_rotary_pos_emb`, see kernel_repos/rotary/CARD.md), while a Layout is per instance.
+- Qwen3.5-MoE linear attention: the `GatedDeltaNet` Layout (conv, gates, l2norm and the chunked rule fused,
+  gated norm included) rather than the process-wide function hub names (`chunk_gated_delta_rule`,
+  `causal_conv1d_fn`, ...). Its gated norm runs inside it, so the `RMSNormGated` entry binds no module there
+  (kept for models without the Layout).
 
 Keys are anchored class-name regexes wherever the kernel ships a Layout: transformers treats a string key whose
 kernel has a Layout as a regex over class names (`re.search`), so a bare "RMSNorm" would also swap every other
@@ -97,6 +101,7 @@ def _layers(family: str, rope: bool, fuse_norm_mlp: bool = True) -> dict:
                 "^Qwen3_5MoeRMSNormGated$": ("rmsnorm", "RMSNormGated"),
                 "SoftmaxTopKRouter": ("load-balancing-loss", "SoftmaxTopKRouter"),
                 "^Qwen3_5MoeAttention$": ("rotary", "GatedQKNormRopeAttention"),
+                "^Qwen3_5MoeGatedDeltaNet$": ("gated-delta-net", "GatedDeltaNet"),
                 "^Qwen3_5MoeExperts$": ("moe", "GroupedGemmExperts"),
                 "^Qwen3_5MoeMLP$": ("swiglu", "SwiGLUMLP")}  # the shared expert
     raise AssertionError(fam)

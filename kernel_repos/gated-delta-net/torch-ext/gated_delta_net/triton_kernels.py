@@ -1,0 +1,1126 @@
+"""Triton kernels of the gated delta rule (chunked, forward + backward) and of the depthwise causal conv1d + SiLU.
+
+Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (chunk, value head) unless said:
+- `_solve_kernel`: the within-chunk cumulative decay g (optionally from Qwen3.5's raw gate inputs a, b, A_log,
+  dt_bias) and the WY transform T = (I + strict_lower(beta K K^T * Gamma))^-1: Gram blocks of the raw keys
+  (l2norm applied as row scales), forward substitution on 16x16 diagonal blocks, blocks merged in fp32. Few
+  warps (latency-bound reductions). The forward's T and g are saved for the backward.
+- `_wu_kernel`: l2-normalised q, k (stored once per key head), w = T (beta G k), u = T (beta v) and the
+  intra-chunk attention M = s tril(q k^T * Gamma).
+- `_recurrence_fwd_kernel`, one program per (sequence, value head, V block), sequential over chunks:
+  v' = u - w h, o = s (q G) h + M v', h <- G_last h + (k exp(g_last - g))^T v'. The forward writes o directly
+  (no per-chunk states); the backward runs it again to store the per-chunk states and v'.
+- `_recurrence_bwd_kernel`, same grid, reverse: dv' = M^T do + (k e) dh, dh <- G_last dh + s (q G)^T do - w^T dv'.
+- `_grads_kernel`: every input gradient of a chunk (q, k, v, g or a, beta or b, A_log / dt_bias partial sums);
+  with one value head per key head also the l2norm backward, else fp32 per-value-head partials of dq, dk that
+  `_group_reduce_kernel` sums in a fixed order (no repeated q/k, no atomics: deterministic).
+
+Hopper: Triton 3.4-3.7.0 miscompiles `tl.dot(tl.trans(x), y)` when `x` is itself a `tl.dot` result (FLA #640:
+the transposed accumulator layout feeding a wgmma). No kernel here transposes a computed matrix: transposed
+operands are loaded through transposed pointers, and the two computed matrices needed transposed (dM * Gamma
+and D in `_grads_kernel`) go through a per-program scratch tile in global memory (store, barrier, transposed
+load), as FLA PR #826 proposed.
+
+Every matmul accumulates in fp32; operands are in the input dtype (bf16 on GPUs, exact fp32 dots for fp32
+inputs). Addresses: int64 scalar bases, int32 offsets within tiles. This module imports triton: import it lazily.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import launch
+
+CHUNK = 64
+SUB = 16  # diagonal block size of the triangular solve
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, acc=None):
+    """a @ b (+ acc) with fp32 accumulation; exact fp32 products for fp32 operands."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """fp32 [16, 16] products of the triangular solve: exact (fp32 inputs, tests) or 3xTF32 (tensor cores)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
+def _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN: tl.constexpr):
+    """(sequence, chunk within it, first token row, sequence length) of a chunk slot; sequence -1: unused slot."""
+    if VARLEN:
+        n = tl.load(CHUNK_INFO + slot * 2)
+        it = tl.load(CHUNK_INFO + slot * 2 + 1)
+        nc = tl.maximum(n, 0)
+        bos = tl.load(CU + nc).to(tl.int64)
+        seqlen = (tl.load(CU + nc + 1) - tl.load(CU + nc)).to(tl.int32)
+    else:
+        n = slot // NT
+        it = slot % NT
+        bos = n.to(tl.int64) * T
+        seqlen = T
+    return n, it, bos, seqlen
+
+
+@triton.jit
+def _load_qk(base, o_r, row_mask, stride_t, o_k, K, L2NORM: tl.constexpr):
+    """fp32 [rows, BK] tile of q or k (one head; `base` points at the first row), l2-normalised over K if asked
+    (transformers' l2norm). Scalar int64 bases, int32 in-tile offsets (no 64-bit pointer tensors)."""
+    x = tl.load(base + o_r[:, None] * stride_t + o_k[None, :], mask=row_mask[:, None] & (o_k[None, :] < K),
+                other=0.0).to(tl.float32)
+    if L2NORM:
+        x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+    return x
+
+
+@triton.jit
+def _gate(G_IN, B_IN, A_LOG, DT_BIAS, offs, row_mask, hv, GATE: tl.constexpr, ROUND_BETA: tl.constexpr):
+    """(log decay g, beta) in fp32 at element offsets `offs` of the (rows, HV) gate inputs, value head hv.
+    GATE: g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) rounded to b's dtype (transformers
+    computes it in that dtype)."""
+    if GATE:
+        a = tl.load(G_IN + offs, mask=row_mask, other=0.0).to(tl.float32)
+        x = a + tl.load(DT_BIAS + hv).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(A_LOG + hv).to(tl.float32)) * softplus
+        beta = tl.sigmoid(tl.load(B_IN + offs, mask=row_mask, other=0.0).to(tl.float32))
+        if ROUND_BETA:
+            beta = beta.to(B_IN.dtype.element_ty).to(tl.float32)
+    else:
+        g = tl.load(G_IN + offs, mask=row_mask, other=0.0).to(tl.float32)
+        beta = tl.load(B_IN + offs, mask=row_mask, other=0.0).to(tl.float32)
+    return tl.where(row_mask, g, 0.0), tl.where(row_mask, beta, 0.0)
+
+
+@triton.jit
+def _decay_block(gr, gc, rmask, cmask, STRICT: tl.constexpr, ri, ci):
+    """exp(g_r - g_c) where row > col (STRICT) or row >= col, and both are valid tokens; 0 elsewhere."""
+    if STRICT:
+        keep = (ri[:, None] > ci[None, :]) & rmask[:, None] & cmask[None, :]
+    else:
+        keep = (ri[:, None] >= ci[None, :]) & rmask[:, None] & cmask[None, :]
+    return tl.where(keep, tl.exp(tl.where(keep, gr[:, None] - gc[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _invert_unit_lower(L, o_s):
+    """(I + L)^-1 of a strictly lower [SUB, SUB] block, by forward substitution (fp32)."""
+    Ai = -L
+    for i in range(2, L.shape[0]):
+        a = tl.sum(tl.where((o_s == i)[:, None], -L, 0.0), 0)
+        a = tl.where(o_s < i, a, 0.0)
+        a = a + tl.sum(a[:, None] * Ai, 0)
+        Ai = tl.where((o_s == i)[:, None], a[None, :], Ai)
+    return Ai + (o_s[:, None] == o_s[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _store_block(base, row0, o_s, row_mask, col0, val, row_stride):
+    """A [16, 16] block of T at rows row0.., columns col0.. of the (rows, HV, 64) buffer (`base`: first row)."""
+    tl.store(base + (row0 + o_s)[:, None] * row_stride + col0 + o_s[None, :], val.to(base.dtype.element_ty),
+             mask=row_mask[:, None])
+
+
+@triton.jit
+def _solve_kernel(
+    K_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO, GC, A,
+    T, NT, HV, K, stride_kt, stride_kh,
+    GROUP: tl.constexpr, BKC: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, ROUND_BETA: tl.constexpr,
+    VARLEN: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One (chunk, value head): cumulative decay g (stored), the WY transform T = (I + L)^-1,
+    L = strict_lower(diag(beta) k k^T * Gamma), stored as (rows, HV, 64). Few warps: the 16x16 forward
+    substitutions are latency-bound reductions."""
+    slot = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    hv = i_bh % HV
+    hk = hv // GROUP
+    n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
+    if n < 0:
+        return
+    if not VARLEN:
+        bos = (i_bh // HV).to(tl.int64) * T
+        it = slot
+    t0 = it * 64
+    row0 = bos + t0
+    o_c = tl.arange(0, 64)
+    o_s = tl.arange(0, 16)
+    m_c = t0 + o_c < seqlen
+    DT = K_.dtype.element_ty
+    gate_base = row0 * HV + hv
+    g, _ = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
+    tl.store(GC + gate_base + o_c * HV, tl.cumsum(g, 0), mask=m_c)
+    # Gram blocks P_rc = k_r k_c^T (r >= c) of the raw keys over K in BKC slices, and the rows' squared norms
+    m0, m1, m2, m3 = t0 + o_s < seqlen, t0 + 16 + o_s < seqlen, t0 + 32 + o_s < seqlen, t0 + 48 + o_s < seqlen
+    k_base = K_ + row0 * stride_kt + hk * stride_kh
+    P00 = tl.zeros([16, 16], dtype=tl.float32)
+    P10 = tl.zeros([16, 16], dtype=tl.float32)
+    P11 = tl.zeros([16, 16], dtype=tl.float32)
+    P20 = tl.zeros([16, 16], dtype=tl.float32)
+    P21 = tl.zeros([16, 16], dtype=tl.float32)
+    P22 = tl.zeros([16, 16], dtype=tl.float32)
+    P30 = tl.zeros([16, 16], dtype=tl.float32)
+    P31 = tl.zeros([16, 16], dtype=tl.float32)
+    P32 = tl.zeros([16, 16], dtype=tl.float32)
+    P33 = tl.zeros([16, 16], dtype=tl.float32)
+    n0 = tl.zeros([16], dtype=tl.float32)
+    n1 = tl.zeros([16], dtype=tl.float32)
+    n2 = tl.zeros([16], dtype=tl.float32)
+    n3 = tl.zeros([16], dtype=tl.float32)
+    for kk in range(0, K, BKC):
+        o_k = kk + tl.arange(0, BKC)
+        m_k = o_k[None, :] < K
+        k0 = tl.load(k_base + o_s[:, None] * stride_kt + o_k[None, :], mask=m0[:, None] & m_k, other=0.0)
+        k1 = tl.load(k_base + (o_s + 16)[:, None] * stride_kt + o_k[None, :], mask=m1[:, None] & m_k, other=0.0)
+        k2 = tl.load(k_base + (o_s + 32)[:, None] * stride_kt + o_k[None, :], mask=m2[:, None] & m_k, other=0.0)
+        k3 = tl.load(k_base + (o_s + 48)[:, None] * stride_kt + o_k[None, :], mask=m3[:, None] & m_k, other=0.0)
+        P00 = _dot(k0, tl.trans(k0), IEEE, P00)
+        P10 = _dot(k1, tl.trans(k0), IEEE, P10)
+        P11 = _dot(k1, tl.trans(k1), IEEE, P11)
+        P20 = _dot(k2, tl.trans(k0), IEEE, P20)
+        P21 = _dot(k2, tl.trans(k1), IEEE, P21)
+        P22 = _dot(k2, tl.trans(k2), IEEE, P22)
+        P30 = _dot(k3, tl.trans(k0), IEEE, P30)
+        P31 = _dot(k3, tl.trans(k1), IEEE, P31)
+        P32 = _dot(k3, tl.trans(k2), IEEE, P32)
+        P33 = _dot(k3, tl.trans(k3), IEEE, P33)
+        if L2NORM:
+            n0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), 1)
+            n1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 1)
+            n2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 1)
+            n3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), 1)
+    if L2NORM:  # l2norm(k_i) . l2norm(k_j) = r_i r_j k_i . k_j
+        r0, r1, r2, r3 = tl.rsqrt(n0 + 1e-6), tl.rsqrt(n1 + 1e-6), tl.rsqrt(n2 + 1e-6), tl.rsqrt(n3 + 1e-6)
+        P00 *= r0[:, None] * r0[None, :]
+        P10 *= r1[:, None] * r0[None, :]
+        P11 *= r1[:, None] * r1[None, :]
+        P20 *= r2[:, None] * r0[None, :]
+        P21 *= r2[:, None] * r1[None, :]
+        P22 *= r2[:, None] * r2[None, :]
+        P30 *= r3[:, None] * r0[None, :]
+        P31 *= r3[:, None] * r1[None, :]
+        P32 *= r3[:, None] * r2[None, :]
+        P33 *= r3[:, None] * r3[None, :]
+    tl.debug_barrier()  # the sub-block reads below see the stored cumulative decay
+    g0 = tl.load(GC + gate_base + o_s * HV, mask=m0, other=0.0)
+    g1 = tl.load(GC + gate_base + (o_s + 16) * HV, mask=m1, other=0.0)
+    g2 = tl.load(GC + gate_base + (o_s + 32) * HV, mask=m2, other=0.0)
+    g3 = tl.load(GC + gate_base + (o_s + 48) * HV, mask=m3, other=0.0)
+    _, b0 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_s * HV, m0, hv, GATE, ROUND_BETA)
+    _, b1 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 16) * HV, m1, hv, GATE, ROUND_BETA)
+    _, b2 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 32) * HV, m2, hv, GATE, ROUND_BETA)
+    _, b3 = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + (o_s + 48) * HV, m3, hv, GATE, ROUND_BETA)
+    # L_rc = beta_r P_rc Gamma_rc (strictly lower overall)
+    L00 = b0[:, None] * P00 * _decay_block(g0, g0, m0, m0, True, o_s, o_s)
+    L11 = b1[:, None] * P11 * _decay_block(g1, g1, m1, m1, True, o_s, o_s)
+    L22 = b2[:, None] * P22 * _decay_block(g2, g2, m2, m2, True, o_s, o_s)
+    L33 = b3[:, None] * P33 * _decay_block(g3, g3, m3, m3, True, o_s, o_s)
+    L10 = b1[:, None] * P10 * _decay_block(g1, g0, m1, m0, True, o_s + 16, o_s)
+    L20 = b2[:, None] * P20 * _decay_block(g2, g0, m2, m0, True, o_s + 32, o_s)
+    L21 = b2[:, None] * P21 * _decay_block(g2, g1, m2, m1, True, o_s + 32, o_s + 16)
+    L30 = b3[:, None] * P30 * _decay_block(g3, g0, m3, m0, True, o_s + 48, o_s)
+    L31 = b3[:, None] * P31 * _decay_block(g3, g1, m3, m1, True, o_s + 48, o_s + 16)
+    L32 = b3[:, None] * P32 * _decay_block(g3, g2, m3, m2, True, o_s + 48, o_s + 32)
+    T00 = _invert_unit_lower(L00, o_s)
+    T11 = _invert_unit_lower(L11, o_s)
+    T22 = _invert_unit_lower(L22, o_s)
+    T33 = _invert_unit_lower(L33, o_s)
+    # off-diagonal blocks of the inverse: T_rc = -T_rr sum_{c <= m < r} L_rm T_mc, fp32 operands (3xTF32 on
+    # tensor cores: fp32-level accuracy; exact fp32 for fp32 inputs)
+    T10 = -_mm(T11, _mm(L10, T00, IEEE), IEEE)
+    T21 = -_mm(T22, _mm(L21, T11, IEEE), IEEE)
+    T32 = -_mm(T33, _mm(L32, T22, IEEE), IEEE)
+    T20 = -_mm(T22, _mm(L20, T00, IEEE) + _mm(L21, T10, IEEE), IEEE)
+    T31 = -_mm(T33, _mm(L31, T11, IEEE) + _mm(L32, T21, IEEE), IEEE)
+    T30 = -_mm(T33, _mm(L30, T00, IEEE) + _mm(L31, T10, IEEE) + _mm(L32, T20, IEEE), IEEE)
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    a_base = A + gate_base * 64
+    rs = HV * 64
+    _store_block(a_base, 0, o_s, m0, 0, T00, rs)
+    _store_block(a_base, 0, o_s, m0, 16, zero, rs)
+    _store_block(a_base, 0, o_s, m0, 32, zero, rs)
+    _store_block(a_base, 0, o_s, m0, 48, zero, rs)
+    _store_block(a_base, 16, o_s, m1, 0, T10, rs)
+    _store_block(a_base, 16, o_s, m1, 16, T11, rs)
+    _store_block(a_base, 16, o_s, m1, 32, zero, rs)
+    _store_block(a_base, 16, o_s, m1, 48, zero, rs)
+    _store_block(a_base, 32, o_s, m2, 0, T20, rs)
+    _store_block(a_base, 32, o_s, m2, 16, T21, rs)
+    _store_block(a_base, 32, o_s, m2, 32, T22, rs)
+    _store_block(a_base, 32, o_s, m2, 48, zero, rs)
+    _store_block(a_base, 48, o_s, m3, 0, T30, rs)
+    _store_block(a_base, 48, o_s, m3, 16, T31, rs)
+    _store_block(a_base, 48, o_s, m3, 32, T32, rs)
+    _store_block(a_base, 48, o_s, m3, 48, T33, rs)
+
+
+@triton.jit
+def _wu_kernel(
+    Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO, GC, A,
+    QN, KN, M, W, U,
+    T, NT, H, HV, K, V, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+    ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One (chunk, value head), from T: w = T diag(beta G) k, u = T diag(beta) v, the intra-chunk attention
+    M = s q k^T Gamma (diagonal included), and (first value head of a key head) the l2-normalised q, k."""
+    slot = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    hv = i_bh % HV
+    hk = hv // GROUP
+    n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
+    if n < 0:
+        return
+    if not VARLEN:
+        bos = (i_bh // HV).to(tl.int64) * T
+        it = slot
+    t0 = it * 64
+    row0 = bos + t0
+    o_c = tl.arange(0, 64)
+    o_k = tl.arange(0, BK)
+    m_c = t0 + o_c < seqlen
+    DT = Q.dtype.element_ty
+    q_d = _load_qk(Q + row0 * stride_qt + hk * stride_qh, o_c, m_c, stride_qt, o_k, K, L2NORM).to(DT)
+    k_d = _load_qk(K_ + row0 * stride_kt + hk * stride_kh, o_c, m_c, stride_kt, o_k, K, L2NORM).to(DT)
+    if L2NORM:
+        if hv % GROUP == 0:  # the normalised q, k for the recurrence and gradient kernels, once per key head
+            qk_tile = o_c[:, None] * (H * K) + o_k[None, :]
+            qk_mask = m_c[:, None] & (o_k[None, :] < K)
+            tl.store(QN + (row0 * H + hk) * K + qk_tile, q_d, mask=qk_mask)
+            tl.store(KN + (row0 * H + hk) * K + qk_tile, k_d, mask=qk_mask)
+    gate_base = row0 * HV + hv
+    _, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
+    gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
+    att = scale * _dot(q_d, tl.trans(k_d), IEEE) * _decay_block(gc, gc, m_c, m_c, False, o_c, o_c)
+    cc_tile = o_c[:, None] * (HV * 64) + o_c[None, :]
+    tl.store(M + gate_base * 64 + cc_tile, att.to(M.dtype.element_ty), mask=m_c[:, None])
+    Tm = tl.load(A + gate_base * 64 + cc_tile, mask=m_c[:, None], other=0.0).to(tl.float32)
+    # w = T (beta G k) = (T diag(beta G)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
+    w = _dot((Tm * (beta * tl.exp(gc))[None, :]).to(DT), k_d, IEEE)
+    tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
+             mask=m_c[:, None] & (o_k[None, :] < K))
+    Tb = (Tm * beta[None, :]).to(DT)
+    v_base = V_ + row0 * stride_vt + hv * stride_vh
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        vmask = m_c[:, None] & (o_v[None, :] < V)
+        vv = tl.load(v_base + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask, other=0.0)
+        u = _dot(Tb, vv.to(DT), IEEE)
+        tl.store(U + gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :], u.to(U.dtype.element_ty), mask=vmask)
+
+
+@triton.jit
+def _recurrence_fwd_kernel(
+    QN, KN, W, U, GC, M, H0, CU, CHUNK_OFFSETS,
+    O, HT, HS, VN,
+    T, H, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+    COMPUTE_O: tl.constexpr, STORE_STATES: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    n = i_nh // HV
+    hv = i_nh % HV
+    hk = hv // GROUP
+    if VARLEN:
+        bos = tl.load(CU + n).to(tl.int64)
+        seqlen = (tl.load(CU + n + 1) - tl.load(CU + n)).to(tl.int32)
+        first_chunk = tl.load(CHUNK_OFFSETS + n).to(tl.int64)
+    else:
+        bos = n.to(tl.int64) * T
+        seqlen = T
+        first_chunk = n.to(tl.int64) * tl.cdiv(T, 64)
+    n_chunks = tl.cdiv(seqlen, 64)
+    DT = W.dtype.element_ty
+    o_c = tl.arange(0, 64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    state_tile = o_k[:, None] * V + o_v[None, :]
+    state_mask = m_k[:, None] & m_v[None, :]
+    if USE_H0:
+        h = tl.load(H0 + i_nh.to(tl.int64) * K * V + state_tile, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    kv_tile = o_c[:, None] * (HV * K) + o_k[None, :]       # (token, k) in (rows, HV, K) buffers
+    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]       # (token, v) in (rows, HV, V) buffers
+    for it in range(n_chunks):
+        t0 = it * 64
+        row0 = bos + t0
+        m_c = t0 + o_c < seqlen
+        if STORE_STATES:
+            tl.store(HS + ((first_chunk + it) * HV + hv) * K * V + state_tile, h.to(DT), mask=state_mask)
+        w = tl.load(W + (row0 * HV + hv) * K + kv_tile, mask=m_c[:, None] & m_k[None, :], other=0.0)
+        vmask = m_c[:, None] & m_v[None, :]
+        v_base = (row0 * HV + hv) * V
+        u = tl.load(U + v_base + vv_tile, mask=vmask, other=0.0).to(tl.float32)
+        h_d = h.to(DT)
+        v_new = (u - _dot(w, h_d, IEEE)).to(DT)
+        if STORE_STATES:
+            tl.store(VN + v_base + vv_tile, v_new, mask=vmask)
+        gc = tl.load(GC + (row0 * HV + hv) + o_c * HV, mask=m_c, other=0.0)
+        g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
+        if COMPUTE_O:  # o = s diag(G) q h + M v'
+            q = tl.load(QN + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :],
+                        mask=m_c[:, None] & m_k[None, :], other=0.0)
+            att = tl.load(M + (row0 * HV + hv) * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], mask=m_c[:, None],
+                          other=0.0)
+            o = (scale * tl.exp(gc))[:, None] * _dot(q, h_d, IEEE)
+            o = _dot(att, v_new, IEEE, o)
+            tl.store(O + v_base + vv_tile, o.to(O.dtype.element_ty), mask=vmask)
+        # h <- exp(g_last) h + k^T diag(exp(g_last - g)) v', k^T read through transposed pointers
+        kt = tl.load(KN + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
+                     mask=m_k[:, None] & m_c[None, :], other=0.0)
+        v_dec = (v_new.to(tl.float32) * tl.where(m_c, tl.exp(g_last - gc), 0.0)[:, None]).to(DT)
+        h = _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
+    if STORE_FINAL:
+        tl.store(HT + i_nh.to(tl.int64) * K * V + state_tile, h, mask=state_mask)
+
+
+@triton.jit
+def _recurrence_bwd_kernel(
+    QN, KN, W, GC, M, DO, DHT, CU, CHUNK_OFFSETS,
+    DH0, DHS, DVN,
+    T, H, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    VARLEN: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    n = i_nh // HV
+    hv = i_nh % HV
+    hk = hv // GROUP
+    if VARLEN:
+        bos = tl.load(CU + n).to(tl.int64)
+        seqlen = (tl.load(CU + n + 1) - tl.load(CU + n)).to(tl.int32)
+        first_chunk = tl.load(CHUNK_OFFSETS + n).to(tl.int64)
+    else:
+        bos = n.to(tl.int64) * T
+        seqlen = T
+        first_chunk = n.to(tl.int64) * tl.cdiv(T, 64)
+    n_chunks = tl.cdiv(seqlen, 64)
+    DT = W.dtype.element_ty
+    o_c = tl.arange(0, 64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    state_tile = o_k[:, None] * V + o_v[None, :]
+    state_mask = m_k[:, None] & m_v[None, :]
+    if USE_DHT:
+        dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + state_tile, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        dh = tl.zeros([BK, BV], dtype=tl.float32)
+    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
+    for i in range(n_chunks):
+        it = n_chunks - 1 - i
+        t0 = it * 64
+        row0 = bos + t0
+        m_c = t0 + o_c < seqlen
+        dh_d = dh.to(DT)
+        tl.store(DHS + ((first_chunk + it) * HV + hv) * K * V + state_tile, dh_d, mask=state_mask)
+        gc = tl.load(GC + (row0 * HV + hv) + o_c * HV, mask=m_c, other=0.0)
+        g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
+        vmask = m_c[:, None] & m_v[None, :]
+        v_base = (row0 * HV + hv) * V
+        do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
+        # M^T through transposed pointers: att_t[j, i] = M[i, j]
+        att_t = tl.load(M + (row0 * HV + hv) * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :],
+                        other=0.0)
+        k = tl.load(KN + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :],
+                    mask=m_c[:, None] & m_k[None, :], other=0.0)
+        # dv' = M^T do + diag(exp(g_last - g)) k dh
+        dv_new = tl.where(m_c, tl.exp(g_last - gc), 0.0)[:, None] * _dot(k, dh_d, IEEE)
+        dv_new = _dot(att_t, do, IEEE, dv_new).to(DT)
+        tl.store(DVN + v_base + vv_tile, dv_new, mask=vmask)
+        # dh <- exp(g_last) dh + s q^T diag(G) do - w^T dv'
+        qt = tl.load(QN + row0 * stride_qt + hk * stride_qh + o_c[None, :] * stride_qt + o_k[:, None],
+                     mask=m_k[:, None] & m_c[None, :], other=0.0)
+        wt = tl.load(W + (row0 * HV + hv) * K + o_c[None, :] * (HV * K) + o_k[:, None],
+                     mask=m_k[:, None] & m_c[None, :], other=0.0)
+        do_g = (do.to(tl.float32) * (scale * tl.exp(gc))[:, None]).to(DT)
+        dh = _dot(qt, do_g, IEEE, dh * tl.exp(g_last))
+        dh = _dot(wt, -dv_new, IEEE, dh)
+    if STORE_DH0:
+        tl.store(DH0 + i_nh.to(tl.int64) * K * V + state_tile, dh, mask=state_mask)
+
+
+@triton.jit
+def _grads_kernel(
+    Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO,
+    QN, KN, GC, A, HS, DHS, VN, DVN, DO, SCRATCH,
+    DQ, DK, DQP, DKP, DV, DG, DB, DA_LOG_PART, DDT_PART,
+    T, NT, H, HV, K, V, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+    ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One (chunk, value head): every input gradient of the chunk. dq, dk: final (with the l2norm backward) when
+    each key head has one value head, else fp32 partials per value head summed by `_group_reduce_kernel`."""
+    slot = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    hv = i_bh % HV
+    hk = hv // GROUP
+    n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
+    if n < 0:
+        return
+    if not VARLEN:
+        bos = (i_bh // HV).to(tl.int64) * T
+        it = slot
+        chunk = (i_bh // HV).to(tl.int64) * NT + slot
+    else:
+        chunk = slot.to(tl.int64)
+    t0 = it * 64
+    row0 = bos + t0
+    o_c = tl.arange(0, 64)
+    o_k = tl.arange(0, BK)
+    m_c = t0 + o_c < seqlen
+    m_k = o_k < K
+    DT = Q.dtype.element_ty
+    qk_mask = m_c[:, None] & m_k[None, :]
+    if L2NORM:
+        qk_tile = o_c[:, None] * (H * K) + o_k[None, :]
+        qn = tl.load(QN + (row0 * H + hk) * K + qk_tile, mask=qk_mask, other=0.0)
+        kn = tl.load(KN + (row0 * H + hk) * K + qk_tile, mask=qk_mask, other=0.0)
+    else:
+        qn = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
+                     other=0.0)
+        kn = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
+                     other=0.0)
+    P = _dot(kn, tl.trans(kn), IEEE)                          # k k^T
+    QK = _dot(qn, tl.trans(kn), IEEE)                         # q k^T
+    strict = (o_c[:, None] > o_c[None, :]) & m_c[:, None] & m_c[None, :]
+    incl = (o_c[:, None] >= o_c[None, :]) & m_c[:, None] & m_c[None, :]
+    scratch = SCRATCH + (slot.to(tl.int64) * tl.num_programs(1) + i_bh) * 2 * 64 * 64  # per program
+    cc = o_c[:, None] * 64 + o_c[None, :]
+    cc_t = o_c[None, :] * 64 + o_c[:, None]
+    last = tl.minimum(t0 + 63, seqlen - 1) - t0
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    vmask = m_c[:, None] & m_v[None, :]
+    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
+    state_t_tile = o_k[None, :] * V + o_v[:, None]            # h^T: [BV, BK] view of a (K, V) state
+    state_t_mask = m_v[:, None] & m_k[None, :]
+    gate_base = row0 * HV + hv
+    g_raw, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
+    gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
+    g_last = tl.load(GC + gate_base + last * HV)
+    Gd = tl.where(m_c, tl.exp(gc), 0.0)
+    e = tl.where(m_c, tl.exp(g_last - gc), 0.0)
+    gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    # T^T through transposed pointers
+    Tt = tl.load(A + gate_base * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :], other=0.0)
+    state = (chunk * HV + hv) * K * V
+    v_base = gate_base * V
+    # h^T and dh^T (state at the chunk start, its gradient at the chunk end) through transposed pointers
+    hs_t = tl.load(HS + state + state_t_tile, mask=state_t_mask, other=0.0)
+    dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
+    do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
+    vn = tl.load(VN + v_base + vv_tile, mask=vmask, other=0.0)
+    dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
+    vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask,
+                 other=0.0)
+    # o = s diag(G) q h + M v'
+    dq = (scale * Gd)[:, None] * _dot(do, hs_t, IEEE)
+    dgc = tl.sum(dq * qn.to(tl.float32), 1)
+    att = scale * QK * gam
+    dM = tl.where(incl, _dot(do, tl.trans(vn), IEEE), 0.0)
+    dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
+    dqk = (scale * dM * gam).to(DT)
+    dq = _dot(dqk, kn, IEEE, dq)
+    tl.store(scratch + cc, dqk)
+    # h+ = exp(g_last) h + (k e)^T v'
+    dk = e[:, None] * _dot(vn, dhs_t, IEEE)
+    dke_row = tl.sum(dk * kn.to(tl.float32), 1)
+    dgc -= dke_row
+    # sum(h * dh) for the chunk's total decay, from 32-row slices (the whole states stay dot operands only)
+    hdh = tl.zeros([32, BV], dtype=tl.float32)
+    o_s32 = tl.arange(0, 32)
+    for k0 in range(0, K, 32):
+        sl = (k0 + o_s32)[:, None] * V + o_v[None, :]
+        sm = ((k0 + o_s32) < K)[:, None] & m_v[None, :]
+        hdh += (tl.load(HS + state + sl, mask=sm, other=0.0).to(tl.float32)
+                * tl.load(DHS + state + sl, mask=sm, other=0.0).to(tl.float32))
+    dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(tl.sum(hdh, 1), 0)
+    # u = T diag(beta) v
+    dvb = _dot(Tt, dvn, IEEE)                                # T^T dv'
+    tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
+             (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
+    dbeta = tl.sum(dvb * vv.to(tl.float32), 1)
+    dT = beta[None, :] * _dot(dvn, tl.trans(vv), IEEE)       # dv' (beta v)^T
+    # w = T diag(beta G) k, v' = u - w h
+    dw = (-_dot(dvn, hs_t, IEEE)).to(DT)
+    bG = beta * Gd
+    dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
+    dkbg_k = tl.sum(dkbg * kn.to(tl.float32), 1)
+    dbeta += Gd * dkbg_k
+    dgc += bG * dkbg_k
+    dk += bG[:, None] * dkbg
+    dT = bG[None, :] * _dot(dw, tl.trans(kn), IEEE) + dT    # + dw (beta G k)^T
+    # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
+    dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
+    dL = tl.where(strict, dL, 0.0)
+    D = dL * gam
+    dbeta += tl.sum(D * P, 1)
+    dk += beta[:, None] * _dot(D.to(DT), kn, IEEE)
+    tl.store(scratch + 64 * 64 + cc, (D * beta[:, None]).to(DT))
+    dLL = dL * (beta[:, None] * P * gam)
+    dgc += tl.sum(dLL, 1) - tl.sum(dLL, 0)
+    tl.debug_barrier()  # the two scratch tiles are written: read them transposed
+    dk = _dot(tl.load(scratch + cc_t), qn, IEEE, dk)              # (dM Gamma)^T q
+    dk = _dot(tl.load(scratch + 64 * 64 + cc_t), kn, IEEE, dk)    # (diag(beta) D)^T k
+    dgc = tl.where(o_c == last, dgc + dg_last, dgc)
+    dgc = tl.where(m_c, dgc, 0.0)
+    dg = tl.cumsum(dgc, 0, reverse=True)                     # through the within-chunk cumsum
+    gate_offs = gate_base + o_c * HV
+    if GATE:
+        a = tl.load(G_IN + gate_offs, mask=m_c, other=0.0).to(tl.float32)
+        x = a + tl.load(DT_BIAS + hv).to(tl.float32)
+        dsoftplus = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
+        da = dg * (-tl.exp(tl.load(A_LOG + hv).to(tl.float32))) * dsoftplus
+        da = tl.where(m_c, da, 0.0)
+        tl.store(DG + gate_offs, da.to(DG.dtype.element_ty), mask=m_c)
+        part = slot.to(tl.int64) * tl.num_programs(1) + i_bh  # (slot, batch, value head)
+        tl.store(DA_LOG_PART + part, tl.sum(dg * g_raw, 0))
+        tl.store(DDT_PART + part, tl.sum(da, 0))
+        tl.store(DB + gate_offs, (dbeta * beta * (1.0 - beta)).to(DB.dtype.element_ty), mask=m_c)
+    else:
+        tl.store(DG + gate_offs, dg.to(DG.dtype.element_ty), mask=m_c)
+        tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
+    if GROUP > 1:  # summed over the value heads of each key head by _group_reduce_kernel
+        part_tile = (gate_base * K) + o_c[:, None] * (HV * K) + o_k[None, :]
+        tl.store(DQP + part_tile, dq, mask=qk_mask)
+        tl.store(DKP + part_tile, dk, mask=qk_mask)
+        return
+    if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
+        q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)
+        rq = tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+        dq = rq * (dq - q * rq * tl.sum(q * rq * dq, 1)[:, None])
+        k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)
+        rk = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        dk = rk * (dk - k * rk * tl.sum(k * rk * dk, 1)[:, None])
+    tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_c[:, None] * stride_dqt + o_k[None, :],
+             dq.to(DQ.dtype.element_ty), mask=qk_mask)
+    tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_c[:, None] * stride_dkt + o_k[None, :],
+             dk.to(DK.dtype.element_ty), mask=qk_mask)
+
+
+
+
+@triton.jit
+def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride_qh, stride_kt, stride_kh,
+                         stride_dqt, stride_dqh, stride_dkt, stride_dkh,
+                         GROUP: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """dq, dk of a key head = sum of its value heads' fp32 partials (fixed order), then the l2norm backward."""
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    row0 = pid.to(tl.int64) * 32
+    o_r = tl.arange(0, 32)
+    o_k = tl.arange(0, BK)
+    mask = ((row0 + o_r) < R)[:, None] & (o_k[None, :] < K)
+    part = (row0 * HV + hk * GROUP) * K + o_r[:, None] * (HV * K) + o_k[None, :]
+    dq = tl.zeros([32, BK], dtype=tl.float32)
+    dk = tl.zeros([32, BK], dtype=tl.float32)
+    for j in range(GROUP):
+        dq += tl.load(DQP + part + j * K, mask=mask, other=0.0)
+        dk += tl.load(DKP + part + j * K, mask=mask, other=0.0)
+    if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
+        q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_r[:, None] * stride_qt + o_k[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        rq = tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+        dq = rq * (dq - q * rq * tl.sum(q * rq * dq, 1)[:, None])
+        k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_r[:, None] * stride_kt + o_k[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        rk = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        dk = rk * (dk - k * rk * tl.sum(k * rk * dk, 1)[:, None])
+    tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_r[:, None] * stride_dqt + o_k[None, :],
+             dq.to(DQ.dtype.element_ty), mask=mask)
+    tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_r[:, None] * stride_dkt + o_k[None, :],
+             dk.to(DK.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------ packed sequences: chunk metadata on the device
+
+
+@triton.jit
+def _varlen_meta_kernel(CU, CHUNK_INFO, CHUNK_OFFSETS, SEQ_IDX, N, N_SLOTS, TOTAL,
+                        BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """From cu_seqlens: for each chunk slot its (sequence, chunk in it) or (-1, 0), the first chunk of each
+    sequence, and each token's sequence. No host round trip: the slot count is a static bound."""
+    pid = tl.program_id(0)
+    items = pid * BLOCK + tl.arange(0, BLOCK)
+    slot_seq = tl.zeros([BLOCK], dtype=tl.int32)
+    slot_first = tl.zeros([BLOCK], dtype=tl.int32)
+    slot_found = tl.zeros([BLOCK], dtype=tl.int32)
+    tok_seq = tl.zeros([BLOCK], dtype=tl.int32)
+    carry = tl.sum(tl.zeros([BLOCK_N], dtype=tl.int32), 0)  # chunks of the sequences before this block
+    for n0 in range(0, N, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        mn = ns < N
+        start = tl.load(CU + ns, mask=mn, other=0).to(tl.int32)
+        end = tl.load(CU + ns + 1, mask=mn, other=0).to(tl.int32)
+        count = tl.where(mn, (end - start + 63) // 64, 0)
+        incl = tl.cumsum(count, 0) + carry
+        excl = incl - count
+        if pid == 0:
+            tl.store(CHUNK_OFFSETS + ns, excl, mask=mn)
+        hit = (items[:, None] >= excl[None, :]) & (items[:, None] < incl[None, :]) & mn[None, :]
+        slot_seq += tl.sum(tl.where(hit, ns[None, :], 0), 1)
+        slot_first += tl.sum(tl.where(hit, excl[None, :], 0), 1)
+        slot_found += tl.sum(hit.to(tl.int32), 1)
+        hit_t = (items[:, None] >= start[None, :]) & (items[:, None] < end[None, :]) & mn[None, :]
+        tok_seq += tl.sum(tl.where(hit_t, ns[None, :], 0), 1)
+        carry += tl.sum(count, 0)
+    if pid == 0:
+        tl.store(CHUNK_OFFSETS + N, carry)
+    m_slot = items < N_SLOTS
+    tl.store(CHUNK_INFO + items * 2, tl.where(slot_found > 0, slot_seq, -1), mask=m_slot)
+    tl.store(CHUNK_INFO + items * 2 + 1, items - slot_first, mask=m_slot)
+    tl.store(SEQ_IDX + items, tok_seq, mask=items < TOTAL)
+
+
+def n_chunk_slots(total: int, n_seqs: int) -> int:
+    """Static upper bound of sum(ceil(len_i / 64)) over n_seqs sequences of total tokens."""
+    return (total + n_seqs * (CHUNK - 1)) // CHUNK
+
+
+def varlen_meta(cu_seqlens: torch.Tensor, total: int):
+    """(chunk_info (slots, 2) int32, chunk_offsets (N + 1,) int32, seq_idx (total,) int32)."""
+    n_seqs = cu_seqlens.numel() - 1
+    slots = n_chunk_slots(total, n_seqs)
+    dev = cu_seqlens.device
+    chunk_info = torch.empty(max(slots, 1), 2, dtype=torch.int32, device=dev)
+    chunk_offsets = torch.empty(n_seqs + 1, dtype=torch.int32, device=dev)
+    seq_idx = torch.empty(max(total, 1), dtype=torch.int32, device=dev)
+    block = 64
+    launch(_varlen_meta_kernel, (triton.cdiv(max(slots, total, 1), block),), cu_seqlens, chunk_info, chunk_offsets,
+           seq_idx, n_seqs, slots, total, BLOCK=block, BLOCK_N=64)
+    return chunk_info, chunk_offsets, seq_idx
+
+
+# ------------------------------------------------------------------ chunked gated delta rule: launch wrappers
+
+# launch settings (scripts/probe_gated_delta_net.py sweeps them). H100, triton 3.6, 8x1024 / 2x8192 fwd+bwd
+# (docs/gpu_runs/gated_delta_net/run2): these 3.26 / 6.54 ms; grads with 8 warps 4.09 / 8.17, recurrences with
+# V blocks of 32 3.34 / 6.81, wu with 8 warps 3.28 / 6.55, solve with 2 warps 3.03 / 6.07 (faster, but the GPU
+# tests ran with 4: not the default until they run with 2)
+CONFIG = {
+    "solve": dict(num_warps=4, num_stages=2, block_k=32),
+    "wu": dict(num_warps=4, num_stages=2, block_v=64),
+    "recurrence": dict(num_warps=4, num_stages=3, block_v=64),
+    "grads": dict(num_warps=4, num_stages=2),
+}
+
+
+def _block(n: int, cap: int = 1 << 30, least: int = 16) -> int:
+    return min(max(least, triton.next_power_of_2(n)), max(cap, least))
+
+
+class _Problem:
+    """Shapes, launch grids and the chunk metadata of one call."""
+
+    def __init__(self, q, v, cu_seqlens, meta):
+        self.B, self.T, self.H, self.K = q.shape
+        self.HV, self.V = v.shape[2], v.shape[3]
+        self.group = self.HV // self.H
+        self.varlen = cu_seqlens is not None
+        self.rows = self.B * self.T
+        if self.varlen:
+            self.N = cu_seqlens.numel() - 1
+            self.NT = 1
+            self.slots = n_chunk_slots(self.T, self.N)
+            self.chunk_info, self.chunk_offsets = meta[0], meta[1]
+            self.cu = cu_seqlens
+        else:
+            self.N = self.B
+            self.NT = triton.cdiv(self.T, CHUNK)
+            self.slots = self.NT
+            self.chunk_info = self.chunk_offsets = self.cu = q  # unused
+        self.n_chunks = self.slots if self.varlen else self.B * self.NT  # per-chunk state slots
+        self.ieee = q.dtype == torch.float32
+        # 16-bit tensor-core tiles at least 64 wide: the shapes the GPU tests run at real head dims (smaller head
+        # dims are padded and masked)
+        self.least = 16 if self.ieee else 64
+        self.BK = _block(self.K, least=self.least)
+
+    def block_v(self, cap: int = 1 << 30) -> int:
+        return _block(self.V, cap, self.least)
+
+
+def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
+    """(A = T per chunk (rows, HV, 64) in k's dtype, within-chunk cumulative decay (rows, HV) fp32)."""
+    gate = A_log is not None
+    gc = torch.empty(p.rows, p.HV, dtype=torch.float32, device=k.device)
+    A = torch.empty(p.rows, p.HV, CHUNK, dtype=k.dtype, device=k.device)
+    cfg = CONFIG["solve"]
+    launch(_solve_kernel, (p.slots, p.B * p.HV), k, g_in, b_in, A_log if gate else g_in, dt_bias if gate else g_in,
+           p.cu, p.chunk_info, gc, A, p.T, p.NT, p.HV, p.K, k.stride(1), k.stride(2), GROUP=p.group,
+           BKC=min(p.BK, cfg["block_k"]), L2NORM=l2norm, GATE=gate, ROUND_BETA=gate and b_in.dtype != torch.float32,
+           VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return A, gc
+
+
+def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm):
+    """(q_n, k_n and their (token, head) strides, M, w, u) from T."""
+    dev, dt = q.device, q.dtype
+    gate = A_log is not None
+    qn = torch.empty(p.rows, p.H, p.K, dtype=dt, device=dev) if l2norm else q
+    kn = torch.empty(p.rows, p.H, p.K, dtype=dt, device=dev) if l2norm else k
+    M = torch.empty(p.rows, p.HV, CHUNK, dtype=dt, device=dev)
+    w = torch.empty(p.rows, p.HV, p.K, dtype=dt, device=dev)
+    u = torch.empty(p.rows, p.HV, p.V, dtype=dt, device=dev)
+    cfg = CONFIG["wu"]
+    launch(_wu_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
+           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, qn, kn, M, w, u,
+           p.T, p.NT, p.H, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2),
+           v.stride(1), v.stride(2), GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
+           ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    qn_strides = (p.H * p.K, p.K) if l2norm else (q.stride(1), q.stride(2))
+    kn_strides = (p.H * p.K, p.K) if l2norm else (k.stride(1), k.stride(2))
+    return qn, kn, qn_strides, kn_strides, M, w, u
+
+
+def _recurrence_fwd(p, qn, kn, qn_strides, kn_strides, w, u, gc, M, h0, scale, compute_o, store_states,
+                    output_final_state, o_dtype):
+    dev, dt = w.device, w.dtype
+    cfg = CONFIG["recurrence"]
+    BV = p.block_v(cfg["block_v"])
+    o = torch.empty(p.B, p.T, p.HV, p.V, dtype=o_dtype, device=dev) if compute_o else w
+    ht = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if output_final_state else w
+    hs = torch.empty(p.n_chunks, p.HV, p.K, p.V, dtype=dt, device=dev) if store_states else w
+    vn = torch.empty(p.rows, p.HV, p.V, dtype=dt, device=dev) if store_states else w
+    launch(_recurrence_fwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), qn, kn, w, u, gc, M,
+           h0 if h0 is not None else w, p.cu, p.chunk_offsets, o, ht, hs, vn,
+           p.T, p.H, p.HV, p.K, p.V, scale, *qn_strides, *kn_strides, GROUP=p.group, BK=p.BK, BV=BV,
+           USE_H0=h0 is not None, STORE_FINAL=output_final_state, COMPUTE_O=compute_o, STORE_STATES=store_states,
+           VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o, ht, hs, vn
+
+
+def chunk_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: float, l2norm: bool,
+              output_final_state: bool):
+    """Forward of the chunked rule: (o (B, T, HV, V) in q's dtype, fp32 final state or an unused tensor, and the
+    WY matrices T and the cumulative decays, which the backward takes instead of solving again)."""
+    p = _Problem(q, v, cu_seqlens, meta)
+    A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
+    qn, kn, qs, ks, M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
+    o, ht, _, _ = _recurrence_fwd(p, qn, kn, qs, ks, w, u, gc, M, h0, scale, True, False, output_final_state,
+                                  q.dtype)
+    return o, ht, A, gc
+
+
+def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: float, l2norm: bool,
+              dq=None, dk=None, dv=None, A=None, gc=None):
+    """Backward of the chunked rule (recomputes w, u, M and the per-chunk states; T and the decays come from the
+    forward, or are solved again when not given). `dq`, `dk`, `dv` may be given as (strided) output views.
+    Returns dq, dk, dv, d(g or a), d(beta or b), dA_log, ddt_bias (None without the gate), dh0 (fp32, None
+    without an initial state)."""
+    p = _Problem(q, v, cu_seqlens, meta)
+    dev, dt = q.device, q.dtype
+    gate = A_log is not None
+    if A is None or gc is None:
+        A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
+    qn, kn, qs, ks, M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
+    _, _, hs, vn = _recurrence_fwd(p, qn, kn, qs, ks, w, u, gc, M, h0, scale, False, True, False, dt)
+    del u
+    cfg = CONFIG["recurrence"]
+    BV = p.block_v(cfg["block_v"])
+    dhs = torch.empty_like(hs)
+    dvn = torch.empty_like(vn)
+    dh0 = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if h0 is not None else None
+    launch(_recurrence_bwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), qn, kn, w, gc, M, do,
+           dht if dht is not None else w, p.cu, p.chunk_offsets, dh0 if dh0 is not None else w, dhs, dvn,
+           p.T, p.H, p.HV, p.K, p.V, scale, *qs, *ks, GROUP=p.group, BK=p.BK, BV=BV, USE_DHT=dht is not None,
+           STORE_DH0=dh0 is not None, VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"],
+           num_stages=cfg["num_stages"])
+    del w, M
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    dg = torch.empty_like(g_in)
+    db = torch.empty_like(b_in)
+    n_programs = p.slots * p.B * p.HV
+    scratch = torch.empty(n_programs * 2 * CHUNK * CHUNK, dtype=dt, device=dev)
+    alloc = torch.zeros if p.varlen else torch.empty  # unused varlen slots write no partial sums
+    dA_part = alloc(n_programs if gate else 1, dtype=torch.float32, device=dev)
+    ddt_part = alloc(n_programs if gate else 1, dtype=torch.float32, device=dev)
+    grouped = p.group > 1
+    dq_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
+    dk_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
+    cfg = CONFIG["grads"]
+    launch(_grads_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
+           dt_bias if gate else g_in, p.cu, p.chunk_info, qn, kn, gc, A, hs, dhs, vn, dvn, do, scratch,
+           dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.H, p.HV, p.K, p.V, scale,
+           q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+           dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
+           GROUP=p.group, BK=p.BK, BV=p.block_v(), L2NORM=l2norm, GATE=gate,
+           ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if grouped:
+        launch(_group_reduce_kernel, (triton.cdiv(p.rows, 32), p.H), q, k, dq_part, dk_part, dq, dk, p.rows, p.H,
+               p.HV, p.K, q.stride(1), q.stride(2), k.stride(1), k.stride(2), dq.stride(1), dq.stride(2),
+               dk.stride(1), dk.stride(2), GROUP=p.group, BK=p.BK, L2NORM=l2norm, num_warps=4)
+    dA_log = ddt_bias = None
+    if gate:
+        dA_log = dA_part.view(-1, p.HV).sum(0).to(A_log.dtype)
+        ddt_bias = ddt_part.view(-1, p.HV).sum(0).to(dt_bias.dtype)
+    return dq, dk, dv, dg, db, dA_log, ddt_bias, dh0
+
+
+# ------------------------------------------------------------------ token-by-token recurrence (decode)
+
+
+@triton.jit
+def _recurrent_kernel(Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, H0, O, HT, T, H, HV, K, V, scale,
+                      stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                      GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                      GATE: tl.constexpr, ROUND_BETA: tl.constexpr, USE_H0: tl.constexpr):
+    """transformers' recurrent form, one launch for a few tokens (decode): per token, h <- exp(g) h;
+    h += k (beta (v - k^T h)); o = (s q)^T h. No per-chunk work, fp32 state in registers."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = (i_bh // HV).to(tl.int64)
+    hv = i_bh % HV
+    hk = hv // GROUP
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    state_offs = (i_bh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
+    if USE_H0:
+        h = tl.load(H0 + state_offs, mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    zero = tl.zeros([1], dtype=tl.int32)
+    for t in range(T):
+        q = tl.load(Q + b * stride_qb + t * stride_qt + hk * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
+        k = tl.load(K_ + b * stride_kb + t * stride_kt + hk * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        v = tl.load(V_ + b * stride_vb + t * stride_vt + hv * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
+        g, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, zero + (b * T + t) * HV + hv, zero == 0, hv, GATE, ROUND_BETA)
+        h = h * tl.exp(tl.sum(g, 0))
+        delta = (v - tl.sum(h * k[:, None], 0)) * tl.sum(beta, 0)
+        h = h + k[:, None] * delta[None, :]
+        o = tl.sum(h * (q * scale)[:, None], 0)
+        tl.store(O + ((b * T + t) * HV + hv) * V + o_v, o.to(O.dtype.element_ty), mask=m_v)
+    tl.store(HT + state_offs, h, mask=m_k[:, None] & m_v[None, :])
+
+
+def recurrent_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, scale: float, l2norm: bool):
+    """The rule token by token (no backward): (o (B, T, HV, V) in q's dtype, fp32 final state)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BV = _block(V, 64)
+    gate = A_log is not None
+    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    ht = torch.empty(B, HV, K, V, dtype=torch.float32, device=q.device)
+    launch(_recurrent_kernel, (triton.cdiv(V, BV), B * HV), q, k, v, g_in, b_in, A_log if gate else g_in,
+           dt_bias if gate else g_in, h0 if h0 is not None else ht, o, ht, T, H, HV, K, V, scale,
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2), GROUP=HV // H, BK=_block(K), BV=BV, L2NORM=l2norm, GATE=gate,
+           ROUND_BETA=gate and b_in.dtype != torch.float32, USE_H0=h0 is not None, num_warps=4)
+    return o, ht
+
+
+# ------------------------------------------------------------------ depthwise causal conv1d + SiLU
+
+
+@triton.jit
+def _conv_fwd_kernel(X, WT, BIAS, SEQ, OUT, S, C, stride_xb, stride_xt, stride_xc,
+                     W: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
+                     VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_t = t < S
+    m_c = c < C
+    WDT = WT.dtype.element_ty
+    if VARLEN:
+        seq = tl.load(SEQ + b * S + t, mask=m_t, other=-1)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W):
+        tt = t - (W - 1 - j)
+        m = m_t & (tt >= 0)
+        if VARLEN:
+            m = m & (tl.load(SEQ + b * S + tt, mask=m, other=-2) == seq)
+        x = tl.load(X + b * stride_xb + tt[:, None].to(tl.int64) * stride_xt + c[None, :] * stride_xc,
+                    mask=m[:, None] & m_c[None, :], other=0.0)
+        wj = tl.load(WT + c * W + j, mask=m_c, other=0.0).to(tl.float32)
+        acc += x.to(WDT).to(tl.float32) * wj[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    if ROUND:  # F.conv1d returns the weight's dtype
+        acc = acc.to(WDT).to(tl.float32)
+    if ACT:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(OUT + (b * S + t[:, None]) * C + c[None, :], acc.to(OUT.dtype.element_ty),
+             mask=m_t[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _conv_bwd_kernel(X, WT, BIAS, SEQ, DOUT, DX, DW_PART, DB_PART, S, C, stride_xb, stride_xt, stride_xc,
+                     stride_db, stride_dt, stride_dc,
+                     W: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                     ROUND: tl.constexpr, VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # dx[t] = sum_s w[W-1-s] dy[t+s], dy = dout * silu'(y): y is recomputed at rows t..t+W-1 (the halo rows are
+    # re-read from cache); dweight / dbias partial sums per program, summed afterwards (deterministic).
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    o_w = tl.arange(0, WP)
+    m_t = t < S
+    m_c = c < C
+    WDT = WT.dtype.element_ty
+    if VARLEN:
+        seq = tl.load(SEQ + b * S + t, mask=m_t, other=-1)
+    dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    dw = tl.zeros([BLOCK_C, WP], dtype=tl.float32)
+    db = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for s in tl.static_range(W):
+        r = t + s
+        m_r = m_t & (r < S)
+        if VARLEN:
+            seq_r = tl.load(SEQ + b * S + r, mask=m_r, other=-2)
+            m_r = m_r & (seq_r == seq)
+        y = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(W):
+            rr = r - (W - 1 - j)
+            m = m_r & (rr >= 0)
+            if VARLEN:
+                m = m & (tl.load(SEQ + b * S + rr, mask=m, other=-3) == seq_r)
+            x = tl.load(X + b * stride_xb + rr[:, None].to(tl.int64) * stride_xt + c[None, :] * stride_xc,
+                        mask=m[:, None] & m_c[None, :], other=0.0).to(WDT).to(tl.float32)
+            y += x * tl.load(WT + c * W + j, mask=m_c, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y += tl.load(BIAS + c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+        if ROUND:
+            y = y.to(WDT).to(tl.float32)
+        dy = tl.load(DOUT + b * stride_db + r[:, None].to(tl.int64) * stride_dt + c[None, :] * stride_dc,
+                     mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+        if ACT:
+            sig = tl.sigmoid(y)
+            dy = dy * sig * (1.0 + y * (1.0 - sig))
+        dx += dy * tl.load(WT + c * W + (W - 1 - s), mask=m_c, other=0.0).to(tl.float32)[None, :]
+        if s == 0:  # rows t themselves: dweight[j] += sum_t x[t - (W-1-j)] dy[t]
+            for j in tl.static_range(W):
+                rr = t - (W - 1 - j)
+                m = m_t & (rr >= 0)
+                if VARLEN:
+                    m = m & (tl.load(SEQ + b * S + rr, mask=m, other=-3) == seq)
+                x = tl.load(X + b * stride_xb + rr[:, None].to(tl.int64) * stride_xt + c[None, :] * stride_xc,
+                            mask=m[:, None] & m_c[None, :], other=0.0).to(WDT).to(tl.float32)
+                dw += tl.where(o_w[None, :] == j, tl.sum(x * dy, 0)[:, None], 0.0)
+            db += tl.sum(dy, 0)
+    tl.store(DX + (b * S + t[:, None]) * C + c[None, :], dx.to(DX.dtype.element_ty),
+             mask=m_t[:, None] & m_c[None, :])
+    part = b * tl.num_programs(0) + pid_t
+    tl.store(DW_PART + (part * C + c[:, None]) * W + o_w[None, :], dw, mask=m_c[:, None] & (o_w[None, :] < W))
+    if HAS_BIAS:
+        tl.store(DB_PART + part * C + c, db, mask=m_c)
+
+
+@triton.jit
+def _conv_update_kernel(X, STATE, WT, BIAS, OUT, C, L, SL, stride_xb, stride_xc, stride_xt,
+                        stride_sb, stride_sc, stride_st, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        ACT: tl.constexpr, ROUND: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_SL: tl.constexpr):
+    # full = cat(state, x) (in the weight's dtype); out[i] = conv over full's last L positions; state <- full[-SL:]
+    pid_c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = c < C
+    WDT = WT.dtype.element_ty
+    x_base = X + b * stride_xb + c * stride_xc
+    s_base = STATE + b * stride_sb + c * stride_sc
+    for i in range(L):
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(W):
+            idx = tl.zeros([BLOCK_C], dtype=tl.int32) + (SL + i - (W - 1) + j)
+            val = tl.load(s_base + idx * stride_st, mask=m_c & (idx < SL), other=0.0).to(WDT).to(tl.float32) \
+                + tl.load(x_base + (idx - SL) * stride_xt, mask=m_c & (idx >= SL), other=0.0).to(WDT).to(tl.float32)
+            acc += val * tl.load(WT + c * W + j, mask=m_c, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + c, mask=m_c, other=0.0).to(tl.float32)
+        if ROUND:
+            acc = acc.to(WDT).to(tl.float32)
+        if ACT:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(OUT + (b * C + c) * L + i, acc.to(OUT.dtype.element_ty), mask=m_c)
+    o_p = tl.arange(0, BLOCK_SL)
+    idx = L + o_p[None, :]
+    m = m_c[:, None] & (o_p[None, :] < SL)
+    new = tl.load(s_base[:, None] + idx * stride_st, mask=m & (idx < SL), other=0.0).to(WDT) \
+        + tl.load(x_base[:, None] + (idx - SL) * stride_xt, mask=m & (idx >= SL), other=0.0).to(WDT)
+    tl.debug_barrier()  # every read of the old state is done before it is overwritten
+    tl.store(s_base[:, None] + o_p[None, :] * stride_st, new.to(STATE.dtype.element_ty), mask=m)
+
+
+CONV_CONFIG = dict(block_t=64, block_c=64, num_warps=4)
+
+
+def conv_fwd(x, weight, bias, seq_idx, activation: bool, out_dtype):
+    """x: (B, S, C) any strides; weight (C, W). Returns contiguous (B, S, C)."""
+    B, S, C = x.shape
+    W = weight.shape[-1]
+    out = torch.empty(B, S, C, dtype=out_dtype, device=x.device)
+    bt, bc = CONV_CONFIG["block_t"], CONV_CONFIG["block_c"]
+    launch(_conv_fwd_kernel, (triton.cdiv(S, bt), triton.cdiv(C, bc), B), x, weight,
+           bias if bias is not None else weight, seq_idx if seq_idx is not None else weight, out, S, C,
+           x.stride(0), x.stride(1), x.stride(2), W=W, HAS_BIAS=bias is not None, ACT=activation,
+           ROUND=weight.dtype != torch.float32, VARLEN=seq_idx is not None, BLOCK_T=bt, BLOCK_C=bc,
+           num_warps=CONV_CONFIG["num_warps"])
+    return out
+
+
+def conv_bwd(dout, x, weight, bias, seq_idx, activation: bool):
+    """Gradients (dx contiguous (B, S, C) in x's dtype, dweight, dbias or None) of `conv_fwd`."""
+    B, S, C = x.shape
+    W = weight.shape[-1]
+    bt, bc = CONV_CONFIG["block_t"], CONV_CONFIG["block_c"]
+    n_t = triton.cdiv(S, bt)
+    dx = torch.empty(B, S, C, dtype=x.dtype, device=x.device)
+    dw_part = torch.empty(B * n_t, C, W, dtype=torch.float32, device=x.device)
+    db_part = torch.empty(B * n_t, C, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+    launch(_conv_bwd_kernel, (n_t, triton.cdiv(C, bc), B), x, weight, bias if bias is not None else weight,
+           seq_idx if seq_idx is not None else weight, dout, dx, dw_part, db_part, S, C,
+           x.stride(0), x.stride(1), x.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+           W=W, WP=triton.next_power_of_2(W), HAS_BIAS=bias is not None, ACT=activation,
+           ROUND=weight.dtype != torch.float32, VARLEN=seq_idx is not None, BLOCK_T=bt, BLOCK_C=bc,
+           num_warps=CONV_CONFIG["num_warps"])
+    dw = dw_part.sum(0).to(weight.dtype)
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dw, db
+
+
+def conv_update(x, conv_state, weight, bias, activation: bool):
+    """x: (B, C, L) new tokens; conv_state (B, C, SL) updated in place. Returns (B, C, L) in x's dtype."""
+    B, C, L = x.shape
+    W = weight.shape[-1]
+    SL = conv_state.shape[-1]
+    out = torch.empty(B, C, L, dtype=x.dtype, device=x.device)
+    bc = 128
+    launch(_conv_update_kernel, (triton.cdiv(C, bc), B), x, conv_state, weight,
+           bias if bias is not None else weight, out, C, L, SL, x.stride(0), x.stride(1), x.stride(2),
+           conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), W=W, HAS_BIAS=bias is not None,
+           ACT=activation, ROUND=weight.dtype != torch.float32, BLOCK_C=bc,
+           BLOCK_SL=triton.next_power_of_2(SL), num_warps=4)
+    return out

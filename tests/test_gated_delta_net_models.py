@@ -1,0 +1,191 @@
+"""Gated DeltaNet kernels through transformers: tiny Qwen3.5-MoE (layer 0 linear attention, layer 1 full attention)
+loaded with hubfuse.KernelConfig.
+
+- the `GatedDeltaNet` Layout for `^Qwen3_5MoeGatedDeltaNet$`: loss, logits and every gradient against a plain
+  eager load (eval and train), its own forward (the HF path) equal to eager, greedy generation with the cache
+  (left-padded batch: prefill, one-token decode steps) equal to eager, save_pretrained round trip, packed
+  sequences (`cu_seq_lens_q`) equal to separate runs, torch.compile(fullgraph=True) of the layer (fwd + bwd)
+  and of the model;
+- the function hub names (`chunk_gated_delta_rule`, `fused_recurrent_gated_delta_rule`, `causal_conv1d_fn`,
+  `causal_conv1d_update`) on the unchanged HF module: parity and generation.
+On CPU the kernels run under the Triton interpreter (root conftest sets TRITON_INTERPRET=1).
+"""
+import importlib
+
+import pytest
+import torch
+
+from tests.utils import (assert_parity, assert_saved_checkpoints_equal, hub, load, make_batch, modules_running,
+                         register_local_kernels, save_tiny_model, tiny_config)
+
+FAMILY = "qwen3_5_moe_text"
+REPO = "gated-delta-net"
+LAYOUT = {"^Qwen3_5MoeGatedDeltaNet$": hub(REPO, "GatedDeltaNet")}
+FUNCTIONS = {"chunk_gated_delta_rule": hub(REPO, "ChunkGatedDeltaRule"),
+             "fused_recurrent_gated_delta_rule": hub(REPO, "FusedRecurrentGatedDeltaRule"),
+             "causal_conv1d_fn": hub(REPO, "CausalConv1dFn"),
+             "causal_conv1d_update": hub(REPO, "CausalConv1dUpdate")}
+_MODELING = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+_FUNCTION_ATTRS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                   "causal_conv1d_update")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    register_local_kernels(REPO)
+
+
+@pytest.fixture(autouse=True)
+def _restore_functions():
+    """Function hub names bind onto the modeling file's module-global function objects (process-wide): put the
+    original forwards back after each test so that later eager references are eager."""
+    module = importlib.import_module(_MODELING)
+    saved = {a: getattr(module, a).__dict__.get("forward") for a in _FUNCTION_ATTRS}
+    yield
+    for attr, fwd in saved.items():
+        fn = getattr(module, attr)
+        if fwd is None:
+            fn.__dict__.pop("forward", None)
+        else:
+            fn.forward = fwd
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # one key head shared by two value heads (the Qwen3.5 ratio), kept small for the Triton interpreter
+    path = save_tiny_model(FAMILY, tmp_path_factory.mktemp("models"), linear_num_key_heads=1,
+                           linear_num_value_heads=2)
+    # sharpen the linear-attention gates so the recurrence (not only the current token) shows in the logits
+    model = load(path)
+    with torch.no_grad():
+        attn = model.model.layers[0].linear_attn
+        attn.A_log.fill_(-2.0)
+        attn.in_proj_qkv.weight.mul_(4.0)
+    model.save_pretrained(path)
+    return path
+
+
+def _bound(model, layer="GatedDeltaNet"):
+    return len(modules_running(model, layer))
+
+
+def test_layout_parity_eval_and_train(model_dir):
+    eager, ours = load(model_dir), load(model_dir, LAYOUT)
+    assert _bound(ours) == 1
+    assert any(type(m).__name__ == "GatedDeltaNetLayout" for m in ours.modules())
+    batch = make_batch(tiny_config(FAMILY).vocab_size, batch=1, seq=70)  # two chunks of the rule
+    assert_parity(eager, ours, batch)
+    ours.train(), eager.train()
+    assert _bound(ours) == 1
+    assert_parity(eager, ours, batch)
+
+
+def test_layout_reference_forward_matches_eager(model_dir):
+    eager, ours = load(model_dir), load(model_dir, LAYOUT)
+    for m in ours.modules():  # unbind the kernel: the Layout's own forward (the HF torch path) runs
+        if type(m).__name__ == "GatedDeltaNetLayout":
+            m.__dict__.pop("forward", None)
+    assert _bound(ours) == 0
+    assert_parity(eager, ours, make_batch(tiny_config(FAMILY).vocab_size, seq=9), atol=0, rtol=0)
+
+
+def _generate(model, prompt, mask):
+    kw = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=True,
+              pad_token_id=0)
+    with torch.no_grad():
+        return model.generate(prompt, **kw)
+
+
+@pytest.mark.parametrize("mapping", ["layout", "functions"])
+def test_greedy_generation_with_cache_matches_eager(mapping, model_dir):
+    prompt = make_batch(tiny_config(FAMILY).vocab_size, batch=2, seq=6, seed=3)["input_ids"]
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0  # row 1 left-padded: the linear-attention padding mask is applied in the prefill
+    want = _generate(load(model_dir), prompt, mask)
+    ours = load(model_dir, LAYOUT if mapping == "layout" else FUNCTIONS)
+    if mapping == "layout":
+        assert _bound(ours) == 1
+    got = _generate(ours, prompt, mask)
+    assert got.shape == (2, 6 + 12)
+    assert torch.equal(got, want), (got, want)
+
+
+def test_function_hub_names_parity(model_dir):
+    eager = load(model_dir)
+    batch = make_batch(tiny_config(FAMILY).vocab_size, batch=1, seq=70)
+    loss_e = eager(**batch).loss
+    ours = load(model_dir, FUNCTIONS).train()
+    module = importlib.import_module(_MODELING)
+    fwd = module.torch_chunk_gated_delta_rule.__dict__.get("forward")
+    assert getattr(fwd, "__func__", None) is not None and fwd.__func__.__qualname__.startswith("ChunkGatedDeltaRule")
+    assert_parity(eager.train(), ours, batch)  # eager shares the patched functions: compare against the loss too
+    torch.testing.assert_close(ours(**batch).loss, loss_e, atol=2e-5, rtol=2e-5)
+
+
+def test_save_pretrained_round_trip(model_dir, tmp_path):
+    ours = load(model_dir, LAYOUT)
+    ours.save_pretrained(tmp_path / "resaved")
+    assert_saved_checkpoints_equal(model_dir, tmp_path / "resaved")
+    batch = make_batch(tiny_config(FAMILY).vocab_size)
+    torch.testing.assert_close(load(tmp_path / "resaved", LAYOUT)(**batch).logits, load(model_dir)(**batch).logits,
+                               atol=2e-5, rtol=2e-5)
+
+
+def _linear_attn(model):
+    return model.model.layers[0].linear_attn
+
+
+def test_packed_sequences_equal_separate_runs(model_dir):
+    """`cu_seq_lens_q` (transformers' packed-sequence kwarg) keeps sequences apart in the conv and the rule."""
+    layer = _linear_attn(load(model_dir, LAYOUT).train())
+    lengths = [5, 70, 1]
+    x = torch.randn(1, sum(lengths), tiny_config(FAMILY).hidden_size, requires_grad=True)
+    cu = torch.tensor([0, 5, 75, 76], dtype=torch.int32)
+    packed = layer(x, cu_seq_lens_q=cu)
+    parts = [layer(x[:, s:e]) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    torch.testing.assert_close(packed, torch.cat(parts, 1), atol=1e-5, rtol=1e-5)
+    upstream = torch.randn_like(packed)
+    g_packed = torch.autograd.grad(packed, [x, *layer.parameters()], upstream)
+    g_parts = torch.autograd.grad(torch.cat(parts, 1), [x, *layer.parameters()], upstream)
+    for a, b in zip(g_packed, g_parts):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_fullgraph_layer_fwd_bwd(model_dir):
+    torch._dynamo.reset()
+    layer = _linear_attn(load(model_dir, LAYOUT).train())
+    x = torch.randn(2, 20, tiny_config(FAMILY).hidden_size)
+    params = list(layer.parameters())
+
+    def step(inp):
+        inp = inp.detach().requires_grad_()
+        out = layer(inp)
+        return out, torch.autograd.grad(out.square().sum(), [inp, *params])
+
+    want_out, want_grads = step(x)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    inp = x.detach().requires_grad_()
+    got_out = compiled(inp)
+    got_grads = torch.autograd.grad(got_out.square().sum(), [inp, *params])
+    torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_fullgraph_model(model_dir):
+    torch._dynamo.reset()
+    ours = load(model_dir, LAYOUT)
+    batch = make_batch(tiny_config(FAMILY).vocab_size)
+    # forward only: transformers' own grouped_mm experts backward does not trace on CPU (see test_rotary_models)
+    with torch.no_grad():
+        want = ours(**batch)
+        got = torch.compile(ours, fullgraph=True, backend="aot_eager")(**batch)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_umbrella_kernel_serves_the_layer(model_dir):
+    register_local_kernels("hubfuse")
+    ours = load(model_dir, {"^Qwen3_5MoeGatedDeltaNet$": ("hubfuse/hubfuse:GatedDeltaNet", {"revision": "v1"})})
+    ours.train()
+    assert _bound(ours) == 1
+    assert_parity(load(model_dir).train(), ours, make_batch(tiny_config(FAMILY).vocab_size))
