@@ -713,10 +713,8 @@ def varlen_meta(cu_seqlens: torch.Tensor, total: int):
 
 # ------------------------------------------------------------------ chunked gated delta rule: launch wrappers
 
-# launch settings (scripts/probe_gated_delta_net.py sweeps them). H100, triton 3.6, 8x1024 / 2x8192 fwd+bwd
-# (docs/gpu_runs/gated_delta_net/run2): these 3.26 / 6.54 ms; grads with 8 warps 4.09 / 8.17, recurrences with
-# V blocks of 32 3.34 / 6.81, wu with 8 warps 3.28 / 6.55, solve with 2 warps 3.03 / 6.07 (faster, but the GPU
-# tests ran with 4: not the default until they run with 2)
+# launch settings, swept on an H100 (triton 3.6) at 8x1024 / 2x8192 fwd+bwd: 8-warp grads, 32-wide V blocks in the
+# recurrences and an 8-warp wu were slower; a 2-warp solve was ~7 % faster but has not run the GPU tests yet
 CONFIG = {
     "solve": dict(num_warps=4, num_stages=2, block_k=32),
     "wu": dict(num_warps=4, num_stages=2, block_v=64),
