@@ -21,7 +21,7 @@ OVERRIDES = {"qwen3_moe": dict(output_router_logits=True), "qwen3_5_moe_text": d
 EXPECTED_BOUND = {
     "qwen3": {"RMSNorm": 3, "QKNormRopeAttention": 2, "RMSNormSwiGLUMLP": 2},
     "qwen3_moe": {"RMSNorm": 5, "QKNormRopeAttention": 2, "GroupedGemmExperts": 2, "TopKRouter": 2},
-    "qwen3_5_moe_text": {"RMSNormZeroCentered": 5, "RMSNormGated": 1, "SoftmaxTopKRouter": 2,
+    "qwen3_5_moe_text": {"RMSNormZeroCentered": 5, "GatedDeltaNet": 1, "SoftmaxTopKRouter": 2,
                          "GatedQKNormRopeAttention": 1, "GroupedGemmExperts": 2, "SwiGLUMLP": 2},
 }
 
@@ -127,8 +127,8 @@ def test_repo_not_found_names_the_existing_repos(model_dirs):
         one_argument(model_dirs["qwen3"], kernel_mapping={"RMSNorm": "hubfuse/rmsnom:RMSNorm"})
     msg = str(e.value)
     assert "kernel repo 'hubfuse/rmsnom' not found (did you mean 'hubfuse/rmsnorm'?)" in msg
-    assert "local builds (LOCAL_KERNELS): hubfuse/cross-entropy, hubfuse/hubfuse" in msg
-    assert "repos of the hubfuse org: hubfuse/cross-entropy, hubfuse/hubfuse, hubfuse/load-balancing-loss" in msg
+    assert "local builds (LOCAL_KERNELS): hubfuse/cross-entropy, hubfuse/gated-delta-net, hubfuse/hubfuse" in msg
+    assert "repos of the hubfuse org: hubfuse/cross-entropy, hubfuse/gated-delta-net, hubfuse/hubfuse" in msg
     assert "trust_remote_code" not in msg
 
 

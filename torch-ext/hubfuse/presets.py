@@ -51,9 +51,10 @@ from .sources import ORG, check_not_version_on_local, default_meta
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe", "llama", "qwen2")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
 _ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
-# Preset entries for modules that only some configs of the family have (Qwen3-MoE's dense `mlp_only_layers`):
-# binding nothing on a model without them is expected, not a mistake.
-OPTIONAL_KEYS = frozenset({"^Qwen3MoeMLP$"})
+# Preset entries that bind nothing on some models of the family (Qwen3-MoE's dense `mlp_only_layers`; Qwen3.5's
+# gated norm, which the GatedDeltaNet Layout fuses): expected, not a mistake.
+OPTIONAL_KEYS = frozenset({"^Qwen3MoeMLP$",
+                           "^Qwen3_5MoeRMSNormGated$"})
 
 # the n-to-1 fusion key of dense decoder layers (transformers matches the module paths; the first item of each
 # pair is only a label)
