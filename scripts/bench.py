@@ -162,21 +162,6 @@ def shape_of(name: str, args) -> tuple[int, int, int]:
 
 
 # ----------------------------------------------------------------------------------------------- child process
-def bound_kernels(model) -> dict[str, int]:
-    """"<module class>-><kernel layer>" -> count of submodules whose forward kernelize bound (as scripts/demo.py)."""
-    counts: dict[str, int] = {}
-    for name, module in model.named_modules():
-        func = getattr(module.__dict__.get("forward"), "__func__", None)
-        if name and func is not None and func is not type(module).forward:
-            key = f"{type(module).__name__}->{func.__qualname__.split('.')[0]}"
-            counts[key] = counts.get(key, 0) + 1
-    for attr, key in (("_hubfuse_fused_loss", "loss->linear_cross_entropy"),
-                      ("_hubfuse_fused_aux_loss", "aux_loss->load_balancing_loss")):
-        if attr in model.__dict__:
-            counts[key] = 1
-    return counts
-
-
 def liger_modules(model) -> dict[str, int]:
     counts: dict[str, int] = {}
     for _, module in model.named_modules():
@@ -232,7 +217,7 @@ def load_model(name: str, config: str, path: Path, device: str):
         model = load(path, presets.kernel_mapping(family, revision=REVISION), dtype=torch.bfloat16, device=device,
                      **kw)
         presets.enable_losses(model, family, revision=REVISION)
-        extra = bound_kernels(model)
+        extra = presets.bound_kernels(model)
     else:
         model = load(path, dtype=torch.bfloat16, device=device, **kw)
         extra = liger_modules(model) if config in LIGER else {}

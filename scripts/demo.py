@@ -60,27 +60,6 @@ def load(path, kernels: bool):
                                                 kernel_config=hubfuse.KernelConfig())
 
 
-def bound_kernels(model) -> dict[str, int]:
-    """"<module type> -> <kernel layer>" -> submodules whose forward kernelize bound to that layer, plus the
-    per-instance loss switches and the process-wide RoPE function of Llama / Qwen2."""
-    counts: dict[str, int] = {}
-    for name, module in model.named_modules():
-        func = getattr(module.__dict__.get("forward"), "__func__", None)
-        if name and func is not None and func is not type(module).forward:
-            key = f"{type(module).__name__}->{func.__qualname__.split('.')[0]}"
-            counts[key] = counts.get(key, 0) + 1
-    family = model.config.model_type
-    if family in ROPE_HUB_FAMILIES:
-        fwd = _rope_function(family).__dict__.get("forward")
-        if fwd is not None:
-            counts[f"apply_rotary_pos_emb->{fwd.__func__.__qualname__.split('.')[0]} (process-wide)"] = 1
-    if "_hubfuse_fused_loss" in model.__dict__:
-        counts["loss->linear_cross_entropy"] = 1
-    if "_hubfuse_fused_aux_loss" in model.__dict__:
-        counts["aux loss->load_balancing_loss"] = 1
-    return counts
-
-
 def _rope_function(family):
     import importlib
 
@@ -118,7 +97,7 @@ def parity(family, path, steps):
     loss_e, grads_e = train_steps(load(path, kernels=False).train(), batches)
     try:
         ours = load(path, kernels=True).train()
-        kernels = bound_kernels(ours)
+        kernels = presets.bound_kernels(ours)
         loss_o, grads_o = train_steps(ours, batches)
     finally:  # the Llama / Qwen2 RoPE hub function is bound process-wide: later plain loads must stay plain
         if rope is not None:

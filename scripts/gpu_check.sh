@@ -11,8 +11,12 @@
 #   bash scripts/gpu_check.sh demo                   scripts/demo.py
 #   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
 #                                                    NPROC=1 (default) the --single-gpu proxy, NPROC=N torchrun
-# Carry `.whl` (transformers 5.22.2, kernels 0.17.2, liger-kernel 0.8.5, tabulate, tomlkit,
-# flash-linear-attention 0.6.0, fla-core 0.6.0; see docs/benchmarks.md). Logs go to $OUT (default ./out).
+# Carry `.whl` (the device image's Python 3.12), made with:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     transformers==5.22.2 kernels==0.17.2 liger-kernel==0.8.5 tabulate tomlkit \
+#     flash-linear-attention==0.6.0 fla-core==0.6.0
+# (`kernels benchmark` also needs sigstore, cryptography, cffi, pycparser). Logs go to $OUT (default ./out).
 # TEST_PATHS / MODEL_TEST_PATHS narrow the test selection, TEST_TIMEOUT (s) caps each pytest process.
 set -uo pipefail
 cd "$(dirname "$0")/.."

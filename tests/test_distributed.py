@@ -240,6 +240,19 @@ def _expert_parallel_functional(world: int) -> list[str]:
     return errors
 
 
+def _unmet_errors(cases) -> list[str]:
+    """(what, call, exception type, text) cases: each call must raise that type with that text in its message."""
+    problems = []
+    for what, call, exc, text in cases:
+        try:
+            call()
+            problems.append(f"{what}: no error")
+        except exc as e:
+            if text not in str(e):
+                problems.append(f"{what}: {type(e).__name__}: {e!r} does not say {text!r}")
+    return problems
+
+
 def _configuration_errors(world: int) -> list[str]:
     """Bad configurations must raise errors that name the problem (2 ranks: needs an EP size above 1)."""
     import torch
@@ -267,25 +280,14 @@ def _configuration_errors(world: int) -> list[str]:
         ("EP size 2 without shard_experts", lambda: distributed.fully_shard_model(model, mesh), ValueError,
          "call moe.shard_experts"),
     ]
-    problems = []
-    for what, call, exc, text in cases:
-        try:
-            call()
-            problems.append(f"{what}: no error")
-        except exc as e:
-            if text not in str(e):
-                problems.append(f"{what}: {type(e).__name__}: {e!r} does not say {text!r}")
+    problems = _unmet_errors(cases)
     moe.shard_experts(model, mesh["ep"])
-    for what, call, text in [
-        ("experts sharded over another mesh", lambda: distributed.fully_shard_model(model, other), "not over this mesh"),
-        ("1-D mesh with EP experts", lambda: distributed.fully_shard_model(model, mesh["dp"]), "2-D (dp, 'ep') mesh"),
-    ]:
-        try:
-            call()
-            problems.append(f"{what}: no error")
-        except ValueError as e:
-            if text not in str(e):
-                problems.append(f"{what}: {e!r} does not say {text!r}")
+    problems += _unmet_errors([
+        ("experts sharded over another mesh", lambda: distributed.fully_shard_model(model, other), ValueError,
+         "not over this mesh"),
+        ("1-D mesh with EP experts", lambda: distributed.fully_shard_model(model, mesh["dp"]), ValueError,
+         "2-D (dp, 'ep') mesh"),
+    ])
     dist.barrier()
     return [f"rank {dist.get_rank()}: {p}" for p in problems]
 

@@ -220,5 +220,30 @@ def eager_to_kernelized(eager: dict, kernelized_names) -> dict:
     return out
 
 
-__all__ = ["FAMILIES", "MOE_FAMILIES", "FUSION_KEY", "OPTIONAL_KEYS", "family_of", "kernel_mapping", "kernel_repos",
-           "known_repos", "enable_losses", "disable_losses", "eager_to_kernelized"]
+def bound_kernels(model) -> dict[str, int]:
+    """What runs hubfuse kernels in `model`: "<module class>-><kernel layer>" -> the number of submodules whose
+    forward kernelize bound to that layer, the process-wide RoPE function of Llama / Qwen2 if bound, and the
+    per-instance fused losses (`enable_losses`)."""
+    import importlib
+
+    counts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        func = getattr(module.__dict__.get("forward"), "__func__", None)
+        if name and func is not None and func is not type(module).forward:
+            key = f"{type(module).__name__}->{func.__qualname__.split('.')[0]}"
+            counts[key] = counts.get(key, 0) + 1
+    family = model.config.model_type
+    if family in ("llama", "qwen2"):  # their preset binds the `rotary_pos_emb` hub function
+        rope = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+        forward = rope.__dict__.get("forward")
+        if forward is not None:
+            counts[f"apply_rotary_pos_emb->{forward.__func__.__qualname__.split('.')[0]} (process-wide)"] = 1
+    for attr, key in (("_hubfuse_fused_loss", "loss->linear_cross_entropy"),
+                      ("_hubfuse_fused_aux_loss", "aux loss->load_balancing_loss")):
+        if attr in model.__dict__:
+            counts[key] = 1
+    return counts
+
+
+__all__ = ["FAMILIES", "MOE_FAMILIES", "FUSION_KEY", "OPTIONAL_KEYS", "bound_kernels", "family_of", "kernel_mapping",
+           "kernel_repos", "known_repos", "enable_losses", "disable_losses", "eager_to_kernelized"]
