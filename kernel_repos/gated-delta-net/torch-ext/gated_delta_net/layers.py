@@ -31,6 +31,15 @@ from .reference import (causal_conv1d_fn_hf, causal_conv1d_update_hf, chunk_gate
 # ------------------------------------------------------------------ function hub names
 
 
+def _chunk_rule_hook(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     kwargs):
+    """The gated delta rule hooks' common body (transformers' extra kwargs: only `cu_seqlens` is used)."""
+    return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                  output_final_state=output_final_state,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                  cu_seqlens=kwargs.get("cu_seqlens"))
+
+
 class ChunkGatedDeltaRule(nn.Module):
     """transformers' `chunk_gated_delta_rule` hook (q, k already repeated to the value heads by the caller)."""
 
@@ -39,24 +48,17 @@ class ChunkGatedDeltaRule(nn.Module):
 
     def forward(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, **kwargs):
-        return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
-                                      output_final_state=output_final_state,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                      cu_seqlens=kwargs.get("cu_seqlens"))
+        return _chunk_rule_hook(query, key, value, g, beta, initial_state, output_final_state,
+                                use_qk_l2norm_in_kernel, kwargs)
 
 
-class FusedRecurrentGatedDeltaRule(nn.Module):
+class FusedRecurrentGatedDeltaRule(ChunkGatedDeltaRule):
     """transformers' `fused_recurrent_gated_delta_rule` hook (decode): the same math, through the chunked kernels."""
-
-    has_backward = True
-    can_torch_compile = True
 
     def forward(self, query, key, value, g, beta, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, **kwargs):
-        return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
-                                      output_final_state=output_final_state,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                      cu_seqlens=kwargs.get("cu_seqlens"))
+        return _chunk_rule_hook(query, key, value, g, beta, initial_state, output_final_state,
+                                use_qk_l2norm_in_kernel, kwargs)
 
 
 class CausalConv1dFn(nn.Module):
