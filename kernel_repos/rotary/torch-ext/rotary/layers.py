@@ -178,11 +178,8 @@ class QKNormRopeAttentionLayout(nn.Module):
 # ------------------------------------------------------------------ Qwen3.5-MoE gated attention
 
 
-class GatedQKNormRopeAttention(nn.Module):
+class GatedQKNormRopeAttention(QKNormRopeAttention):
     """Qwen3.5-MoE gated attention: zero-centred q/k norm + partial RoPE fused, `* sigmoid(gate)` before o_proj."""
-
-    has_backward = True
-    can_torch_compile = True
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         return _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
