@@ -6,7 +6,6 @@ own `torch_chunk_gated_delta_rule`), differentiated by autograd. CPU runs the Tr
 TRITON_INTERPRET=1 (root conftest) at small shapes and the torch reference path (`path="torch"`); GPU tests
 (bf16, real shapes) are marked `gpu`.
 """
-import os
 
 import pytest
 import torch
@@ -23,14 +22,9 @@ REDUCTION_TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
 
 
 @pytest.fixture(params=["triton", "torch"])
-def path(request, monkeypatch):
+def path(request, use_kernel_path):
     """Each CPU test runs the Triton kernels (interpreter) and the torch reference path."""
-    if request.param == "torch":
-        if DEV != "cpu":
-            pytest.skip("the torch path is the no-Triton CPU path")
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    use_kernel_path(request.param)
     return request.param
 
 

@@ -3,7 +3,6 @@
 CPU runs the Triton kernels under TRITON_INTERPRET=1 (root conftest) at small shapes, and also the torch
 reference path (`path="torch"`); GPU tests (bf16, real shapes) are marked `gpu`.
 """
-import os
 
 import pytest
 import torch
@@ -17,16 +16,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(params=["triton", "triton_row_tile", "torch"])
-def path(request, monkeypatch):
+def path(request, monkeypatch, use_kernel_path):
     """Run each CPU test through the Triton kernels (interpreter), through them with TUNING's row_tile flipped
     (partial RoPE: the row-tile kernels if the default runs the column groups, and vice versa), and through
     the torch reference path."""
-    if request.param == "torch":
-        if DEV != "cpu":
-            pytest.skip("the torch path is the no-Triton CPU path")
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    use_kernel_path(request.param)
     if request.param == "triton_row_tile":
         _flip_row_tile(monkeypatch)
     return request.param
