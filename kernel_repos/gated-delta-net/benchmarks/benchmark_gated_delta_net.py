@@ -69,25 +69,25 @@ class GatedDeltaNetBenchmark(Benchmark):
         self.w = (torch.randn(C, 4, device=dev, dtype=dtype) * 0.3).requires_grad_()
         self.dx = torch.randn(B, T, C, device=dev, dtype=dtype) * 0.1
 
-    def _ref(self, fn, dy, *inputs):
-        inputs = [t.detach().requires_grad_() for t in inputs]
-        y = fn(*inputs)
+    @staticmethod
+    def _backward(y, dy):
+        """Runs y's backward (workloads and references are timed forward + backward) and returns y's value."""
         y.backward(dy)
         return y.detach()
+
+    def _reference(self, fn, dy, *inputs):
+        return self._backward(fn(*[t.detach().requires_grad_() for t in inputs]), dy)
 
     def benchmark_chunk_gated_delta_rule(self):
         o, _ = self.kernel.chunk_gated_delta_rule(self.q, self.k, self.v, self.g, self.beta,
                                                   use_qk_l2norm_in_kernel=True)
-        o.backward(self.do)
-        self.out = o.detach()
+        self.out = self._backward(o, self.do)
 
     def verify_chunk_gated_delta_rule(self):
-        return self._ref(_hf_chunk_rule, self.do, self.q, self.k, self.v, self.g, self.beta)
+        return self._reference(_hf_chunk_rule, self.do, self.q, self.k, self.v, self.g, self.beta)
 
     def benchmark_causal_conv1d_silu(self):
-        y = self.kernel.causal_conv1d(self.x, self.w, None, "silu")
-        y.backward(self.dx)
-        self.out = y.detach()
+        self.out = self._backward(self.kernel.causal_conv1d(self.x, self.w, None, "silu"), self.dx)
 
     def verify_causal_conv1d_silu(self):
-        return self._ref(_hf_conv_silu, self.dx, self.x, self.w)
+        return self._reference(_hf_conv_silu, self.dx, self.x, self.w)
