@@ -11,6 +11,7 @@ loaded with hubfuse.KernelConfig.
 On CPU the kernels run under the Triton interpreter (root conftest sets TRITON_INTERPRET=1).
 """
 import importlib
+import os
 
 import pytest
 import torch
@@ -191,21 +192,28 @@ def test_umbrella_kernel_serves_the_layer(model_dir):
     assert_parity(load(model_dir).train(), ours, make_batch(tiny_config(FAMILY).vocab_size))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_bf16_gradients_as_accurate_as_eager_against_float64(device, model_dir, monkeypatch):
-    """bf16 training step of the whole model: the kernelized gradients are no further from a float64 run than HF
-    eager's bf16 gradients (relative L2 error, ratio <= 1.2), over the linear-attention layer's parameters and
-    over the model. On CUDA the Triton kernels run; on CPU the torch path a CPU user gets (the interpreter's bf16
-    is not a faithful bf16: the kernels' interpreter tests run fp32 / fp16, their bf16 tests run on the GPU)."""
-    if device == "cpu":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    elif not torch.cuda.is_available():
+@pytest.mark.parametrize("device, dtype, kernels", [
+    ("cpu", torch.bfloat16, False), ("cpu", torch.float16, True),
+    pytest.param("cuda", torch.bfloat16, True, marks=pytest.mark.gpu)])
+def test_low_precision_gradients_as_accurate_as_eager_against_float64(device, dtype, kernels, model_dir,
+                                                                      monkeypatch):
+    """A bf16 / fp16 training step of the whole model: the kernelized gradients are no further from a float64 run
+    than HF eager's in the same dtype (relative L2 error, ratio <= 1.2), over the linear-attention layer's
+    parameters and over the model. The Triton kernels run on CUDA (bf16) and on CPU under the interpreter (fp16:
+    the interpreter's bf16 is not a faithful bf16, so the kernels' bf16 runs are the GPU's); the CPU bf16 case
+    is the torch path a CPU user gets."""
+    if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    if device == "cpu":
+        if kernels and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs TRITON_INTERPRET=1")
+        if not kernels:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     batch = make_batch(tiny_config(FAMILY).vocab_size, batch=2, seq=70, device=device)  # two chunks of the rule
     _, _, exact = forward_backward(load(model_dir, dtype=torch.float64, device=device,
                                         experts_implementation="eager"), batch)
-    _, _, eager = forward_backward(load(model_dir, dtype=torch.bfloat16, device=device), batch)
-    ours_model = load(model_dir, LAYOUT, dtype=torch.bfloat16, device=device)
+    _, _, eager = forward_backward(load(model_dir, dtype=dtype, device=device), batch)
+    ours_model = load(model_dir, LAYOUT, dtype=dtype, device=device)
     assert _bound(ours_model) == 1
     _, _, ours = forward_backward(ours_model.train(), batch)
     assert set(ours) == set(exact)
