@@ -259,8 +259,8 @@ def _rms_args(gated):
 
 
 def _rmsnorm_targets():
-    import rmsnorm
-    from rmsnorm import layers as L
+    import hubfuse.rmsnorm as rmsnorm
+    from hubfuse.rmsnorm import layers as L
 
     variants = [("rms_norm", "standard", L.RMSNorm, L.RMSNormLayout),
                 ("rms_norm_zero_centered", "zero_centered", L.RMSNormZeroCentered, L.RMSNormZeroCenteredLayout),
@@ -312,9 +312,9 @@ def _mlp_args(norm, bias):
 
 
 def _swiglu_targets():
-    import swiglu
-    from swiglu import _rmsnorm
-    from swiglu import layers as L
+    import hubfuse.swiglu as swiglu
+    from hubfuse.rmsnorm.layers import RMSNormLayout
+    from hubfuse.swiglu import layers as L
 
     p = Problem("swiglu", _swiglu_args, primary="gate_up", oracle=lambda a, lp: _swiglu64(a["gate_up"]))
     _target("swiglu", "op", p, lambda s: lambda a: swiglu.swiglu(a["gate_up"]))
@@ -349,7 +349,7 @@ def _swiglu_targets():
         mlp_module.config = _config(hidden_act="silu")
         mlp_module.gate_proj, mlp_module.up_proj = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
         mlp_module.down_proj = nn.Linear(I, H, bias=False)
-        return L.RMSNormSwiGLUMLPLayout(_rmsnorm.layers.RMSNormLayout(H, eps=EPS), mlp_module)
+        return L.RMSNormSwiGLUMLPLayout(RMSNormLayout(H, eps=EPS), mlp_module)
 
     _target("RMSNormSwiGLUMLP (Layer)", "layer", fused,
             lambda s: _layer(fused_layout(s), fused_params, ("hidden_states",), L.RMSNormSwiGLUMLP.forward))
@@ -387,8 +387,8 @@ CE_OPTIONS = dict(reduction="none", label_smoothing=0.1, z_loss_weight=1e-3, sof
 
 
 def _cross_entropy_targets():
-    import cross_entropy as ce
-    from cross_entropy import layers as L
+    import hubfuse.cross_entropy as ce
+    from hubfuse.cross_entropy import layers as L
 
     p = Problem("cross_entropy", _ce_args, primary="logits", index="labels",
                 oracle=lambda a, lp: _ce64(a["logits"], a["labels"]))
@@ -454,8 +454,8 @@ def _moe_args(shape):
 
 
 def _moe_targets():
-    import moe
-    from moe import layers as L
+    import hubfuse.moe as moe
+    from hubfuse.moe import layers as L
 
     p = Problem("moe_experts", _moe_args, primary="hidden_states", index="top_k_index",
                 extra_values=("id_sentinel",),
@@ -572,9 +572,9 @@ def _attention_oracle(gated):
 
 
 def _rotary_targets():
-    import rotary
-    from rotary import layers as L
-    from rotary.reference import STANDARD, ZERO_CENTERED
+    import hubfuse.rotary as rotary
+    from hubfuse.rotary import layers as L
+    from hubfuse.rotary.reference import STANDARD, ZERO_CENTERED
 
     hf = rotary.apply_rotary_pos_emb_hf
     rope = Problem("rope", _rope_args(True), primary="q",
@@ -713,8 +713,8 @@ def _topk_router_oracle(normalize):
 
 
 def _load_balancing_targets():
-    import load_balancing_loss as lbl
-    from load_balancing_loss import layers as L
+    import hubfuse.load_balancing_loss as lbl
+    from hubfuse.load_balancing_loss import layers as L
 
     def layers_of(a):
         return [a[f"gate_logits[{i}]"] for i in range(LBL_LAYERS)]

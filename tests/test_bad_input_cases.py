@@ -12,11 +12,11 @@ from tests.utils import use_staged_packages
 
 use_staged_packages()
 
-import cross_entropy  # noqa: E402
-import moe  # noqa: E402
-import rmsnorm  # noqa: E402
-import rotary  # noqa: E402
-import swiglu  # noqa: E402
+import hubfuse.cross_entropy as cross_entropy  # noqa: E402
+import hubfuse.moe as moe  # noqa: E402
+import hubfuse.rmsnorm as rmsnorm  # noqa: E402
+import hubfuse.rotary as rotary  # noqa: E402
+import hubfuse.swiglu as swiglu  # noqa: E402
 
 DOUBLE_BACKWARD = "double backward is not supported"
 
@@ -141,7 +141,7 @@ def test_case6_cross_entropy_double_backward_raises(path):
 
 
 def _other_first_order_ops():
-    import load_balancing_loss as lbl
+    import hubfuse.load_balancing_loss as lbl
 
     q, k, cos, sin = (torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8))
     E = 4
@@ -216,7 +216,7 @@ def test_case7_rope_cos_sin_grads(path, variant, rotary_dim):
 
 @pytest.mark.parametrize("variant", ["qk_norm_rope", "qk_norm_rope_zero_centered", "qk_norm_rope_flat"])
 def test_case7_qk_norm_rope_cos_sin_grads(path, variant):
-    from rotary.reference import STANDARD, ZERO_CENTERED
+    from hubfuse.rotary.reference import STANDARD, ZERO_CENTERED
 
     torch.manual_seed(7)
     q, k = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 1, 8)

@@ -111,8 +111,8 @@ def test_gpu_value_checks(case, mode, tmp_path):
 @pytest.mark.gpu
 def test_gpu_value_checks_do_not_sync_the_host():
     # valid ids and labels: forward and backward of the ops with value checks run with no host sync at all
-    import cross_entropy
-    import moe
+    import hubfuse.cross_entropy as cross_entropy
+    import hubfuse.moe as moe
 
     torch.manual_seed(0)
     x = torch.randn(8, 37, device="cuda", requires_grad=True)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cross_entropy
-from cross_entropy import cross_entropy as fused_ce
-from cross_entropy import linear_cross_entropy
-from cross_entropy._device import use_triton
+import hubfuse.cross_entropy as cross_entropy
+from hubfuse.cross_entropy import cross_entropy as fused_ce
+from hubfuse.cross_entropy import linear_cross_entropy
+from hubfuse._common.device import use_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -238,7 +238,7 @@ def test_torch_compile_fullgraph(backend):
 
 
 def test_layers_and_layouts():
-    from cross_entropy import layers
+    from hubfuse.cross_entropy import layers
 
     for cls in (layers.CrossEntropyLoss, layers.LinearCrossEntropyLoss):
         assert cls.has_backward and cls.can_torch_compile and "__init__" not in cls.__dict__
@@ -350,7 +350,7 @@ def test_gpu_bf16_cross_entropy_inplace_real_vocab():
 
 @pytest.fixture
 def kernel_config():
-    from cross_entropy import ops
+    from hubfuse.cross_entropy import ops
 
     saved = dict(ops.TUNING)
     yield ops.TUNING
@@ -407,7 +407,7 @@ def test_backward_scale_by_upstream_grad(kernel_config, g, skip):
 def test_scale_unless_one_kernel():
     if not use_triton(torch.empty(1, device=DEV)):
         pytest.skip("Triton path not active")
-    from cross_entropy.triton_kernels import scale_unless_one_
+    from hubfuse.cross_entropy.triton_kernels import scale_unless_one_
 
     x = torch.randn(10000, device=DEV, dtype=torch.float16)
     before = x.clone()
@@ -427,7 +427,7 @@ def test_label_out_of_range_raises_on_cpu():
 
 _DEVICE_ASSERT_SCRIPT = """
 import sys, torch
-import cross_entropy
+import hubfuse.cross_entropy as cross_entropy
 h, w = torch.randn(4, 8, device="cuda"), torch.randn(10, 8, device="cuda")
 try:  # the assert fires on the device; the error surfaces at the next CUDA call that checks
     loss = cross_entropy.linear_cross_entropy(h, w, torch.tensor([0, 1, {label}, 2], device="cuda"))
@@ -457,7 +457,7 @@ def test_label_out_of_range_asserts_on_the_device(label):
 
 
 def test_default_chunk_size_policy():
-    from cross_entropy import default_chunk_size
+    from hubfuse.cross_entropy import default_chunk_size
 
     assert default_chunk_size(16384, 151936, 2) == 1024  # 296.75 MiB of bf16 logits per chunk
     assert default_chunk_size(16384, 151936, 4) == 512

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gated_delta_net as gdn
-from gated_delta_net import reference as R
+import hubfuse.gated_delta_net as gdn
+from hubfuse.gated_delta_net import reference as R
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # max |ours - float64| / max |float64|, per tensor (fp32: transformers' own fp32 path is at ~1e-6 on these

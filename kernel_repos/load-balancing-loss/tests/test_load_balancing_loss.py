@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import load_balancing_loss as lbl
-from load_balancing_loss import layers, reference
+import hubfuse.load_balancing_loss as lbl
+from hubfuse.load_balancing_loss import layers, reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-7), torch.float16: dict(rtol=2e-3, atol=1e-5),
@@ -174,7 +174,7 @@ def test_lbl_input_forms_and_determinism():
 
 def _kernel_counts(zs, E, K, mask=None):
     """Per-expert selection counts of the fused forward, recovered from dloss/dprob_sum = E * counts / n^2."""
-    from load_balancing_loss.ops import _lbl_fwd
+    from hubfuse.load_balancing_loss.ops import _lbl_fwd
 
     _, n = lbl_float64_parts(zs, E, K, mask)[3:]
     if mask is not None:  # as the public function passes it
@@ -210,7 +210,7 @@ def test_lbl_fp32_ties_at_kth_place():
 def test_lbl_launch_configs_agree(monkeypatch, dtype):
     """Every launch setting the tuner may pick (tile, lanes, warps, grid size) gives the same selection and
     the same loss and grads to rounding."""
-    from load_balancing_loss import triton_kernels
+    from hubfuse.load_balancing_loss import triton_kernels
 
     torch.manual_seed(9)
     L, T, E, K = 2, 45, 24, 3
@@ -244,7 +244,7 @@ def test_lbl_unaligned_layer_views():
 @pytest.mark.skipif(DEV != "cpu", reason="CPU stand-in for the CUDA-graph capture branch")
 def test_lbl_capture_branch_stacks_layers(monkeypatch):
     """The branch taken for a new layout under CUDA-graph capture (stack + on-device table), forced on CPU."""
-    from load_balancing_loss import triton_kernels
+    from hubfuse.load_balancing_loss import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "_capturing", lambda device: True)
     torch.manual_seed(6)
@@ -416,7 +416,7 @@ def test_gpu_lbl_real_size(dtype, masked):
     values when all w_e are within ~1% of each other), so its grads are ~50% off in norm; we require ours to
     be at least as close to float64 as HF's."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func as hf
-    from load_balancing_loss.ops import _lbl_fwd
+    from hubfuse.load_balancing_loss.ops import _lbl_fwd
 
     torch.manual_seed(0)
     L, B, S, E, K = 48, 4, 2048, 128, 8
@@ -562,7 +562,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from load_balancing_loss import triton_kernels as tk
+from hubfuse.load_balancing_loss import triton_kernels as tk
 
 
 def compile_ptx(fn, signature, constexprs):

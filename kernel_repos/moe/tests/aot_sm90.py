@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe import triton_kernels as tk
+from hubfuse.moe import triton_kernels as tk
 
 INTS = {"H", "I", "E", "T", "K", "TOP_K", "TWO_I", "TILES_N", "S", "M", "N", "MAX_TILES", "MAP_PROGRAMS"}
 PTR_TYPES = {"SORTED_SLOT": "*i64", "TILE_EXPERT": "*i64", "TILE_START": "*i64", "OFFSETS": "*i32", "POS": "*i64",

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import moe
-from moe import layers, ops
-from moe.reference import experts_hf
+import hubfuse.moe as moe
+from hubfuse.moe import layers, ops
+from hubfuse.moe.reference import experts_hf
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 
@@ -104,7 +104,7 @@ def test_tma_weight_operand(shape, monkeypatch):
     # weights through tensor descriptors (the interpreter emulates the copy engine); at (48, 40) the down_fwd
     # tiles straddle experts and fall back to pointer loads, the backward ones read past H / I (zero-filled), and
     # gate_up_fwd's 3-D blocks (gate and up rows together) read past I, zero-filled too (no straddling in 3-D)
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA", True)
     used = _record_tma_flags(monkeypatch, tk, "_weight_operand")
@@ -120,7 +120,7 @@ def test_tma_weight_operand(shape, monkeypatch):
 def test_tma_row_operand(shape, monkeypatch):
     # the sorted-row operand of down_fwd / gate_up_bwd_x through tensor descriptors: 16-row tiles over experts of
     # a few rows each read the next expert's rows (and zero-filled rows past the last): the store masks them
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA_A", True)
     used = _record_tma_flags(monkeypatch, tk, "_rows_operand")
@@ -135,7 +135,7 @@ def test_tma_row_operand(shape, monkeypatch):
 def test_persistent_row_gemms(shape, tma_a, monkeypatch):
     # the row-tiled GEMMs as persistent launches: 3 programs loop over every tile (many per program at 16-row
     # tiles), stopping at the tile count from the tile map; with skewed routing and mostly empty experts
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     monkeypatch.setitem(tk._INTERPRETER_CONFIG, "PERSISTENT", True)
     monkeypatch.setitem(tk._INTERPRETER_CONFIG, "TMA_A", tma_a)
@@ -154,7 +154,7 @@ def test_row_tile_map(E, S, block_m, first):
     # _tile_map_kernel against the torch formulation: tiles per expert, their start, the expert of every tile slot
     # (E past the last), with empty experts and rows before offsets[0] (slots routed to negative ids); the same
     # launch inverts the sort (the positions), the second map's launch does not write them again
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     gen = torch.Generator().manual_seed(E + S)
     cuts = torch.sort(torch.randint(first, S + 1, (E - 1,), generator=gen)).values
@@ -180,7 +180,7 @@ def test_row_tile_map(E, S, block_m, first):
 def test_route_offsets_and_positions():
     # route: a stable sort of the slots by expert, int32 offsets (torch._grouped_mm's offs as they are), ids outside
     # [0, E) before / after every expert's rows; the forward's positions invert the sort (the backward reuses them)
-    from moe import reference, triton_kernels as tk
+    from hubfuse.moe import reference, triton_kernels as tk
 
     E, K = 5, 3
     idx = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(17)])
@@ -201,7 +201,7 @@ def test_route_offsets_and_positions():
 def test_route_key_widths(E):
     # route sorts 8-bit keys up to E = 254 and 16-bit ones above: either way the stable sort of the raw ids (ids
     # outside [0, E) included: -1 first, E and above last) and the offsets counted directly
-    from moe import reference
+    from hubfuse.moe import reference
 
     gen = torch.Generator().manual_seed(E)
     idx = torch.randint(-1, E + 2, (257, 4), generator=gen)
@@ -280,7 +280,7 @@ def _grouped_mm_loop(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 def _bwd_direct(x, idx, w, gu, dn, dout):
     # the Triton fwd/bwd entry points without input validation (so negative ids can be routed too)
-    from moe import reference, triton_kernels as tk
+    from hubfuse.moe import reference, triton_kernels as tk
 
     slot, offs = reference.route(idx, gu.shape[0])
     _, gate_up_out, pos = tk.moe_fwd(x, idx, w, gu, dn, slot, offs)
@@ -306,7 +306,7 @@ def test_backward_grouped_mm_glue(standin, impl, g_act, monkeypatch):
     # the torch._grouped_mm backward paths (TUNING["backward"]) against the Triton one, on CPU: with
     # torch's own CPU _grouped_mm (same offs semantics as CUDA) or a python loop over experts. Routing with
     # empty experts (first and last), negative ids (rows before expert 0) and the sentinel E (rows at the end).
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     if standin == "torch_cpu" and not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
@@ -350,7 +350,7 @@ def test_fused_act_on_gathered_rows(tma_a, persistent, monkeypatch):
     # grouped_mm_wgrad: the fused g_act kernel reads the gathered (expert-sorted, contiguous) dout rows, through
     # TMA_A (16-row tiles read the next expert's rows: masked) and/or as a persistent launch (3 programs), half
     # tiles otherwise; against the float64 reference through the public op, with skewed routing and empty experts
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     monkeypatch.setattr(torch, "_grouped_mm", _grouped_mm_loop, raising=False)
     monkeypatch.setattr(tk, "_grouped_mm_applies", lambda *a: True)
@@ -372,7 +372,7 @@ def test_fused_act_on_gathered_rows(tma_a, persistent, monkeypatch):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the torch path")
 def test_backward_grouped_mm_falls_back(monkeypatch):
     # asked for grouped_mm where it does not apply (CPU, fp32): the Triton backward runs, no error
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     calls = []
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1), raising=False)
@@ -634,7 +634,7 @@ def test_backward_grouped_mm_gpu(monkeypatch):
     # Triton backward, bf16 at a mid shape with empty experts (first and last: zero-K groups), sentinel slots and
     # negative ids (rows before expert 0); then the default's determinism and CUDA-graph capture with new routing
     # at replay
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     T, H, I, E, K = 2048, 1024, 512, 64, 8
     x, _, w, gu, dn, dout = _make(T, H, I, E, K, torch.bfloat16, "cuda")
@@ -674,7 +674,7 @@ def test_persistent_row_gemms_gpu(shape, monkeypatch):
     # the persistent launches of the three row-tiled GEMMs (one program per SM looping over the tiles) run the same
     # tile body in the same K order as one program per tile: bitwise equal outputs and grads, also under a CUDA
     # graph with new routing at replay
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     T, H, I, E, K = shape
     args = _make(T, H, I, E, K, torch.bfloat16, "cuda", seed=4)
@@ -700,7 +700,7 @@ def test_fused_act_backward_gpu(shape, monkeypatch):
     # grouped_mm_wgrad: the fused Triton g_act kernel on the gathered dout rows (TMA_A), as tuned, vs the default
     # CUTLASS backward (close: the same products, fp32 sums in another order); its persistent launch vs one program
     # per tile of the same tile config (bitwise); then capture + replay with new routing
-    from moe import triton_kernels as tk
+    from hubfuse.moe import triton_kernels as tk
 
     T, H, I, E, K = shape
     args = _make(T, H, I, E, K, torch.bfloat16, "cuda", seed=5)

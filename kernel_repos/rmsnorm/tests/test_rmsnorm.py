@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-import rmsnorm
-from rmsnorm import reference as R
+import hubfuse.rmsnorm as rmsnorm
+from hubfuse.rmsnorm import reference as R
 
 EPS = 1e-6
 VARIANTS = {
@@ -143,7 +143,7 @@ def test_torch_compile_fullgraph_no_graph_break():
 
 
 def test_ops_registered_under_unique_namespace():
-    from rmsnorm._ops import add_op_namespace_prefix
+    from hubfuse._common._ops import add_op_namespace_prefix
 
     name = add_op_namespace_prefix("rms_norm_fwd")
     assert name.startswith("_rmsnorm") and name.endswith("::rms_norm_fwd")

@@ -7,9 +7,9 @@ reference path (`path="torch"`); GPU tests (bf16, real shapes) are marked `gpu`.
 import pytest
 import torch
 
-import rotary
-from rotary import ops
-from rotary.reference import STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_hf
+import hubfuse.rotary as rotary
+from hubfuse.rotary import ops
+from hubfuse.rotary.reference import STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_hf
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,7 +27,7 @@ def path(request, monkeypatch, use_kernel_path):
 
 
 def _flip_row_tile(monkeypatch):
-    from rotary import triton_kernels as tk
+    from hubfuse.rotary import triton_kernels as tk
 
     for kind, cfg in tk.TUNING.items():
         monkeypatch.setitem(tk.TUNING, kind, dict(cfg, row_tile=not cfg["row_tile"]))

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import swiglu
-from swiglu import layers, ops
-from swiglu.reference import swiglu_bwd_reference, swiglu_fwd_reference, swiglu_hf, swiglu_mlp_hf
+import hubfuse.swiglu as swiglu
+from hubfuse.swiglu import layers, ops
+from hubfuse.swiglu.reference import swiglu_bwd_reference, swiglu_fwd_reference, swiglu_hf, swiglu_mlp_hf
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_triton_path_matches_torch_reference_path():
         pytest.skip("Triton path not active")
     gate_up = torch.randn(9, 2 * 50, dtype=torch.float16, device=DEV)
     dh = torch.randn(9, 50, dtype=torch.float16, device=DEV)
-    from swiglu.triton_kernels import swiglu_bwd, swiglu_fwd
+    from hubfuse.swiglu.triton_kernels import swiglu_bwd, swiglu_fwd
 
     one_ulp = dict(atol=1e-6, rtol=2.0 ** -10)  # exp may differ in its last bit between backends
     torch.testing.assert_close(swiglu_fwd(gate_up), swiglu_fwd_reference(gate_up), **one_ulp)
@@ -136,7 +136,7 @@ def test_swiglu_mlp_vs_float64(x_shape, inter, dtype, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("x_shape,inter", MLP_SHAPES[1:])
 def test_rms_norm_swiglu_mlp_vs_float64(x_shape, inter, dtype):
-    from swiglu._rmsnorm.reference import rms_norm_hf
+    from hubfuse.rmsnorm.reference import rms_norm_hf
 
     torch.manual_seed(inter + 1)
     x, w_gu, w_d, _, _ = _mlp_inputs(x_shape, inter, dtype, False)
@@ -377,7 +377,7 @@ def test_gpu_activation_bf16_real_size():
 
 @pytest.mark.gpu
 def test_gpu_mlp_and_fusion_bf16_real_size():
-    from swiglu._rmsnorm.reference import rms_norm_hf
+    from hubfuse.rmsnorm.reference import rms_norm_hf
 
     torch.manual_seed(0)
     M, H, I = 4096, 4096, 12288
@@ -408,7 +408,7 @@ def test_gpu_mlp_and_fusion_bf16_real_size():
 def test_autocast_fp32_master_weights(fused_norm):
     # HF Trainer's bf16 mode: fp32 parameters, autocast casts F.linear's inputs; ours must match and give fp32
     # grads to the masters (autocast is off in the backward, where the dtypes would otherwise mismatch)
-    from swiglu._rmsnorm.reference import rms_norm_hf
+    from hubfuse.rmsnorm.reference import rms_norm_hf
 
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float16  # bf16 math is unreliable in the interpreter
     torch.manual_seed(5)

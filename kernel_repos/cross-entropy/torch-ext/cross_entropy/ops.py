@@ -18,9 +18,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._checks import check_range, first_order
-from ._device import use_triton
-from ._ops import add_op_namespace_prefix
+from hubfuse._common.checks import check_range, first_order
+from hubfuse._common.device import use_triton
+from hubfuse._common._ops import add_op_namespace_prefix
 from .reference import REDUCTIONS, ce_rows_reference
 
 NONE, MEAN, SUM = REDUCTIONS["none"], REDUCTIONS["mean"], REDUCTIONS["sum"]

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import sm_count
-from ._launch import cdiv, next_power_of_2, launch
+from hubfuse._common.device import sm_count
+from hubfuse._common.launch import cdiv, next_power_of_2, launch
 
 
 @triton.jit

@@ -20,8 +20,8 @@ transformers is not imported here: the kernel has no dependency on it.
 import torch
 from torch import nn
 
-from ._rmsnorm.layers import RMSNormGatedLayout
-from ._rmsnorm.ops import rms_norm_gated
+from hubfuse.rmsnorm.layers import RMSNormGatedLayout
+from hubfuse.rmsnorm.ops import rms_norm_gated
 from .ops import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_net_core,
                   gated_delta_rule_qwen3_5)
 from .reference import (causal_conv1d_fn_hf, causal_conv1d_update_hf, chunk_gated_delta_rule_hf, gdn_gate_hf,

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._device import use_triton
-from ._ops import add_op_namespace_prefix
+from hubfuse._common.device import use_triton
+from hubfuse._common._ops import add_op_namespace_prefix
 from .reference import (causal_conv1d_bwd_reference, causal_conv1d_fwd_reference, gdn_bwd_reference,
                         gdn_fwd_reference, gdn_gate_hf, seq_idx_reference)
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from hubfuse._common.launch import launch
 
 CHUNK = 64
 SUB = 16  # diagonal block size of the triangular solve

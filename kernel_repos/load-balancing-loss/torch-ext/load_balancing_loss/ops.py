@@ -11,10 +11,10 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from ._checks import first_order
-from ._device import use_triton
-from ._custom_op import call, custom_op, differentiable_op
-from ._ops import add_op_namespace_prefix
+from hubfuse._common.checks import first_order
+from hubfuse._common.device import use_triton
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
+from hubfuse._common._ops import add_op_namespace_prefix
 from .reference import (
     MAX_EXPERTS,
     load_balancing_loss_bwd_reference,

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, next_power_of_2, launch
+from hubfuse._common.launch import cdiv, next_power_of_2, launch
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _TARGET_PROGRAMS = 1024  # router: ~8 per SM on H100/H200, enough to hide latency

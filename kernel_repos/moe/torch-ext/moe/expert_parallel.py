@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ._checks import check_range
+from hubfuse._common.checks import check_range
 
 DISTRIBUTED = torch.distributed.is_available()
 if DISTRIBUTED:

@@ -10,9 +10,9 @@ host sync, so the CUDA path is graph-capturable.
 
 import torch
 
-from ._checks import check_range, first_order
-from ._device import use_triton
-from ._custom_op import call, custom_op, differentiable_op
+from hubfuse._common.checks import check_range, first_order
+from hubfuse._common.device import use_triton
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from .reference import moe_bwd_reference, moe_fwd_reference, route
 
 MAX_EXPERTS = 512

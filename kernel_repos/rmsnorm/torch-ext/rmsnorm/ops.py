@@ -10,9 +10,9 @@ from typing import Optional
 
 import torch
 
-from ._checks import first_order
-from ._device import use_triton
-from ._custom_op import call, custom_op, differentiable_op
+from hubfuse._common.checks import first_order
+from hubfuse._common.device import use_triton
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from .reference import GATED, STANDARD, ZERO_CENTERED, rms_norm_bwd_reference, rms_norm_fwd_reference
 
 

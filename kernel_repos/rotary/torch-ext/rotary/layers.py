@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
+from hubfuse.rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
 from .ops import apply_rotary_pos_emb, qk_norm_rope, qk_norm_rope_zero_centered
 from .reference import apply_rotary_pos_emb_hf
 

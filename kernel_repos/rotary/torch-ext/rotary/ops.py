@@ -17,9 +17,9 @@ expression instead, which autograd differentiates in every input; the in-place o
 
 import torch
 
-from ._checks import first_order
-from ._device import use_triton
-from ._custom_op import call, custom_op, differentiable_op
+from hubfuse._common.checks import first_order
+from hubfuse._common.device import use_triton
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from .reference import (
     NONE, STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_bwd_reference, qk_norm_rope_hf,
     rope_bwd_reference,

@@ -9,7 +9,7 @@ rotates the first R features with HF's `rotate_half` convention, the remaining `
 """
 import torch
 
-from ._rmsnorm.reference import rms_norm_hf, rms_norm_zero_centered_hf  # noqa: F401 (HF-exact norms, re-exported)
+from hubfuse.rmsnorm.reference import rms_norm_hf, rms_norm_zero_centered_hf  # noqa: F401 (HF-exact norms, re-exported)
 
 NONE, STANDARD, ZERO_CENTERED = 0, 1, 2  # norm applied before the rotation (fused op)
 

@@ -28,7 +28,7 @@ import sys
 import torch
 from torch import nn
 
-from ._rmsnorm.reference import rms_norm_hf
+from hubfuse.rmsnorm.reference import rms_norm_hf
 from .ops import rms_norm_swiglu_mlp, swiglu_mlp
 from .reference import swiglu_mlp_hf
 

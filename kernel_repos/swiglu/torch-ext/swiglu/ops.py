@@ -20,10 +20,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._checks import first_order
-from ._device import use_triton
-from ._custom_op import call, custom_op, differentiable_op
-from ._rmsnorm.ops import rms_norm
+from hubfuse._common.checks import first_order
+from hubfuse._common.device import use_triton
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
+from hubfuse.rmsnorm.ops import rms_norm
 from .reference import swiglu_bwd_reference, swiglu_fwd_reference
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, next_power_of_2, launch
+from hubfuse._common.launch import cdiv, next_power_of_2, launch
 
 
 @triton.jit
