@@ -1,18 +1,8 @@
-"""Kernel tests import the assembled op packages (source + vendored shared modules, `scripts/build.py --stage`),
-re-assembled at the start of every test session so that they always test the current source."""
+"""Kernel tests import the source packages (`hubfuse.<pkg>`); `use_kernel_path` picks the path of the ops a test runs."""
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import build  # noqa: E402
-
-sys.path.remove(str(ROOT / "scripts"))
-sys.path.insert(0, str(build.stage()))
 
 
 @pytest.fixture

@@ -792,11 +792,12 @@ def public_names() -> dict[str, list[str]]:
     """Every public name of every op package: its functional API (`__all__`) and its Layers / Layouts."""
     import importlib
 
+    from hubfuse.build import families, package_name
+
     out = {}
-    for pkg in ("rmsnorm", "swiglu", "cross_entropy", "moe", "rotary", "load_balancing_loss"):
-        module = importlib.import_module(pkg)
-        layers = importlib.import_module(f"{pkg}.layers")
-        out[pkg] = list(module.__all__) + list(layers.__all__)
+    for pkg in map(package_name, families()):
+        module = importlib.import_module(f"hubfuse.{pkg}")
+        out[pkg] = list(module.__all__) + list(module.layers.__all__)
     return out
 
 

@@ -8,15 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import use_staged_packages
-
-use_staged_packages()
-
-import hubfuse.cross_entropy as cross_entropy  # noqa: E402
-import hubfuse.moe as moe  # noqa: E402
-import hubfuse.rmsnorm as rmsnorm  # noqa: E402
-import hubfuse.rotary as rotary  # noqa: E402
-import hubfuse.swiglu as swiglu  # noqa: E402
+import hubfuse.cross_entropy as cross_entropy
+import hubfuse.moe as moe
+import hubfuse.rmsnorm as rmsnorm
+import hubfuse.rotary as rotary
+import hubfuse.swiglu as swiglu
 
 DOUBLE_BACKWARD = "double backward is not supported"
 

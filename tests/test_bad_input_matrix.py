@@ -12,11 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from tests.utils import ROOT, use_staged_packages
-
-use_staged_packages()
-
-from tests import bad_input_matrix as matrix  # noqa: E402
+from tests import bad_input_matrix as matrix
+from tests.utils import ROOT
 
 CELLS = matrix.generate(("ref", "interp"))
 # on CUDA an out-of-range id is a device-side assert: those cells run in a subprocess (test_gpu_value_checks);
@@ -56,8 +53,9 @@ def test_cell_gpu(cell):
 _VALUE_CHECK = textwrap.dedent("""
     import sys
     import torch
-    sys.path.insert(0, {staged!r})
-    import cross_entropy, moe
+    sys.path.insert(0, {torch_ext!r})
+    import hubfuse.cross_entropy as cross_entropy
+    import hubfuse.moe as moe
     case, mode = sys.argv[1], sys.argv[2]
     dev = "cuda"
     torch.manual_seed(0)
@@ -100,7 +98,7 @@ _VALUE_CHECK = textwrap.dedent("""
 @pytest.mark.parametrize("case", ["ce_low", "ce_high", "ce_linear", "moe_low", "moe_high"])
 def test_gpu_value_checks(case, mode, tmp_path):
     script = tmp_path / "value_check.py"
-    script.write_text(_VALUE_CHECK.format(staged=str(ROOT / ".staged")))
+    script.write_text(_VALUE_CHECK.format(torch_ext=str(ROOT / "torch-ext")))
     run = subprocess.run([sys.executable, str(script), case, mode], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
     assert "QUEUED" in run.stdout, run.stderr[-3000:]  # the check itself did not sync the host

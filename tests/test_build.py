@@ -1,4 +1,5 @@
-"""scripts/build.py: variants, metadata, unique ids and namespaces, and clear failures."""
+"""hubfuse/build.py (scripts/build.py): variants, metadata, unique ids and namespaces, relative imports, clear failures."""
+import ast
 import json
 import os
 import shutil
@@ -7,10 +8,8 @@ import sys
 
 import pytest
 
+from hubfuse import build as build_tool
 from tests.utils import ROOT, build, repo_dir
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import build as build_tool  # noqa: E402
 
 
 def test_build_writes_every_backend_with_unique_ids():
@@ -22,15 +21,14 @@ def test_build_writes_every_backend_with_unique_ids():
         meta = json.loads((v / "metadata.json").read_text())
         assert meta["name"] == "rmsnorm" and meta["version"] == 1 and meta["python-depends"] == []
         assert meta["backend"]["type"] == v.name.removeprefix("torch-")
-        assert meta["id"].isidentifier() and meta["id"] in (v / "_ops.py").read_text()
-        assert set(meta["digest"]["files"]) >= {"__init__.py", "ops.py", "_ops.py"}
+        assert meta["id"].isidentifier() and meta["id"] in (v / "_common/_ops.py").read_text()
+        assert set(meta["digest"]["files"]) >= {"__init__.py", "ops.py", "_common/_ops.py"}
         assert not list(v.rglob("__pycache__"))
         ids.add(meta["id"])
     assert len(ids) == 4
 
 
-@pytest.mark.parametrize("name", ["rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy",
-                                  "gated-delta-net", "hubfuse"])
+@pytest.mark.parametrize("name", sorted(build_tool.discover_repos()))
 def test_kernels_info_passes_on_every_build(name):
     """`kernels info <repo>` (the hub CLI) reads every build: name, version and all four backends."""
     build(name)
@@ -53,12 +51,15 @@ def test_digest_matches_kernels_hash():
     assert set(meta["digest"]["files"]) == set(digest.files)
 
 
-def test_umbrella_nests_op_packages_with_own_namespaces():
-    build("rmsnorm", "hubfuse")
+def test_umbrella_nests_op_packages_under_its_own_namespace():
+    build("hubfuse")
     v = ROOT / "build/torch-cuda"
     meta = json.loads((v / "metadata.json").read_text())
-    assert (v / "rmsnorm/ops.py").is_file() and not (v / "rmsnorm").is_symlink()
-    assert f"{meta['id']}_rmsnorm" in (v / "rmsnorm/_ops.py").read_text()
+    for family in build_tool.families():
+        pkg = v / build_tool.package_name(family)
+        assert (pkg / "ops.py").is_file() and not pkg.is_symlink() and not (pkg / "_common").exists()
+    assert f'"{meta["id"]}::"' in (v / "_common/_ops.py").read_text()
+    assert not (v / "build.py").exists()  # the build tool does not ship
 
 
 def test_source_hash_changes_with_source(tmp_path):
@@ -109,20 +110,65 @@ def test_cli_exit_codes():
     assert bad.returncode != 0 and "unknown kernel repo" in bad.stderr
 
 
-def test_shared_modules_are_vendored_into_every_package():
-    """One source per shared module (kernel_repos/_shared), copied into every op package and every vendored
-    sub-package of every build; no package carries a copy of its own."""
+def test_shared_package_is_vendored_into_every_variant():
+    """One source of the shared code (hubfuse._common), copied into every variant once; the op packages a
+    package imports (rmsnorm for rotary) are vendored beside it, and every `hubfuse` import is relative."""
     build("rotary", "hubfuse")
-    shared = sorted(build_tool.SHARED.glob("*.py"))
-    assert {p.name for p in shared} >= {"_ops.py", "_device.py", "_launch.py"}
-    for repo in build_tool.discover_repos().values():
-        src = next((repo / "torch-ext").iterdir())
-        assert not [p.name for p in shared if (src / p.name).exists()], src
-    for pkg in (ROOT / "kernel_repos/rotary/build/torch-cuda", ROOT / "kernel_repos/rotary/build/torch-cuda/_rmsnorm",
-                ROOT / "build/torch-cpu/moe"):
-        for p in shared:
+    shared = ROOT / "torch-ext/hubfuse/_common"
+    for variant in (ROOT / "kernel_repos/rotary/build/torch-cuda", ROOT / "build/torch-cpu"):
+        for p in shared.glob("*.py"):
             if p.name != "_ops.py":  # generated per variant
-                assert (pkg / p.name).read_bytes() == p.read_bytes(), pkg / p.name
+                assert (variant / "_common" / p.name).read_bytes() == p.read_bytes(), variant / p.name
+        assert (variant / "rmsnorm/layers.py").is_file()
+        for p in variant.rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                assert not [n for n in names if n.split(".")[0] == "hubfuse"], (p, node.lineno)
+    rotary = ROOT / "kernel_repos/rotary/build/torch-cuda"
+    assert "from .rmsnorm.layers import" in (rotary / "layers.py").read_text()
+    assert "from .._common.custom_op import" in (rotary / "rmsnorm/ops.py").read_text()
+    assert sorted(p.name for p in rotary.iterdir() if p.is_dir()) == ["_common", "rmsnorm"]
+
+
+def _package(tmp_path, files: dict[str, str]):
+    root = tmp_path / "pkg"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_rewrite_imports_makes_every_form_relative(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "from hubfuse.rotary import ops\nimport hubfuse.rmsnorm.ops as rms_ops\n",
+        "ops.py": "from hubfuse._common.launch import (\n    cdiv,\n    launch as run,\n)\nx = 'import hubfuse'\n",
+        "rmsnorm/layers.py": "def f():\n    from hubfuse.rmsnorm import ops, reference\n    from hubfuse import _common\n",
+    })
+    build_tool.rewrite_imports(pkg, {"hubfuse.rotary": (), "hubfuse.rmsnorm": ("rmsnorm",),
+                                     "hubfuse._common": ("_common",)})
+    assert (pkg / "__init__.py").read_text() == "from . import ops\nfrom .rmsnorm import ops as rms_ops\n"
+    assert (pkg / "ops.py").read_text() == "from ._common.launch import cdiv, launch as run\nx = 'import hubfuse'\n"
+    assert (pkg / "rmsnorm/layers.py").read_text() == ("def f():\n    from ..rmsnorm import ops, reference\n"
+                                                       "    from .. import _common\n")
+
+
+@pytest.mark.parametrize("source, message", [
+    ("import hubfuse.rmsnorm\n", "cannot become a relative import"),
+    ("from hubfuse.kernel_config import KernelConfig\n", "does not carry"),
+])
+def test_rewrite_imports_rejects_what_it_cannot_express(tmp_path, source, message):
+    pkg = _package(tmp_path, {"__init__.py": "", "ops.py": source})
+    with pytest.raises(build_tool.BuildError, match=f"ops.py:1: .*{message}"):
+        build_tool.rewrite_imports(pkg, {"hubfuse.rotary": (), "hubfuse.rmsnorm": ("rmsnorm",)})
+
+
+def test_rejects_op_package_importing_beyond_op_packages(tmp_path):
+    repo = _copy_repo(tmp_path)
+    ops = repo / "torch-ext/rmsnorm/ops.py"
+    ops.write_text("from hubfuse.presets import kernel_mapping\n" + ops.read_text())
+    with pytest.raises(build_tool.BuildError, match="imports hubfuse.presets"):
+        build_tool.build_repo(repo)
 
 
 def test_tree_has_no_symlinks():
@@ -130,10 +176,11 @@ def test_tree_has_no_symlinks():
     assert not [line for line in tracked.splitlines() if line.startswith("120000")]
 
 
-def test_rejects_package_file_clashing_with_a_shared_module(tmp_path):
+def test_rejects_package_dir_clashing_with_a_vendored_package(tmp_path):
     repo = _copy_repo(tmp_path)
-    (repo / "torch-ext/rmsnorm/_device.py").write_text("def use_triton(t):\n    return False\n")
-    with pytest.raises(build_tool.BuildError, match="clashes with the shared module"):
+    (repo / "torch-ext/rmsnorm/_common").mkdir()
+    (repo / "torch-ext/rmsnorm/_common/__init__.py").write_text("")
+    with pytest.raises(build_tool.BuildError, match="clashes with the vendored package hubfuse._common"):
         build_tool.build_repo(repo)
 
 
@@ -150,9 +197,7 @@ for name in set(sys.modules) - before:
     path = getattr(sys.modules[name], "__file__", None) or ""
     if Path(path).resolve().is_relative_to(root):
         assert Path(path).resolve().is_relative_to(variant.resolve()), (name, path)
-assert not [n for n in sys.modules if n.split(".")[0] in ("rmsnorm", "rotary", "swiglu", "moe", "cross_entropy",
-                                                          "load_balancing_loss", "gated_delta_net", "hubfuse")], \
-    "imported a source package"
+assert not [n for n in sys.modules if n.split(".")[0] == "hubfuse"], "imported the source package"
 print("ok", module.__name__)
 """
 

@@ -32,18 +32,6 @@ def build(*names: str) -> None:
         _BUILT.update(todo)
 
 
-def use_staged_packages() -> None:
-    """Make the op packages importable by their names (`import rmsnorm`, ...) from the assembled source packages
-    (`scripts/build.py --stage`), as kernel_repos/conftest.py does for the kernel tests; staged once a session."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import build as build_tool
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    if str(build_tool.STAGED) not in sys.path:
-        sys.path.insert(0, str(build_tool.stage()))
-
-
 def repo_dir(name: str) -> Path:
     return ROOT if name == "hubfuse" else ROOT / "kernel_repos" / name
 

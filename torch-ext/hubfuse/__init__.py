@@ -1,15 +1,26 @@
 """hubfuse: fused LLM-training kernels (Triton) as Hugging Face hub kernels.
 
-As a hub kernel (the umbrella repo, assembled by `scripts/build.py`), `layers` exposes every op family's Layers
-and Layouts; each family is also a sub-package (`rmsnorm`, ...) of the built umbrella. As a Python package
-(`pip install -e .`, the source tree, which holds no op package), it provides
-`KernelConfig`, the transformers `KernelConfig` that works for training and on CPU and, with no mapping, turns on
-every hubfuse kernel for the model being loaded (imported lazily: the hub kernel itself needs nothing beyond
-torch), `presets` (`kernel_mapping(family)`, `enable_losses(model, family)`: every kernel that applies to a
-model family), `use_local_builds()` (build this clone's kernel repos and load them instead of the hub's),
-`distributed` (FSDP2 + expert parallelism over a kernelized model, HF-format checkpoints of the sharded model)
-and `cuda_graphs` (a whole training step captured in one CUDA graph).
+Every op family is a sub-package: `hubfuse.rmsnorm`, `hubfuse.rotary`, ... In the source tree (a clone, `pip
+install -e .`) they are the kernel repos' packages, `kernel_repos/<op>/torch-ext/<pkg>/`, which `__path__` takes in
+(`hubfuse.build.families()` lists them); in the built umbrella hub kernel they are physical sub-packages. `layers`
+exposes every family's Layers and Layouts. The package also provides `KernelConfig`, the transformers
+`KernelConfig` that works for training and on CPU and, with no mapping, turns on every hubfuse kernel for the model
+being loaded (imported lazily: the hub kernel itself needs nothing beyond torch), `presets`
+(`kernel_mapping(family)`, `enable_losses(model, family)`: every kernel that applies to a model family),
+`use_local_builds()` (build this clone's kernel repos and load them instead of the hub's), `distributed` (FSDP2 +
+expert parallelism over a kernelized model, HF-format checkpoints of the sharded model) and `cuda_graphs` (a whole
+training step captured in one CUDA graph).
 """
+from pathlib import Path as _Path
+
+_here = _Path(__file__).resolve().parent
+if _here.parent.name == "torch-ext" and (_here.parents[1] / "kernel_repos").is_dir():  # the source tree
+    from .build import families as _families
+
+    __path__.extend(str(repo / "torch-ext") for repo in _families(_here.parents[1]).values())
+    del _families
+del _Path, _here
+
 __all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state", "presets", "distributed",
            "cuda_graphs", "kernel_mapping", "enable_losses", "use_local_builds", "local_builds"]
 
@@ -17,13 +28,11 @@ __all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_st
 def __getattr__(name):
     import importlib
 
-    if name == "layers":  # only in the built umbrella, which vendors the op packages beside this module
-        return importlib.import_module(f"{__name__}.layers")
     if name in ("KernelConfig", "kernel_state_snapshot", "restore_global_state"):
         from . import kernel_config
 
         return getattr(kernel_config, name)
-    if name in ("presets", "sources", "distributed", "cuda_graphs"):
+    if name in ("layers", "presets", "sources", "distributed", "cuda_graphs"):
         return importlib.import_module(f"{__name__}.{name}")
     if name in ("kernel_mapping", "enable_losses"):
         from . import presets

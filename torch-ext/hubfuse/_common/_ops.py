@@ -1,8 +1,8 @@
-"""Op namespace helper (source form).
+"""Op namespace helper (source form): every op of every op package is registered under this namespace.
 
-`scripts/build.py` replaces this file in every build variant with a fixed namespace that is unique per
+`hubfuse/build.py` replaces this file in every build variant with a fixed namespace that is unique per
 variant and per source state, as kernel-builder does. In the source tree the namespace is derived from the
-package's import name, so two copies of the package never register the same op.
+import name (`_hubfuse__common`), so a built variant loaded beside the source never registers the same op.
 """
 import torch
 

@@ -1,4 +1,4 @@
-"""Checks shared by every op family (one source, vendored into every kernel repo).
+"""Checks shared by every op family (vendored into every hub variant).
 
 * `first_order(name)`: the fused backwards are not themselves differentiable. A backward run to build a graph
   (`create_graph=True`, the first step of a double backward) raises instead of returning gradients that

@@ -1,4 +1,4 @@
-"""Differentiable ops with two front doors (one source, vendored into every kernel repo).
+"""Differentiable ops with two front doors (vendored into every hub variant).
 
 torch.compile needs a `torch.library.custom_op` per direction (one opaque node with a fake implementation, and
 its autograd registration). In eager mode the custom-op dispatcher costs 10-30 us of host time per call, more

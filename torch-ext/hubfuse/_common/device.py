@@ -1,4 +1,4 @@
-"""Where an op runs, decided from the tensor at call time (one source, vendored into every kernel repo).
+"""Where an op runs, decided from the tensor at call time (vendored into every hub variant).
 
 Triton on CUDA / ROCm / XPU, and on CPU when `TRITON_INTERPRET=1` (how the CPU tests run the kernels); the
 torch reference path everywhere else. The environment is read on every call so that a test can switch paths.

@@ -1,4 +1,4 @@
-"""Triton launches with little host work (one source, vendored into every kernel repo; imports triton).
+"""Triton launches with little host work (vendored into every hub variant; imports triton).
 
 `launch(kernel, grid, *args, **kwargs)` does what `kernel[grid](*args, **kwargs)` does. Triton's own launch
 re-binds the arguments, formats its cache key as a string, builds launch metadata and calls its (empty) launch
