@@ -16,7 +16,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REPOS = sorted(p.name for p in (ROOT / "kernel_repos").iterdir() if (p / "benchmarks").is_dir())
+sys.path.insert(0, str(ROOT / "torch-ext"))
+
+from hubfuse.build import families  # noqa: E402
+
+REPOS = [name for name, repo in families(ROOT).items() if (repo / "benchmarks").is_dir()]
 
 
 def main():
@@ -46,7 +50,7 @@ def main():
             result = Path(tmp) / f"{repo}.json"
             # the CLI's entry point, run with this interpreter (a --target install has no `kernels` script)
             cmd = [sys.executable, "-c", "import sys; from kernels.cli import main; sys.exit(main())", "benchmark",
-                   f"./kernel_repos/{repo}", "--iterations", str(args.iterations), "--warmup", str(args.warmup),
+                   str(families(ROOT)[repo]), "--iterations", str(args.iterations), "--warmup", str(args.warmup),
                    "--output", str(result)]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             text = proc.stdout + proc.stderr

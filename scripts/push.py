@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Publish hubfuse kernel repos to the Hugging Face Hub, like `kernel-builder upload`.
 
-For each kernel repo (the repository root, if it has a build.toml, and every kernel_repos/*/):
+For each kernel repo (`hubfuse.build.discover_repos`: the repository root, if it has a build.toml, and every
+kernel_repos/*/):
   1. create the hub repo (repo_type="kernel", exist_ok);
   2. create branch v<version> from main if missing;
   3. one commit to v<version>: build/torch-*/** and benchmarks/benchmark*.py, deleting stale
@@ -26,6 +27,9 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
 REPO_TYPE = "kernel"
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "torch-ext"))
+
+from hubfuse.build import BuildError, discover_repos  # noqa: E402
 
 
 class PushError(Exception):
@@ -67,19 +71,6 @@ def read_build_toml(repo_dir: Path) -> tuple[str, int, str]:
     if not isinstance(version, int) or isinstance(version, bool):
         raise PushError(f"{path}: [general] version must be an integer, got {version!r}")
     return name, version, repo_id
-
-
-def discover(root: Path) -> dict[str, Path]:
-    """Kernel name -> repo dir: the root (if it has build.toml) and kernel_repos/*/build.toml."""
-    dirs = [root] if (root / "build.toml").is_file() else []
-    dirs += sorted(p.parent for p in root.glob("kernel_repos/*/build.toml"))
-    repos: dict[str, Path] = {}
-    for d in dirs:
-        name = read_build_toml(d)[0]
-        if name in repos:
-            raise PushError(f"kernel name {name!r} is used by both {repos[name]} and {d}")
-        repos[name] = d
-    return repos
 
 
 def _variant_files(variant_dir: Path) -> list[Path]:
@@ -255,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        repos = discover(args.root)
+        try:
+            repos = discover_repos(args.root)
+        except BuildError as e:
+            raise PushError(str(e)) from None
         if not repos:
             raise PushError(f"no kernel repos found in {args.root} (build.toml, kernel_repos/*/build.toml)")
         names = args.repo or list(repos)

@@ -1,16 +1,16 @@
-"""kernel_repos/_shared/_launch.py: the cached launch path keys every specialisation Triton compiles for, binds
+"""hubfuse._common.launch: the cached launch path keys every specialisation Triton compiles for, binds
 arguments in signature order, and falls back to Triton's own launch where it cannot key or launch."""
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _load_launch_module():
-    spec = importlib.util.spec_from_file_location("hubfuse_shared_launch", ROOT / "kernel_repos/_shared/_launch.py")
+    """A private copy of hubfuse._common.launch (its module state is the test's own)."""
+    from hubfuse._common import launch
+
+    spec = importlib.util.spec_from_file_location("hubfuse_common_launch_copy", launch.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

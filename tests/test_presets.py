@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hubfuse import presets
+from hubfuse.build import families
 from tests.utils import (REVISION, load, make_batch, register_local_kernels, restore_rope_functions, rope_bound,
                          rope_function, save_tiny_model, sharpen_attention, tiny_config)
 
@@ -42,8 +43,7 @@ def _rope_restored():
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
-    register_local_kernels("rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy",
-                           "gated-delta-net")
+    register_local_kernels(*families())
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,10 @@
 """Host cost of one Triton launch, the same kernel and arguments three ways: Triton's `kernel[grid](...)`, and
-hubfuse's cached launch (`_launch.launch`) keyed by Triton's own binder ("native") or in Python. Kernels with few
+hubfuse's cached launch (`_common.launch`) keyed by Triton's own binder ("native") or in Python. Kernels with few
 arguments (RMSNorm forward) and many (the fused q/k norm + RoPE, ~45), on small inputs so that the GPU keeps up:
 the rows time the host only (median of 5 runs of 2000 launches, GPU drained before each run)."""
 import importlib
 import statistics
+import sys
 import time
 
 import torch
@@ -14,7 +15,7 @@ LAUNCHES = 2000
 def _capture(pkg, call):
     """(kernel name -> (launch module, kernel, grid, args, kwargs)) of the launches one call of `call` makes."""
     tk = importlib.import_module(pkg.__name__ + ".triton_kernels")
-    lm = importlib.import_module(pkg.__name__ + "._launch")
+    lm = sys.modules[tk.launch.__module__]  # the launch module the kernels use, wherever the build put it
     captured, original = {}, tk.launch
 
     def recording(kernel, grid, *args, **kwargs):

@@ -59,16 +59,20 @@ def package_name(kernel: str) -> str:
     return kernel.replace("-", "_")
 
 
+def _kernel_name(toml: Path) -> str:
+    try:
+        return tomllib.loads(toml.read_text())["general"]["name"]
+    except (tomllib.TOMLDecodeError, KeyError, TypeError) as e:
+        raise BuildError(f"{toml}: cannot read [general] name ({e!r})") from None
+
+
 def families(root: Path = ROOT) -> dict[str, Path]:
     """The op families: kernel name -> repo dir, for every `kernel_repos/*/build.toml`, in name order."""
     repos: dict[str, Path] = {}
     for toml in sorted(Path(root).glob("kernel_repos/*/build.toml")):
-        try:
-            name = tomllib.loads(toml.read_text())["general"]["name"]
-        except (tomllib.TOMLDecodeError, KeyError, TypeError) as e:
-            raise BuildError(f"{toml}: cannot read [general] name ({e!r})") from None
-        if name in repos:
-            raise BuildError(f"kernel name {name!r} is used by both {repos[name]} and {toml.parent}")
+        name = _kernel_name(toml)
+        if name in repos or name == UMBRELLA:
+            raise BuildError(f"kernel name {name!r} is used by both {repos.get(name, root)} and {toml.parent}")
         repos[name] = toml.parent
     return repos
 
@@ -76,8 +80,9 @@ def families(root: Path = ROOT) -> dict[str, Path]:
 def discover_repos(root: Path = ROOT) -> dict[str, Path]:
     """Every kernel repo of the clone: the umbrella (the root's build.toml), then the op families."""
     root = Path(root)
-    umbrella = {UMBRELLA: root} if (root / "build.toml").is_file() else {}
-    return {**umbrella, **families(root)}
+    if (root / "build.toml").is_file() and _kernel_name(root / "build.toml") != UMBRELLA:
+        raise BuildError(f"{root / 'build.toml'}: the umbrella repo must be named {UMBRELLA!r}")
+    return {**({UMBRELLA: root} if (root / "build.toml").is_file() else {}), **families(root)}
 
 
 def _source_files(src: Path):
@@ -98,9 +103,9 @@ def package_source(name: str, repos: dict[str, Path]) -> Path:
     return repos[name] / "torch-ext" / package_name(name)
 
 
-def sub_package_sources(repos: dict[str, Path], root: Path = ROOT) -> dict[str, Path]:
-    """Sub-package of `hubfuse` -> its source dir: `_common` and every op package."""
-    return {COMMON: Path(root) / "torch-ext" / UMBRELLA / COMMON,
+def sub_package_sources(repos: dict[str, Path]) -> dict[str, Path]:
+    """Sub-package of `hubfuse` -> its source dir: `_common` (in the umbrella's package) and every op package."""
+    return {COMMON: package_source(UMBRELLA, repos) / COMMON,
             **{package_name(n): package_source(n, repos) for n in repos if n != UMBRELLA}}
 
 
@@ -203,10 +208,10 @@ def _copy_package(src: Path, dest: Path, ignore=()) -> None:
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", *ignore))
 
 
-def assemble(name: str, dest: Path, repos: dict[str, Path], root: Path = ROOT) -> Path:
+def assemble(name: str, dest: Path, repos: dict[str, Path]) -> Path:
     """Write `name`'s variant tree to `dest`: its package; the `hubfuse` sub-packages it imports, transitively,
     vendored as sub-packages (the umbrella: every op package); every `hubfuse` import made relative."""
-    sources = sub_package_sources(repos, root)
+    sources = sub_package_sources(repos)
     shutil.rmtree(dest, ignore_errors=True)
     if name == UMBRELLA:
         _copy_package(package_source(name, repos), dest, ignore=NOT_SHIPPED)

@@ -1,7 +1,7 @@
 """Where the kernels come from: the hub org `hubfuse` by default, or this clone's local builds, in one call.
 
     import hubfuse
-    hubfuse.use_local_builds()      # scripts/build.py for every repo, then LOCAL_KERNELS=hubfuse/<repo>=<its dir>:...
+    hubfuse.use_local_builds()      # hubfuse.build for every repo, then LOCAL_KERNELS=hubfuse/<repo>=<its dir>:...
 
 After it, `hubfuse.KernelConfig()` and `hubfuse.presets` load every `hubfuse/<repo>` from this clone's builds and
 ask for `revision="v1"` (the `kernels` library resolves a `version` against the hub's branches before it reads
@@ -22,7 +22,7 @@ from pathlib import Path
 ORG = "hubfuse"
 VERSION = 1  # major version of every hubfuse kernel repo (build.toml general.version)
 LOCAL_REVISION = f"v{VERSION}"
-_CLONE = Path(__file__).resolve().parents[2]  # torch-ext/hubfuse/local.py -> the clone (editable install)
+_CLONE = Path(__file__).resolve().parents[2]  # torch-ext/hubfuse/sources.py -> the clone (editable install)
 
 
 def local_builds() -> dict[str, Path]:
@@ -58,30 +58,22 @@ def check_not_version_on_local(repo_id: str, meta: dict, where: str) -> None:
 def clone_root(root=None) -> Path:
     """The hubfuse clone whose kernel repos are built: `root`, or the one this package is installed from."""
     root = Path(root).resolve() if root is not None else _CLONE
-    if not (root / "scripts" / "build.py").is_file() or not (root / "kernel_repos").is_dir():
+    if not (root / "build.toml").is_file() or not (root / "kernel_repos").is_dir():
         raise FileNotFoundError(
-            f"{root} is not a hubfuse clone (no scripts/build.py and kernel_repos/): local builds need the source "
+            f"{root} is not a hubfuse clone (no build.toml and kernel_repos/): local builds need the source "
             f"tree; pass use_local_builds(root=<your clone>), or load from the hub without local builds")
     return root
 
 
-def _build_module(root: Path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_hubfuse_build", root / "scripts" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def use_local_builds(root=None, *, build: bool = True, org: str = ORG) -> dict[str, Path]:
-    """Build every kernel repo of the clone (`scripts/build.py`: validate, build, prove each variant loads) and
+    """Build every kernel repo of the clone (`hubfuse.build`: validate, build, prove each variant loads) and
     point LOCAL_KERNELS at them as `<org>/<repo>` (the umbrella is `<org>/hubfuse`), keeping other entries.
 
     `build=False` only registers existing builds (run `python scripts/build.py` first). Returns repo id -> path.
     """
+    from . import build as builder  # only in a clone (the hub variants leave the build tool out)
+
     root = clone_root(root)
-    builder = _build_module(root)
     repos = builder.discover_repos(root)
     for name, path in repos.items():
         if build:
@@ -105,13 +97,9 @@ def clone_repo_names() -> list[str]:
         root = clone_root()
     except FileNotFoundError:
         return []
-    import tomllib
+    from .build import discover_repos
 
-    names = []
-    for path in [root, *sorted((root / "kernel_repos").glob("*"))]:
-        if (path / "build.toml").is_file():
-            names.append(tomllib.loads((path / "build.toml").read_text())["general"]["name"])
-    return names
+    return list(discover_repos(root))
 
 
 def suggest(name: str, names, prefix: str = "") -> str:

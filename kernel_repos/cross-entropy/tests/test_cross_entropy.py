@@ -449,7 +449,9 @@ def test_label_out_of_range_asserts_on_the_device(label):
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(cross_entropy.__file__).resolve().parents[1]),
+    import hubfuse
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(hubfuse.__file__).resolve().parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, "-c", _DEVICE_ASSERT_SCRIPT.format(label=label)], env=env,
                          capture_output=True, text=True, timeout=300)

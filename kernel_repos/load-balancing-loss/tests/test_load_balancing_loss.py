@@ -615,9 +615,11 @@ def test_kernels_compile_for_sm90():
     import subprocess
     import sys
 
+    import hubfuse
+
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(lbl.__file__).resolve().parents[1]),  # the staged package
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(hubfuse.__file__).resolve().parents[1]),  # this hubfuse
                                          env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", _SM90_COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=600)

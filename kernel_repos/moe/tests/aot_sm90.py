@@ -1,6 +1,6 @@
 """Compile every MoE Triton kernel for sm_90 (H100/H200) with the shipped GPU configs, without a GPU.
 
-Run as a script with TRITON_INTERPRET unset and the staged `moe` package importable (tests/test_moe.py does it
+Run as a script with TRITON_INTERPRET unset and `hubfuse` importable (tests/test_moe.py does it
 in a subprocess). Checks that each
 kernel lowers to wgmma (Hopper tensor cores) with cp.async pipelining and fits in shared memory; prints
 one line per kernel. Exits non-zero on the first failure.

@@ -511,10 +511,12 @@ def test_kernels_compile_for_sm90():
     # lower every kernel for Hopper with the shipped GPU configs (no GPU needed): wgmma, cp.async, smem fits
     import triton.backends
 
+    import hubfuse
+
     if "nvidia" not in triton.backends.backends:
         pytest.skip("triton has no nvidia backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(moe.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(hubfuse.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     script = Path(__file__).with_name("aot_sm90.py")
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]

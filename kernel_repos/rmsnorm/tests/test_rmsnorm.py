@@ -146,7 +146,7 @@ def test_ops_registered_under_unique_namespace():
     from hubfuse._common._ops import add_op_namespace_prefix
 
     name = add_op_namespace_prefix("rms_norm_fwd")
-    assert name.startswith("_rmsnorm") and name.endswith("::rms_norm_fwd")
+    assert name == "_hubfuse__common::rms_norm_fwd"  # the source form; every build variant writes its own
 
 
 @pytest.mark.gpu
