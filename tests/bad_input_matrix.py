@@ -183,7 +183,9 @@ def _silu64(x):
 
 
 def _rms64(x, w, mode="standard", gate=None):
-    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    from hubfuse.rmsnorm.reference import rms_normalize
+
+    n = rms_normalize(x, EPS)
     y = n * (1.0 + w) if mode == "zero_centered" else w * n
     return y * _silu64(gate) if gate is not None else y
 

@@ -1,29 +1,13 @@
 """RMSNorm family: ours vs HF eager, torch.compile of the HF code, Liger (where it has the op), floor."""
 import torch
-import torch.nn.functional as F
-
-
-def rmsnorm_eager(x, w, eps=1e-6):
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def rmsnorm_zc_eager(x, w, eps=1e-6):
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + w.float())).to(x.dtype)
-
-
-def rmsnorm_gated_eager(x, gate, w, eps=1e-6):
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    xf = w * xf.to(x.dtype)
-    return (xf * F.silu(gate.float())).to(x.dtype)
 
 
 def run(h):
     k = h.load_kernel("rmsnorm")
+    # HF eager: the kernel's own HF-exact references (rmsnorm/reference.py)
+    rmsnorm_eager = lambda x, w: k.rms_norm_hf(x, w, 1e-6)  # noqa: E731
+    rmsnorm_zc_eager = lambda x, w: k.rms_norm_zero_centered_hf(x, w, 1e-6)  # noqa: E731
+    rmsnorm_gated_eager = lambda x, gate, w: k.rms_norm_gated_hf(x, gate, w, 1e-6)  # noqa: E731
     N, H = 16384, 4096
     floor = 5 * N * H * 2 / h.COPY_BW * 1e3  # fwd: read x, write y; bwd: read dy, x, write dx
     mk = lambda: (torch.randn(N, H, dtype=h.dt, device=h.dev, requires_grad=True),

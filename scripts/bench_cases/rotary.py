@@ -24,20 +24,7 @@ def rope_eager(q, k, cos, sin):  # HF (partial-capable) apply_rotary_pos_emb, un
     return torch.cat([qe.flatten(), ke.flatten()])
 
 
-def rmsnorm_eager(x, w, eps=1e-6):  # Qwen3RMSNorm
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def rmsnorm_zc_eager(x, w, eps=1e-6):  # Qwen3_5MoeRMSNorm
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + w.float())).to(x.dtype)
-
-
-def norm_rope_eager(q, k, wq, wk, cos, sin, zc=False):  # HF attention: q_norm/k_norm, transpose, RoPE
-    norm = rmsnorm_zc_eager if zc else rmsnorm_eager
+def norm_rope_eager(q, k, wq, wk, cos, sin, norm):  # HF attention: q_norm/k_norm, transpose, RoPE
     return rope_eager(norm(q, wq).transpose(1, 2), norm(k, wk).transpose(1, 2), cos, sin)
 
 
@@ -100,10 +87,13 @@ def run(h):
             (torch.randn(d, dtype=dt, device=dev) * 0.1 + (0.0 if zc else 1.0)).requires_grad_(),
             (torch.randn(d, dtype=dt, device=dev) * 0.1 + (0.0 if zc else 1.0)).requires_grad_(),
             torch.randn(B, T, rd, dtype=dt, device=dev), torch.randn(B, T, rd, dtype=dt, device=dev))
-        eager = lambda q, k, wq, wk, c, s, zc=zc: norm_rope_eager(q, k, wq, wk, c, s, zc)
+        # HF eager norms: Qwen3RMSNorm / Qwen3_5MoeRMSNorm, the kernel's HF-exact references
+        norm_hf = kr.reference.rms_norm_zero_centered_hf if zc else kr.reference.rms_norm_hf
+        norm_eager = lambda x, w, norm_hf=norm_hf: norm_hf(x, w, 1e-6)  # noqa: E731
+        eager = lambda q, k, wq, wk, c, s, norm=norm_eager: norm_rope_eager(q, k, wq, wk, c, s, norm)
         h.bench(name, "eager", eager, mk, floor, note="HF q_norm, k_norm, transpose, apply_rotary_pos_emb")
         h.bench(name, "torch.compile (whole)", h.comp(eager), mk, floor)
-        norm_c, rope_c = h.comp(rmsnorm_zc_eager if zc else rmsnorm_eager), h.comp(rope_eager)
+        norm_c, rope_c = h.comp(norm_eager), h.comp(rope_eager)
         h.bench(name, "torch.compile (2 ops)",
                 lambda q, k, wq, wk, c, s: rope_c(norm_c(q, wq).transpose(1, 2), norm_c(k, wk).transpose(1, 2), c, s),
                 mk, floor, note="norm and RoPE compiled separately")

@@ -125,15 +125,6 @@ def causal_conv1d_update_hf(hidden_states, conv_state, weight, bias=None, activa
     return _activation(out, activation).to(hidden_states.dtype)
 
 
-def rms_norm_gated_hf(x, gate, weight, eps):
-    """transformers' `Qwen3_5MoeRMSNormGated.forward`."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = weight * h.to(dtype)
-    return (h * F.silu(gate.to(torch.float32))).to(dtype)
-
-
 def gdn_gate_hf(a, b, A_log, dt_bias):
     """transformers' `beta = b.sigmoid()`, `g = -exp(A_log) * softplus(a + dt_bias)` (fp32 g)."""
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()

@@ -10,26 +10,34 @@ import torch.nn.functional as F
 STANDARD, ZERO_CENTERED, GATED = 0, 1, 2
 
 
+def rms_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's `torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`: 1 / RMS over the last dim, in x's dtype."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm normalisation `x * rsqrt(mean(x^2) + eps)` in x's dtype (the HF modules pass fp32): the one
+    source of the formula for every reference, benchmark and test."""
+    return x * rms_rstd(x, eps)
+
+
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama / Qwen2 / Qwen3 / Qwen3-MoE RMSNorm: normalise in fp32, cast, then `* weight`."""
     input_dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = rms_normalize(x.to(torch.float32), eps)
     return weight * h.to(input_dtype)
 
 
 def rms_norm_zero_centered_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5 / Qwen3-Next RMSNorm: `(1 + weight)` applied in fp32 before the cast."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = rms_normalize(x.float(), eps)
     return (h * (1.0 + weight.float())).type_as(x)
 
 
 def rms_norm_gated_hf(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5 / Qwen3-Next RMSNormGated: norm, cast, `* weight`, then `* silu(gate)` in fp32, cast."""
     input_dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = rms_normalize(x.to(torch.float32), eps)
     h = weight * h.to(input_dtype)
     h = h * F.silu(gate.to(torch.float32))
     return h.to(input_dtype)
@@ -37,8 +45,7 @@ def rms_norm_gated_hf(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 
 def rms_norm_fwd_reference(x, weight, gate, eps: float, mode: int):
     """Forward of the fused op on 2-D `x`: returns (y, rstd) with rstd in fp32, like the Triton kernel."""
-    x32 = x.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(-1) + eps)
+    rstd = rms_rstd(x.float(), eps).squeeze(-1)
     if mode == STANDARD:
         y = rms_norm_hf(x, weight, eps)
     elif mode == ZERO_CENTERED:

@@ -9,7 +9,8 @@ rotates the first R features with HF's `rotate_half` convention, the remaining `
 """
 import torch
 
-from hubfuse.rmsnorm.reference import rms_norm_hf, rms_norm_zero_centered_hf  # noqa: F401 (HF-exact norms, re-exported)
+# the HF-exact norms (rms_norm_hf, rms_norm_zero_centered_hf re-exported)
+from hubfuse.rmsnorm.reference import rms_norm_hf, rms_norm_zero_centered_hf, rms_rstd  # noqa: F401
 
 NONE, STANDARD, ZERO_CENTERED = 0, 1, 2  # norm applied before the rotation (fused op)
 
@@ -82,7 +83,7 @@ def _norm_rope_bwd_one(dy, x, weight, cos, sin, eps, mode):
     dn = torch.cat([dy1 * c[..., :half] + dy2 * s[..., half:],
                     dy2 * c[..., half:] - dy1 * s[..., :half], dy[..., R:]], dim=-1).transpose(1, 2)
     x32, w32 = x.float(), weight.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    rstd = rms_rstd(x32, eps)
     n = x32 * rstd
     if mode == STANDARD:
         dw = (dn * n.to(x.dtype).float()).sum((0, 1, 2))
