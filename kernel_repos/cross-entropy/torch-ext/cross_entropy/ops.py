@@ -9,8 +9,10 @@ are finished in the forward and the backward only multiplies them by the upstrea
 `cross_entropy` takes materialised logits and writes the gradient into the logits buffer itself
 (`inplace=True`, the default) or into one same-dtype copy (`inplace=False`): never an fp32 copy.
 
-Both are `torch.library.custom_op`s under this build's namespace with fake implementations, so
-`torch.compile(fullgraph=True)` sees opaque nodes. They dispatch on the tensor's device at run time: Triton
+Both are `torch.library.custom_op`s under this build's namespace (the shared `custom_op` helper) with fake
+implementations, so `torch.compile(fullgraph=True)` sees opaque nodes; the linear one is a `differentiable_op`
+(eager mode runs its implementation and backward without the custom-op dispatcher), the mutating one from logits
+an autograd.Function over its op (torch has no autograd registration for ops that mutate an input). They dispatch on the tensor's device at run time: Triton
 on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch twin (`reference.ce_rows_reference`)
 otherwise. Deterministic: no atomics; every reduction has a fixed order.
 """
@@ -19,8 +21,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from hubfuse._common.checks import check_range, first_order
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from hubfuse._common.device import use_triton
-from hubfuse._common._ops import add_op_namespace_prefix
 from .reference import REDUCTIONS, ce_rows_reference
 
 NONE, MEAN, SUM = REDUCTIONS["none"], REDUCTIONS["mean"], REDUCTIONS["sum"]
@@ -137,7 +139,7 @@ def _accumulate_weight_grad(dw, dlogits_t, h_chunk, fp32: bool):
 
 # ----------------------------------------------------------------------------- linear + cross-entropy ops
 
-@torch.library.custom_op(add_op_namespace_prefix("linear_cross_entropy_fwd"), mutates_args=())
+@custom_op("linear_cross_entropy_fwd")
 def _linear_ce_fwd(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
     num_items_in_batch: Optional[torch.Tensor], ignore_index: int, reduction: int, label_smoothing: float,
@@ -179,7 +181,7 @@ def _(hidden, weight, bias, labels, num_items_in_batch, ignore_index, reduction,
                                                              weight_grad_fp32)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("linear_cross_entropy_bwd_rows"), mutates_args=())
+@custom_op("linear_cross_entropy_bwd_rows")
 def _linear_ce_bwd_rows(
     grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     labels: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss_weight: float, softcap: float,
@@ -230,17 +232,17 @@ def _lce_setup_context(ctx, inputs, output):
         ctx.save_for_backward(output[2], output[3], output[4])
 
 
-def _scale_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _scale_(ctx, t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     # the gradients were built for an upstream gradient of 1: scale them in place (no second dW buffer).
     # On the Triton path a kernel does it that skips the work on the device when g == 1 (the usual case:
     # loss.backward()), which saves reading and writing dW (2 x 1.2 GB at V=151936, H=4096) without a sync.
     if TUNING["skip_unit_scale"] and use_triton(t) and t.is_contiguous() and g.numel() == 1:
-        _scale_unless_one_op(t, g.detach().reshape(1))
+        call(ctx, _scale_unless_one_op, t, g.detach().reshape(1))
         return t
     return t.mul_(g.to(t.dtype))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("scale_unless_one_"), mutates_args=("t",))
+@custom_op("scale_unless_one_", mutates_args=("t",))
 def _scale_unless_one_op(t: torch.Tensor, g: torch.Tensor) -> None:
     """t *= g[0] in place; a no-op decided on the device when g[0] == 1 (an opaque op for torch.compile)."""
     if use_triton(t):
@@ -262,25 +264,25 @@ def _lce_backward(ctx, grad_loss, _grad_z, _gdh, _gdw, _gdb):
     if ctx.reduction == NONE:
         hidden, weight, bias, labels = ctx.saved_tensors
         o = ctx.options
-        dh, dw, db = _linear_ce_bwd_rows(grad_loss, hidden, weight, bias, labels, o.ignore_index, o.label_smoothing,
-                                         o.z_loss_weight, o.softcap, o.chunk_size, flags, o.weight_grad_fp32)
+        dh, dw, db = call(ctx, _linear_ce_bwd_rows, grad_loss, hidden, weight, bias, labels, o.ignore_index,
+                          o.label_smoothing, o.z_loss_weight, o.softcap, o.chunk_size, flags, o.weight_grad_fp32)
     else:
         dh, dw, db = ctx.saved_tensors
-        dh = _scale_(dh, grad_loss) if flags & GRAD_HIDDEN else None
-        dw = _scale_(dw, grad_loss) if flags & GRAD_WEIGHT else None
-        db = _scale_(db, grad_loss) if (flags & GRAD_BIAS and ctx.has_bias) else None
+        dh = _scale_(ctx, dh, grad_loss) if flags & GRAD_HIDDEN else None
+        dw = _scale_(ctx, dw, grad_loss) if flags & GRAD_WEIGHT else None
+        db = _scale_(ctx, db, grad_loss) if (flags & GRAD_BIAS and ctx.has_bias) else None
     dh = dh if flags & GRAD_HIDDEN else None
     dw = dw.to(ctx.dtypes[1]) if flags & GRAD_WEIGHT else None
     db = db if (flags & GRAD_BIAS and ctx.has_bias) else None
     return (dh, dw, db) + _NO_GRAD_AFTER_BIAS
 
 
-_linear_ce_fwd.register_autograd(_lce_backward, setup_context=_lce_setup_context)
+_linear_ce = differentiable_op(_linear_ce_fwd, _lce_setup_context, _lce_backward)
 
 
 # ----------------------------------------------------------------------------- cross-entropy from logits
 
-@torch.library.custom_op(add_op_namespace_prefix("cross_entropy_fwd_"), mutates_args=("logits",))
+@custom_op("cross_entropy_fwd_", mutates_args=("logits",))
 def _ce_fwd_(
     logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Optional[torch.Tensor], ignore_index: int,
     reduction: int, label_smoothing: float, z_loss_weight: float, softcap: float, compute_grad: bool,
@@ -329,7 +331,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if ctx.reduction == NONE:
             dlogits = dlogits.mul_(grad_loss.to(dlogits.dtype)[:, None])
         else:
-            dlogits = _scale_(dlogits, grad_loss)
+            dlogits = _scale_(ctx, dlogits, grad_loss)
         return dlogits, None, None, None, None, None, None, None, None
 
 
@@ -417,7 +419,7 @@ def linear_cross_entropy(
     if torch.is_grad_enabled():
         grad_flags = ((GRAD_HIDDEN if hidden.requires_grad else 0) | (GRAD_WEIGHT if weight.requires_grad else 0)
                       | (GRAD_BIAS if bias is not None and bias.requires_grad else 0))
-    loss, z, _dh, _dw, _db = _linear_ce_fwd(
+    loss, z, _dh, _dw, _db = _linear_ce(
         h2, weight.contiguous(), bias, l2, _nib_tensor(num_items_in_batch, hidden.device), ignore_index,
         REDUCTIONS[reduction], float(label_smoothing), float(z_loss_weight), float(softcap or 0.0), chunk,
         grad_flags, bool(weight_grad_fp32))
