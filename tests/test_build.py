@@ -141,13 +141,13 @@ def _package(tmp_path, files: dict[str, str]):
 
 def test_rewrite_imports_makes_every_form_relative(tmp_path):
     pkg = _package(tmp_path, {
-        "__init__.py": "from hubfuse.rotary import ops\nimport hubfuse.rmsnorm.ops as rms_ops\n",
+        "__init__.py": "from hubfuse.rotary import ops\nimport os.path, hubfuse.rmsnorm.ops as rms_ops\n",
         "ops.py": "from hubfuse._common.launch import (\n    cdiv,\n    launch as run,\n)\nx = 'import hubfuse'\n",
         "rmsnorm/layers.py": "def f():\n    from hubfuse.rmsnorm import ops, reference\n    from hubfuse import _common\n",
     })
     build_tool.rewrite_imports(pkg, {"hubfuse.rotary": (), "hubfuse.rmsnorm": ("rmsnorm",),
                                      "hubfuse._common": ("_common",)})
-    assert (pkg / "__init__.py").read_text() == "from . import ops\nfrom .rmsnorm import ops as rms_ops\n"
+    assert (pkg / "__init__.py").read_text() == "from . import ops\nimport os.path; from .rmsnorm import ops as rms_ops\n"
     assert (pkg / "ops.py").read_text() == "from ._common.launch import cdiv, launch as run\nx = 'import hubfuse'\n"
     assert (pkg / "rmsnorm/layers.py").read_text() == ("def f():\n    from ..rmsnorm import ops, reference\n"
                                                        "    from .. import _common\n")

@@ -129,7 +129,7 @@ def imported_sub_packages(package: Path) -> set[str]:
     for path in _python_files(package):
         for node in _hubfuse_imports(ast.parse(path.read_bytes(), filename=str(path))):
             if isinstance(node, ast.Import):
-                modules = [a.name for a in node.names]
+                modules = [a.name for a in node.names if a.name.split(".")[0] == UMBRELLA]
             elif node.module == UMBRELLA:
                 modules = [f"{UMBRELLA}.{a.name}" for a in node.names]
             else:
@@ -158,6 +158,9 @@ def _relative_import(node, locate, depth: int) -> str:
         raise BuildError(f"`from {node.module} import ...` names a module this variant does not carry")
     statements = []
     for alias in node.names:
+        if alias.name.split(".")[0] != UMBRELLA:  # `import os, hubfuse.x as y`: os stays as it is
+            statements.append(f"import {name(alias.name, alias)}")
+            continue
         where = locate(alias.name)
         if alias.asname is None or not where:
             raise BuildError(f"`import {alias.name}` cannot become a relative import: write "
