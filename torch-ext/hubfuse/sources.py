@@ -22,7 +22,9 @@ from pathlib import Path
 ORG = "hubfuse"
 VERSION = 1  # major version of every hubfuse kernel repo (build.toml general.version)
 LOCAL_REVISION = f"v{VERSION}"
-_CLONE = Path(__file__).resolve().parents[2]  # torch-ext/hubfuse/sources.py -> the clone (editable install)
+_PACKAGE = Path(__file__).resolve().parent
+# the clone of the source tree (torch-ext/hubfuse/sources.py, an editable install); None in a built hub variant
+_CLONE = _PACKAGE.parents[1] if _PACKAGE.parent.name == "torch-ext" else None
 
 
 def local_builds() -> dict[str, Path]:
@@ -58,6 +60,9 @@ def check_not_version_on_local(repo_id: str, meta: dict, where: str) -> None:
 def clone_root(root=None) -> Path:
     """The hubfuse clone whose kernel repos are built: `root`, or the one this package is installed from."""
     root = Path(root).resolve() if root is not None else _CLONE
+    if root is None:
+        raise FileNotFoundError(f"hubfuse is loaded from {_PACKAGE}, a built hub kernel, not from a clone: local "
+                                f"builds need hubfuse installed from the source tree (`pip install -e <clone>`)")
     if not (root / "build.toml").is_file() or not (root / "kernel_repos").is_dir():
         raise FileNotFoundError(
             f"{root} is not a hubfuse clone (no build.toml and kernel_repos/): local builds need the source "
@@ -71,9 +76,9 @@ def use_local_builds(root=None, *, build: bool = True, org: str = ORG) -> dict[s
 
     `build=False` only registers existing builds (run `python scripts/build.py` first). Returns repo id -> path.
     """
-    from . import build as builder  # only in a clone (the hub variants leave the build tool out)
+    root = clone_root(root if _CLONE is not None else None)  # a hub variant has no build tool
+    from . import build as builder
 
-    root = clone_root(root)
     repos = builder.discover_repos(root)
     for name, path in repos.items():
         if build:
