@@ -8,10 +8,11 @@ every hubfuse kernel for the model being loaded (imported lazily: the hub kernel
 torch), `presets` (`kernel_mapping(family)`, `enable_losses(model, family)`: every kernel that applies to a
 model family), `use_local_builds()` (build this clone's kernel repos and load them instead of the hub's),
 `distributed` (FSDP2 + expert parallelism over a kernelized model, HF-format checkpoints of the sharded model)
-and `cuda_graphs` (a whole training step captured in one CUDA graph).
+`cuda_graphs` (a whole training step captured in one CUDA graph) and `training` (`skip_cache_in_training`: no KV
+cache in training mode unless `use_cache=True` is passed; KernelConfig applies it to every model it loads).
 """
 __all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state", "presets", "distributed",
-           "cuda_graphs", "kernel_mapping", "enable_losses", "use_local_builds", "local_builds"]
+           "cuda_graphs", "training", "kernel_mapping", "enable_losses", "use_local_builds", "local_builds"]
 
 
 def __getattr__(name):
@@ -23,7 +24,7 @@ def __getattr__(name):
         from . import kernel_config
 
         return getattr(kernel_config, name)
-    if name in ("presets", "sources", "distributed", "cuda_graphs"):
+    if name in ("presets", "sources", "distributed", "cuda_graphs", "training"):
         return importlib.import_module(f"{__name__}.{name}")
     if name in ("kernel_mapping", "enable_losses"):
         from . import presets

@@ -517,6 +517,9 @@ class KernelConfig(transformers.KernelConfig):
             from . import presets
 
             presets.enable_losses(model, load["family"], **self._source)
+        from .training import skip_cache_in_training  # no KV cache in training unless use_cache=True
+
+        skip_cache_in_training(model)
 
 
 def _has_lm_head(model) -> bool:
