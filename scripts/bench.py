@@ -761,6 +761,9 @@ def main(argv=None) -> int:
 
     out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "out")
     if args.report_only:
+        if not (out_dir / "bench_train.json").exists():
+            log(f"--report-only: no {out_dir / 'bench_train.json'}")
+            return 2
         saved = json.loads((out_dir / "bench_train.json").read_text())
         log("\n".join(final_lines(sorted(saved["results"], key=row_key))))
         return 0
