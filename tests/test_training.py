@@ -1,4 +1,5 @@
-"""hubfuse.training.skip_cache_in_training: no KV cache in training unless `use_cache=True` is passed.
+"""hubfuse.training.apply_training_defaults: no KV cache in training unless `use_cache=True` is passed, and SDPA's
+causal path when transformers cannot check the batch for packing (torch.compile, CUDA-graph capture).
 
 - A model loaded with hubfuse.KernelConfig (Qwen3, Qwen3-MoE, Qwen3.5-MoE presets, fused losses on), in training
   mode with labels and `use_cache` left at its default (the config's True): no `DynamicCache` is constructed,
@@ -6,12 +7,16 @@
 - `use_cache=True` passed explicitly still builds the cache (to the causal LM or to its decoder model).
 - In eval mode the default still builds it, and greedy generation uses it (one cache per `generate`).
 - Llama / Qwen2 (HF classes, the function called by hand) behave the same; other model instances are untouched.
+- With transformers seeing a trace (`is_tracing` answered True, as under compile or capture), an unpadded,
+  unpacked training batch reaches attention with no mask (a plain HF model gets a 4D mask there), and the loss and
+  gradients equal the plain model's; a mask passed in, the eager attention implementation, eval mode and model
+  classes without a prepared-mask path keep transformers' mask.
 """
 import pytest
 import torch
 
 from hubfuse import presets
-from hubfuse.training import skip_cache_in_training
+from hubfuse.training import MASK_MAPPING_MODELS, apply_training_defaults
 from tests.utils import REVISION, load, make_batch, register_local_kernels, save_tiny_model, tiny_config
 
 KERNELIZED = ("qwen3", "qwen3_moe", "qwen3_5_moe_text")
@@ -94,7 +99,7 @@ def test_eval_default_and_generation_keep_the_cache(family, model_dirs, caches_b
 
 @pytest.mark.parametrize("family", ("llama", "qwen2"))
 def test_hf_model_by_hand(family, model_dirs, caches_built):
-    model = skip_cache_in_training(load(model_dirs[family])).train()
+    model = apply_training_defaults(load(model_dirs[family])).train()
     other = load(model_dirs[family]).train()  # not passed to the function: HF's behaviour
     batch = make_batch(tiny_config(family).vocab_size)
     assert model(**batch).past_key_values is None and caches_built == []
@@ -102,5 +107,76 @@ def test_hf_model_by_hand(family, model_dirs, caches_built):
     assert model.model(input_ids=batch["input_ids"]).past_key_values is None and len(caches_built) == 1
     assert model.model(input_ids=batch["input_ids"], use_cache=True).past_key_values is not None
     assert len(caches_built) == 2
-    assert skip_cache_in_training(model) is model  # idempotent: still one hook per module
+    assert apply_training_defaults(model) is model  # idempotent: still one hook per module
     assert len(model.model._forward_pre_hooks) == 1
+
+
+@pytest.fixture
+def masks_seen(monkeypatch):
+    """Every attention call's mask (None or its shape), with transformers believing it is being traced."""
+    import transformers.masking_utils as masking_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    seen = []
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append(None if attention_mask is None else tuple(attention_mask.shape))
+        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy)
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *args, **kwargs: True)
+    return seen
+
+
+@pytest.mark.parametrize("family", ("qwen3", "qwen3_5_moe_text", "qwen2"))
+def test_traced_training_takes_the_causal_path(family, model_dirs, masks_seen):
+    plain = load(model_dirs[family]).train()
+    ours = apply_training_defaults(load(model_dirs[family])).train()
+    assert type(ours.model).__name__ in MASK_MAPPING_MODELS
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    n_attention = sum(t == "full_attention" for t in ours.config.layer_types)
+    ref, ref_grads = _loss_and_grads(plain, batch, use_cache=False)
+    assert masks_seen == [(2, 1, 9, 9)] * n_attention  # transformers' mask when it cannot check for packing
+    masks_seen.clear()
+    out, grads = _loss_and_grads(ours, batch)
+    assert masks_seen == [None] * n_attention
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+    masks_seen.clear()
+    padded = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
+    padded["attention_mask"][0, :3] = 0
+    ours(**padded)  # a mask passed in: honoured
+    ours.eval()(**batch, use_cache=False)  # eval: transformers' own path (with a cache it skips the mask anyway)
+    assert masks_seen == [(2, 1, 9, 9)] * (2 * n_attention)
+
+
+@pytest.mark.parametrize("family", ("qwen3_moe", "llama"))
+def test_models_without_a_mask_mapping_keep_their_mask(family, model_dirs, masks_seen):
+    model = apply_training_defaults(load(model_dirs[family])).train()
+    assert type(model.model).__name__ not in MASK_MAPPING_MODELS
+    model(**make_batch(tiny_config(family).vocab_size, seq=9))
+    assert masks_seen and all(m == (2, 1, 9, 9) for m in masks_seen)
+
+
+def test_eager_attention_keeps_its_mask(model_dirs, masks_seen):
+    """The eager implementation reads a None mask as no mask at all: it must keep transformers' causal mask."""
+    plain = load(model_dirs["qwen3"], attn_implementation="eager").train()
+    ours = apply_training_defaults(load(model_dirs["qwen3"], attn_implementation="eager")).train()
+    batch = make_batch(tiny_config("qwen3").vocab_size, seq=9)
+    torch.testing.assert_close(ours(**batch).loss, plain(**batch, use_cache=False).loss, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", MASK_MAPPING_MODELS)
+def test_mask_mapping_models_take_a_prepared_mapping(name):
+    """The models listed take `attention_mask` as a prepared {layer type: mask} dict (transformers' code)."""
+    import importlib
+    import inspect
+
+    module = {"Qwen3Model": "qwen3", "Qwen2Model": "qwen2", "Qwen3_5MoeTextModel": "qwen3_5_moe"}[name]
+    cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    source = inspect.getsource(inspect.unwrap(cls.forward))
+    assert "isinstance(causal_mask_mapping := attention_mask, dict)" in source
+    assert "causal_mask_mapping[self.config.layer_types[i]]" in source

@@ -8,8 +8,9 @@ every hubfuse kernel for the model being loaded (imported lazily: the hub kernel
 torch), `presets` (`kernel_mapping(family)`, `enable_losses(model, family)`: every kernel that applies to a
 model family), `use_local_builds()` (build this clone's kernel repos and load them instead of the hub's),
 `distributed` (FSDP2 + expert parallelism over a kernelized model, HF-format checkpoints of the sharded model)
-`cuda_graphs` (a whole training step captured in one CUDA graph) and `training` (`skip_cache_in_training`: no KV
-cache in training mode unless `use_cache=True` is passed; KernelConfig applies it to every model it loads).
+`cuda_graphs` (a whole training step captured in one CUDA graph) and `training` (`apply_training_defaults`: in
+training mode no KV cache unless `use_cache=True` is passed, and SDPA's causal path under compile and CUDA graphs
+too; KernelConfig applies it to every model it loads).
 """
 __all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state", "presets", "distributed",
            "cuda_graphs", "training", "kernel_mapping", "enable_losses", "use_local_builds", "local_builds"]

@@ -517,9 +517,9 @@ class KernelConfig(transformers.KernelConfig):
             from . import presets
 
             presets.enable_losses(model, load["family"], **self._source)
-        from .training import skip_cache_in_training  # no KV cache in training unless use_cache=True
+        from .training import apply_training_defaults  # no KV cache in training, the causal mask path (training.py)
 
-        skip_cache_in_training(model)
+        apply_training_defaults(model)
 
 
 def _has_lm_head(model) -> bool:
