@@ -611,9 +611,10 @@ def kernel_comparison(rows, top: int = 15) -> list[str]:
         replay_k = {name: (calls, ms) for name, calls, ms in replay["top_kernels"]}
         names = sorted(set(eager_k) | set(replay_k),
                        key=lambda n: -max(eager_k.get(n, (0, 0.0))[1], replay_k.get(n, (0, 0.0))[1]))[:top]
-        lines += ["", f"Per-kernel GPU ms per step, {r['slice']}: {r['config']} (eager, {fmt(r.get('gpu_ms'), '.1f')} ms "
-                      f"in all) vs {replay['config']} (graph replay, {fmt(replay.get('gpu_ms'), '.1f')} ms); blank: "
-                      f"not in that row's top {len(r['top_kernels'])}", "",
+        lines += ["", f"Per-kernel GPU ms per step, {r['slice']}: {r['config']} (eager, "
+                      f"{fmt(r.get('gpu_ms'), '.1f')} ms in all) vs {replay['config']} (graph replay, "
+                      f"{fmt(replay.get('gpu_ms'), '.1f')} ms); blank: not in that row's top {len(r['top_kernels'])}",
+                  "",
                   "| kernel | eager ms | replay ms | replay - eager | eager calls | replay calls |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for name in names:

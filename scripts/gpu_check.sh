@@ -115,5 +115,6 @@ case "$step" in
     fi 2>&1 | tee "$OUT/bench_distributed.log" | grep -v "^\[.*\] \(warm-up\|step\)" | tail -n 30
     exit "${PIPESTATUS[0]}" ;;
   *)
-    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, dense, kernels-benchmark, demo, dist)" >&2; exit 2 ;;
+    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, dense, kernels-benchmark, demo, dist)" >&2
+    exit 2 ;;
 esac

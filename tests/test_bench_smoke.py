@@ -124,7 +124,8 @@ def test_bench_tables_and_report_only(tmp_path, capsys):
     replay_k = [["sdpa_bwd_kernel", 28.0, 17.5], ["gemm_a", 100.0, 30.5]]
     rows = [_row("compile", 100.0, 20.0), _row("compile_ro", 98.0, 25.0), _row("ours", 90.0, 10.0, eager_k),
             _row("ours_graph", 80.0, 8.0, replay_k),
-            _row("ours_compile", 95.0, 12.0, note="dynamo: 1 graph(s), 0 break(s), 0 recompile(s), 0 cudagraph skip(s)"),
+            _row("ours_compile", 95.0, 12.0,
+                 note="dynamo: 1 graph(s), 0 break(s), 0 recompile(s), 0 cudagraph skip(s)"),
             _row("ours@cudnn", 91.0, 10.0, eager_k), _row("ours_graph@cudnn", 85.0, 8.0, replay_k)]
     summary = "\n".join(bench.summary(rows))
     assert "best hubfuse mode ours_graph 80.0 ms vs best peer compile_ro 98.0 ms: 1.23x" in summary
