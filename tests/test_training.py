@@ -109,6 +109,8 @@ def test_hf_model_by_hand(family, model_dirs, caches_built):
     assert len(caches_built) == 2
     assert apply_training_defaults(model) is model  # idempotent: still one hook per module
     assert len(model.model._forward_pre_hooks) == 1
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        apply_training_defaults(model.state_dict())
 
 
 @pytest.fixture

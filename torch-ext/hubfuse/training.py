@@ -64,6 +64,8 @@ def apply_training_defaults(model: torch.nn.Module) -> torch.nn.Module:
     """
     from transformers import PreTrainedModel
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"apply_training_defaults: model must be a torch.nn.Module, got {type(model).__name__}")
     for module in model.modules():
         if not isinstance(module, PreTrainedModel) or _HOOKED in module.__dict__:
             continue
