@@ -88,16 +88,16 @@ case "$step" in
     }
     status=0
     if [ "$part" = all ] || [ "$part" = peers ]; then
-      run_part "peers: Qwen3-0.6B, every configuration" --slices qwen3_0_6b --budget-s "${DENSE_PEERS_S:-300}" \
+      run_part "peers: Qwen3-0.6B, every configuration" --slices qwen3_0_6b --budget-s "${DENSE_PEERS_S:-270}" \
         "$@" || status=1
     fi
     if [ "$part" = all ] || [ "$part" = attn ]; then
       run_part "attn: Qwen3-0.6B, SDPA backends, eager and graph replay" --slices qwen3_0_6b --configs ours ours_graph \
-        --sdpa-backends flash cudnn efficient --budget-s "${DENSE_ATTN_S:-100}" "$@" || status=1
+        --sdpa-backends flash cudnn efficient --budget-s "${DENSE_ATTN_S:-90}" "$@" || status=1
     fi
     if [ "$part" = all ] || [ "$part" = moe ]; then
       run_part "moe: Qwen3-30B-A3B widths, 8 layers" --slices qwen3_30b_a3b_8l --configs ours ours_graph compile \
-        --budget-s "${DENSE_MOE_S:-170}" "$@" || status=1
+        --budget-s "${DENSE_MOE_S:-150}" "$@" || status=1
     fi
     echo "=== dense report ($(date +%T))"
     python3 scripts/bench.py --report-only --out "$dense_out" || status=1
