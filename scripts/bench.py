@@ -32,6 +32,11 @@ Configurations:
   ours_ro        ours + torch.compile(mode="reduce-overhead")
   ours_graph     ours, the whole step (fwd + bwd + capturable fused AdamW) captured once in a torch.cuda.CUDAGraph
                  and replayed (the batch copied into the graph's static inputs)
+  <config>@<b>   any of the above with SDPA restricted to one backend b (flash, cudnn, efficient, math) through
+                 torch.nn.attention.sdpa_kernel, for the whole run (capture included); `--sdpa-backends b ...`
+                 runs every --configs entry once per backend
+The HF configurations pass use_cache=False; ours leave it at its default (a hubfuse-loaded model in training mode
+builds no KV cache unless asked).
 
 Every (slice, config) runs in its own subprocess (Liger patches classes globally; a crash, OOM or timeout
 loses one row, not the run). The first subprocess of a slice builds the model from its config (random init,
@@ -42,19 +47,25 @@ Reported per row: step ms (median over --steps steps after --warmup, each step s
 (median time to enqueue one step with the GPU queue drained: the CPU's share), GPU ms (summed kernel time per
 step, torch.profiler), kernels and launch calls per step (profiler: kernels run; CUDA launch API calls made by
 the host, a graph replay counting once), peak memory (max_memory_allocated over the measured steps; CPU: max RSS),
-the loss of step 1 and of the last step (MoE: includes router_aux_loss_coef * aux loss).
+the loss of step 1 and of the last step (MoE: includes router_aux_loss_coef * aux loss); compiled rows also what
+dynamo did (graphs, graph breaks and recompiles with their first reasons, CUDA-graph partitions skipped by inductor).
+Each ours / ours_graph pair of a slice (same backend) gets a per-kernel table: the profiler's top kernels, ms and
+calls per step, eager next to graph replay.
 Writes $OUT/bench_train.json, $OUT/bench_train.md and $OUT/bench_train_{speed,memory}.png (OUT defaults to
 ./out), after every run (partial results survive a kill).
 
     python scripts/bench.py --slices qwen3_small qwen3_moe_small   # every configuration on two slices
     python scripts/bench.py --slices qwen3_0_6b --configs eager compile compile_ro ours ours_graph
     python scripts/bench.py --configs compile --append              # add rows to an existing bench_train.json
+    python scripts/bench.py --slices qwen3_0_6b --configs ours ours_graph --sdpa-backends flash cudnn efficient
+    python scripts/bench.py --report-only --out DIR                 # the compact table of DIR/bench_train.json
     python scripts/bench.py --smoke                                 # CPU, tiny dims, eager + ours, < 90 s
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
@@ -79,6 +90,10 @@ LIGER = ("liger", "liger_compile")
 COMPILED = ("compile", "compile_ro", "liger_compile", "ours_compile", "ours_ro")
 REDUCE_OVERHEAD = ("compile_ro", "ours_ro")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text")
+# `<config>@<backend>`: the configuration with SDPA restricted to one backend (torch.nn.attention.sdpa_kernel) for
+# the whole run, the CUDA-graph capture included
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
 LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
 COMMON = dict(vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=40960,
               attention_bias=False)
@@ -127,6 +142,27 @@ TIMEOUT_S = {"eager": 150, "ours": 180, "ours_graph": 180, "liger": 300, "compil
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def split_config(config: str) -> tuple[str, str | None]:
+    """("ours_graph", "cudnn") for "ours_graph@cudnn"; (config, None) without a backend."""
+    base, _, backend = config.partition("@")
+    return base, backend or None
+
+
+def config_key(config: str) -> tuple[int, str]:
+    """Sort key: the run order of CONFIGS, then the backend."""
+    base, backend = split_config(config)
+    return CONFIGS.index(base), backend or ""
+
+
+def parse_config(text: str) -> str:
+    """argparse type of --configs: a name of CONFIGS, optionally `@<SDPA backend>`."""
+    base, backend = split_config(text)
+    if base not in CONFIGS or (backend is not None and backend not in SDPA_BACKENDS):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of {list(CONFIGS)}, optionally followed by "
+                                         f"@<backend> with backend in {list(SDPA_BACKENDS)}")
+    return text
 
 
 def layer_types(n: int) -> list[str]:
@@ -229,7 +265,9 @@ def make_step(model, config: str, device: str, first_batch: dict):
     """The training step of one configuration: step(batch) -> loss tensor (no host sync inside), and the optimizer.
 
     ours_graph: `hubfuse.cuda_graphs.capture_train_step` (warm-up on a side stream, then fwd + bwd + the
-    capturable fused AdamW step in one CUDA graph; a step copies the batch in and replays it)."""
+    capturable fused AdamW step in one CUDA graph; a step copies the batch in and replays it).
+    The HF configurations pass `use_cache=False` (else transformers fills a KV cache nothing reads); ours leave it
+    at its default, which a hubfuse-loaded model in training mode takes as False (`hubfuse.training`)."""
     import torch
 
     cuda = device == "cuda"
@@ -240,11 +278,13 @@ def make_step(model, config: str, device: str, first_batch: dict):
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         run = torch.compile(model, mode="reduce-overhead" if config in REDUCE_OVERHEAD else None)
 
+    cache = {} if config in OURS else {"use_cache": False}
+
     def eager_step(batch):
         if config in REDUCE_OVERHEAD:
             torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
-        loss = run(**batch, use_cache=False).loss
+        loss = run(**batch, **cache).loss
         loss.backward()
         opt.step()
         return loss
@@ -254,6 +294,26 @@ def make_step(model, config: str, device: str, first_batch: dict):
     from hubfuse.cuda_graphs import capture_train_step
 
     return capture_train_step(model, opt, first_batch), opt
+
+
+def dynamo_stats() -> dict:
+    """What torch.compile did in this process: graphs, graph breaks (and why), recompiles (and the failed guards),
+    CUDA-graph partitions inductor skipped (reduce-overhead)."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    breaks = counters["graph_break"]
+    failures = [reason for reasons in guard_failures.values() for reason in reasons]
+    return dict(graphs=counters["stats"].get("unique_graphs", 0), graph_breaks=sum(breaks.values()),
+                break_reasons=[r.splitlines()[0][:160] for r in list(breaks)[:3]],
+                recompiles=len(failures), recompile_reasons=[str(r)[:160] for r in failures[:3]],
+                cudagraph_skips=counters["inductor"].get("cudagraph_skips", 0))
+
+
+def dynamo_note(stats: dict) -> str:
+    text = (f"dynamo: {stats['graphs']} graph(s), {stats['graph_breaks']} break(s), {stats['recompiles']} "
+            f"recompile(s), {stats['cudagraph_skips']} cudagraph skip(s)")
+    reasons = stats["break_reasons"] + stats["recompile_reasons"]
+    return text + (f" ({'; '.join(reasons)})" if reasons else "")
 
 
 def profile_step(step, batches, device: str) -> dict:
@@ -281,7 +341,7 @@ def profile_step(step, batches, device: str) -> dict:
         elif e.name in launch_apis:
             launches += 1
     n = len(batches)
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:25]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:40]
     return dict(gpu_ms=round(gpu_us / n / 1e3, 2), kernels_per_step=round(kernels / n, 1),
                 launches_per_step=round(launches / n, 1),
                 top_kernels=[(name, round(c / n, 1), round(us / n / 1e3, 3)) for name, (c, us) in top])
@@ -340,16 +400,23 @@ def child(args) -> int:
         batches.append({"input_ids": ids, "labels": ids})
     tokens = batch_size * seq
     for config in args.child_configs:
+        base, backend = split_config(config)
         tag = f"[{name}/{config}]"
-        row = dict(slice=name, config=config, device=device, tokens_per_step=tokens, layers=layers)
+        row = dict(slice=name, config=config, device=device, tokens_per_step=tokens, layers=layers,
+                   sdpa_backend=backend)
         results.append(row)
         t_start = time.time()
         model = opt = step = None
+        scope = contextlib.ExitStack()  # the SDPA backend restriction, for the whole run of this config
         try:
+            if backend is not None:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                scope.enter_context(sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend])))
             log(f"{tag} loading (from_pretrained, bf16, {device})")
-            model, extra, note = load_model(name, config, path, device)
+            model, extra, note = load_model(name, base, path, device)
             row["modules"] = extra
-            if config in OURS:
+            if base in OURS:
                 log(f"{tag} kernels bound: {extra}")
                 if not extra:
                     raise RuntimeError("no hubfuse kernel bound to the model")
@@ -359,13 +426,13 @@ def child(args) -> int:
                 torch.cuda.synchronize()
                 row["after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
                 torch.cuda.reset_peak_memory_stats()
-            step, opt = make_step(model, config, device, batches[0])
+            step, opt = make_step(model, base, device, batches[0])
             row["load_s"] = round(time.time() - t_start, 1)
             times, losses = [], []
             for i, batch in enumerate(batches[:args.warmup + args.steps]):
                 if i == args.warmup and cuda:
                     row["peak_warmup_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                    if config != "ours_graph":  # the graph's memory pool was allocated by the capture
+                    if base != "ours_graph":  # the graph's memory pool was allocated by the capture
                         torch.cuda.reset_peak_memory_stats()
                 if cuda:
                     torch.cuda.synchronize()
@@ -405,6 +472,10 @@ def child(args) -> int:
             else:
                 row["peak_mem_GiB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
                 row["note"] = (note + " " if note else "") + "CPU: peak = max RSS of the process"
+            if base in COMPILED:
+                row["dynamo"] = dynamo_stats()
+                row["note"] = dynamo_note(row["dynamo"])
+                log(f"{tag} {row['note']}")
             if not all(math.isfinite(v) for v in losses):
                 row["status"] = "error"
                 row["note"] = f"non-finite loss: {losses}"
@@ -421,6 +492,7 @@ def child(args) -> int:
             import traceback
 
             traceback.print_exc()
+        scope.close()
         row["wall_s"] = round(time.time() - t_start, 1)
         save()
         del model, opt, step
@@ -480,6 +552,89 @@ def fmt(v, spec):
     return "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
 
 
+def compact_table(rows) -> list[str]:
+    """The per-row numbers the issue's targets are stated in: step, host and GPU ms, launches, peak memory."""
+    lines = ["| slice | config | status | step ms | host ms | GPU ms | launches | peak GiB | note |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        lines.append(f"| {r['slice']} | {r['config']} | {r.get('status')} | {fmt(r.get('step_ms_median'), '.1f')} | "
+                     f"{fmt(r.get('host_ms'), '.1f')} | {fmt(r.get('gpu_ms'), '.1f')} | "
+                     f"{fmt(r.get('launches_per_step'), '.0f')} | {fmt(r.get('peak_mem_GiB'), '.2f')} | "
+                     f"{(r.get('note') or '')[:90].replace('|', '/')} |")
+    return lines
+
+
+def summary(rows) -> list[str]:
+    """Per slice: hubfuse's best mode against the best peer, plain hubfuse against HF + compile, hubfuse's other
+    modes against plain hubfuse (step and peak memory), and peak memory against HF + compile."""
+    by = {(r["slice"], r["config"]): r for r in rows}
+    lines = []
+    for s in dict.fromkeys(r["slice"] for r in rows):
+        ok = {c: by[(s, c)] for c in CONFIGS if by.get((s, c), {}).get("status") == "ok"}
+        peers = {c: r for c, r in ok.items() if c not in OURS}
+        ours = {c: r for c, r in ok.items() if c in OURS}
+        if not (peers and ours):
+            continue
+        best_peer = min(peers, key=lambda c: peers[c]["step_ms_median"])
+        best_ours = min(ours, key=lambda c: ours[c]["step_ms_median"])
+        line = (f"- {s}: best hubfuse mode {best_ours} {ours[best_ours]['step_ms_median']:.1f} ms vs best peer "
+                f"{best_peer} {peers[best_peer]['step_ms_median']:.1f} ms: "
+                f"{peers[best_peer]['step_ms_median'] / ours[best_ours]['step_ms_median']:.2f}x")
+        if "ours" in ours and "compile" in peers:
+            line += (f"; plain hubfuse vs HF + compile "
+                     f"{peers['compile']['step_ms_median'] / ours['ours']['step_ms_median']:.2f}x")
+            if ours["ours"].get("host_ms") and ours["ours"].get("gpu_ms"):
+                line += f" (host / GPU {ours['ours']['host_ms'] / ours['ours']['gpu_ms']:.2f})"
+        if "ours" in ours:
+            for mode in ("ours_graph", "ours_compile", "ours_ro"):
+                if mode in ours:
+                    line += (f"; {mode} vs ours: {ours['ours']['step_ms_median'] / ours[mode]['step_ms_median']:.2f}x"
+                             f" speed, {ours[mode]['peak_mem_GiB'] / ours['ours']['peak_mem_GiB']:.2f}x peak")
+        if "compile" in peers and peers["compile"].get("peak_mem_GiB"):
+            line += (f"; peak of {best_ours} / HF + compile "
+                     f"{ours[best_ours]['peak_mem_GiB'] / peers['compile']['peak_mem_GiB']:.2f}")
+        lines.append(line + ".")
+    return lines
+
+
+def kernel_comparison(rows, top: int = 15) -> list[str]:
+    """The profiler's top kernels of each eager hubfuse row next to its graph-replay row (`ours` / `ours_graph`,
+    with the same SDPA backend), ms and calls per step: which kernels slow down in replay."""
+    by = {(r["slice"], r["config"]): r for r in rows}
+    lines = []
+    for r in rows:
+        base, backend = split_config(r["config"])
+        replay = by.get((r["slice"], "ours_graph" + (f"@{backend}" if backend else "")), {})
+        if base != "ours" or not r.get("top_kernels") or not replay.get("top_kernels"):
+            continue
+        eager_k = {name: (calls, ms) for name, calls, ms in r["top_kernels"]}
+        replay_k = {name: (calls, ms) for name, calls, ms in replay["top_kernels"]}
+        names = sorted(set(eager_k) | set(replay_k),
+                       key=lambda n: -max(eager_k.get(n, (0, 0.0))[1], replay_k.get(n, (0, 0.0))[1]))[:top]
+        lines += ["", f"Per-kernel GPU ms per step, {r['slice']}: {r['config']} (eager, "
+                      f"{fmt(r.get('gpu_ms'), '.1f')} ms in all) vs {replay['config']} (graph replay, "
+                      f"{fmt(replay.get('gpu_ms'), '.1f')} ms); blank: not in that row's top {len(r['top_kernels'])}",
+                  "",
+                  "| kernel | eager ms | replay ms | replay - eager | eager calls | replay calls |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for name in names:
+            (ce, me), (cr, mr) = eager_k.get(name, (None, None)), replay_k.get(name, (None, None))
+            delta = mr - me if me is not None and mr is not None else None
+            lines.append(f"| {name[:80].replace('|', '/')} | {fmt(me, '.2f')} | {fmt(mr, '.2f')} | "
+                         f"{fmt(delta, '+.2f')} | {fmt(ce, '.0f')} | {fmt(cr, '.0f')} |")
+    return lines
+
+
+def row_key(row: dict) -> tuple:
+    slice_order = list(SLICES)
+    return (slice_order.index(row["slice"]) if row["slice"] in SLICES else len(SLICES), *config_key(row["config"]))
+
+
+def final_lines(rows) -> list[str]:
+    """What a run prints at its end (bench_train.md has the full table)."""
+    return [*compact_table(rows), "", *summary(rows), *kernel_comparison(rows)]
+
+
 def report(rows, meta, out_dir: Path, plots: bool) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_train.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
@@ -502,24 +657,7 @@ def report(rows, meta, out_dir: Path, plots: bool) -> list[str]:
                      f"{fmt(r.get('gpu_ms'), '.1f')} | {fmt(r.get('kernels_per_step'), '.0f')} | "
                      f"{fmt(r.get('launches_per_step'), '.0f')} | {fmt(r.get('peak_mem_GiB'), '.2f')} | "
                      f"{fmt(r.get('loss_step1'), '.4f')} | {(r.get('note') or '')[:160].replace('|', '/')} |")
-    lines.append("")
-    for s in dict.fromkeys(r["slice"] for r in rows):
-        ok = {c: by[(s, c)] for c in CONFIGS if by.get((s, c), {}).get("status") == "ok"}
-        peers = {c: r for c, r in ok.items() if c not in OURS}
-        ours = {c: r for c, r in ok.items() if c in OURS}
-        if not (peers and ours):
-            continue
-        best_peer = min(peers, key=lambda c: peers[c]["step_ms_median"])
-        best_ours = min(ours, key=lambda c: ours[c]["step_ms_median"])
-        line = (f"- {s}: best hubfuse mode {best_ours} {ours[best_ours]['step_ms_median']:.1f} ms vs best peer "
-                f"{best_peer} {peers[best_peer]['step_ms_median']:.1f} ms: "
-                f"{peers[best_peer]['step_ms_median'] / ours[best_ours]['step_ms_median']:.2f}x")
-        if "ours" in ours and "compile" in peers:
-            line += (f"; plain hubfuse vs HF + compile "
-                     f"{peers['compile']['step_ms_median'] / ours['ours']['step_ms_median']:.2f}x")
-            if ours["ours"].get("host_ms") and ours["ours"].get("gpu_ms"):
-                line += f" (host / GPU {ours['ours']['host_ms'] / ours['ours']['gpu_ms']:.2f})"
-        lines.append(line + ".")
+    lines += ["", *summary(rows), *kernel_comparison(rows)]
     (out_dir / "bench_train.md").write_text("\n".join(lines) + "\n")
     if plots:
         plot(rows, out_dir)
@@ -571,7 +709,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slices", nargs="+", default=None, choices=list(SLICES),
                    help="default: every slice (smoke: one per family)")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), type=parse_config, metavar="CONFIG[@BACKEND]",
+                   help=f"of {list(CONFIGS)}; `@<backend>` ({', '.join(SDPA_BACKENDS)}) restricts SDPA to that "
+                        f"backend for the run, e.g. ours_graph@cudnn")
+    p.add_argument("--sdpa-backends", nargs="+", default=[], choices=list(SDPA_BACKENDS),
+                   help="run every --configs entry once per SDPA backend (rows <config>@<backend>), e.g. "
+                        "--configs ours ours_graph --sdpa-backends flash cudnn efficient")
+    p.add_argument("--report-only", action="store_true",
+                   help="print the tables of an existing bench_train.json (--out) and exit")
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 15; smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
     p.add_argument("--host-steps", type=int, default=5, help="steps timed for the host's enqueue time (GPU)")
@@ -606,12 +751,23 @@ def main(argv=None) -> int:
         args.slices = list(SMOKE_SLICES if args.smoke else SLICES)
     if args.child_configs:
         return child(args)
+    if args.sdpa_backends:
+        args.configs = [f"{split_config(c)[0]}@{b}" for c in args.configs for b in args.sdpa_backends]
+    args.configs = sorted(dict.fromkeys(args.configs), key=config_key)
     for item in args.timeouts:
         c, _, v = item.partition("=")
         if c not in TIMEOUT_S or not v:
             p.error(f"--timeouts: expected TUNING=SECONDS with TUNING in {list(TIMEOUT_S)}, got {item!r}")
         TIMEOUT_S[c] = float(v)
 
+    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "out")
+    if args.report_only:
+        if not (out_dir / "bench_train.json").exists():
+            log(f"--report-only: no {out_dir / 'bench_train.json'}")
+            return 2
+        saved = json.loads((out_dir / "bench_train.json").read_text())
+        log("\n".join(final_lines(sorted(saved["results"], key=row_key))))
+        return 0
     t_begin = time.time()
     import torch
 
@@ -619,7 +775,6 @@ def main(argv=None) -> int:
 
     from hubfuse import presets
 
-    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "out")
     rows: list[dict] = []
     meta = env_meta(args.smoke)
     if args.append and (out_dir / "bench_train.json").exists():
@@ -635,16 +790,17 @@ def main(argv=None) -> int:
 
     # what runs: skipped rows get a note
     plan: list[tuple[str, list[str]]] = []
-    for config in [c for c in CONFIGS if c in args.configs]:
+    for config in args.configs:
+        base = split_config(config)[0]
         for name in args.slices:
             family = SLICES[name]["family"]
-            if args.smoke and config not in ("eager", "ours"):
+            if args.smoke and base not in ("eager", "ours"):
                 put(dict(slice=name, config=config, status="skipped",
                          note="CPU smoke: compile, CUDA graphs and Liger run on the GPU only"))
-            elif config in LIGER and family not in LIGER_APPLY:
+            elif base in LIGER and family not in LIGER_APPLY:
                 put(dict(slice=name, config=config, status="unsupported",
                          note=f"liger-kernel has no apply_liger_kernel_to_* for {family}"))
-            elif config in LIGER and meta.get("liger-kernel") is None:
+            elif base in LIGER and meta.get("liger-kernel") is None:
                 put(dict(slice=name, config=config, status="skipped", note="liger-kernel not installed"))
             else:
                 plan.append((name, [config]))
@@ -690,11 +846,11 @@ def main(argv=None) -> int:
         for k, (name, configs) in enumerate(plan, 1):
             elapsed = time.time() - t_begin
             left = args.budget_s - elapsed
-            timeout = sum(TIMEOUT_S[c] for c in configs) * args.timeout_scale
+            timeout = sum(TIMEOUT_S[split_config(c)[0]] for c in configs) * args.timeout_scale
             if not (Path(model_dir) / name / "DONE").exists():
                 timeout += 120 * args.timeout_scale  # the slice's model is built and saved first
             tag = f"({k}/{len(plan)}) {name} / {'+'.join(configs)}"
-            if left < (60 if set(configs) & set(COMPILED) else 20):
+            if left < (60 if {split_config(c)[0] for c in configs} & set(COMPILED) else 20):
                 log(f"{tag}: skipped, time budget spent ({elapsed:.0f} s of {args.budget_s:.0f})")
                 for c in configs:
                     put(dict(slice=name, config=c, status="skipped", note="time budget spent (--budget-s)"))
@@ -731,12 +887,10 @@ def main(argv=None) -> int:
     finally:
         if tmp_owner is not None:
             tmp_owner.cleanup()
-    order = {c: i for i, c in enumerate(CONFIGS)}
-    slice_order = {s: i for i, s in enumerate(SLICES)}
-    rows.sort(key=lambda r: (slice_order.get(r["slice"], 99), order.get(r["config"], 99)))
+    rows.sort(key=row_key)
     meta["wall_s"] = round(time.time() - t_begin, 1)
-    lines = report(rows, meta, out_dir, plots=plots)
-    log("\n" + "\n".join(lines))
+    report(rows, meta, out_dir, plots=plots)
+    log("\n" + "\n".join(final_lines(rows)))
     log(f"wrote {out_dir / 'bench_train.json'} and {out_dir / 'bench_train.md'}; total {meta['wall_s']:.0f} s")
     return 0 if any(r.get("status") == "ok" for r in rows) else 1
 

@@ -7,6 +7,15 @@
 #                                                    this tree against OLD_TREE (another checkout)
 #   bash scripts/gpu_check.sh ops [case ...]         bench_ops: per-op side by side with the peers
 #   bash scripts/gpu_check.sh train [bench.py args]  the training-step benchmark (scripts/bench.py)
+#   bash scripts/gpu_check.sh dense [PART [args]]    dense models, every configuration in one call (~9 min, one
+#                                                    GPU): Qwen3-0.6B with every peer and hubfuse mode (peers), its
+#                                                    SDPA backends flash / cudnn / efficient, eager and graph
+#                                                    replay, with per-kernel tables (attn), the Qwen3-30B-A3B
+#                                                    8-layer slice (moe), then the compact table (report). PART
+#                                                    runs one of them, args going to its bench.py (e.g. `dense
+#                                                    peers --configs ours_compile`); rows add up in $OUT/dense.
+#                                                    A part stops launching runs after its budget (DENSE_PEERS_S,
+#                                                    DENSE_ATTN_S, DENSE_MOE_S seconds); rows left say so.
 #   bash scripts/gpu_check.sh kernels-benchmark      `kernels benchmark` over every repo
 #   bash scripts/gpu_check.sh demo                   scripts/demo.py
 #   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
@@ -66,6 +75,33 @@ case "$step" in
     python3 scripts/bench_ops.py "$@" 2>&1 | tee "$OUT/bench_ops.log" | grep -v "^{" ;;
   train)
     python3 scripts/bench.py "$@" 2>&1 | tee "$OUT/bench_train.log" | grep -v "^\s*$" | tail -n 60 ;;
+  dense)
+    part="${1:-all}"; shift || true
+    dense_out="$OUT/dense"; mkdir -p "$dense_out"
+    [ "$part" = all ] && rm -f "$dense_out/bench_train.json"
+    common=(--out "$dense_out" --model-dir /tmp/hubfuse_dense_models --no-plots --append --steps 10 --warmup 3
+            --host-steps 3 --profile-steps 2)
+    run_part() {  # name, then bench.py args; progress lines only (the whole log: $OUT/dense.log)
+      echo "=== dense $1 ($(date +%T))"; shift
+      python3 scripts/bench.py "${common[@]}" "$@" 2>&1 | tee -a "$OUT/dense.log" |
+        grep -E "^\(|TIMEOUT|dynamo:|\] (ok|error|oom):"
+    }
+    status=0
+    if [ "$part" = all ] || [ "$part" = peers ]; then
+      run_part "peers: Qwen3-0.6B, every configuration" --slices qwen3_0_6b --budget-s "${DENSE_PEERS_S:-270}" \
+        "$@" || status=1
+    fi
+    if [ "$part" = all ] || [ "$part" = attn ]; then
+      run_part "attn: Qwen3-0.6B, SDPA backends, eager and graph replay" --slices qwen3_0_6b --configs ours ours_graph \
+        --sdpa-backends flash cudnn efficient --budget-s "${DENSE_ATTN_S:-90}" "$@" || status=1
+    fi
+    if [ "$part" = all ] || [ "$part" = moe ]; then
+      run_part "moe: Qwen3-30B-A3B widths, 8 layers" --slices qwen3_30b_a3b_8l --configs ours ours_graph compile \
+        --budget-s "${DENSE_MOE_S:-150}" "$@" || status=1
+    fi
+    echo "=== dense report ($(date +%T))"
+    python3 scripts/bench.py --report-only --out "$dense_out" || status=1
+    exit $status ;;
   kernels-benchmark)
     timeout 150 python3 scripts/kernels_benchmark.py --iterations 50 --warmup 5 >/dev/null 2>&1
     tail -n 3 "$OUT/kernels_benchmark.log" ;;
@@ -79,5 +115,6 @@ case "$step" in
     fi 2>&1 | tee "$OUT/bench_distributed.log" | grep -v "^\[.*\] \(warm-up\|step\)" | tail -n 30
     exit "${PIPESTATUS[0]}" ;;
   *)
-    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, kernels-benchmark, demo, dist)" >&2; exit 2 ;;
+    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, dense, kernels-benchmark, demo, dist)" >&2
+    exit 2 ;;
 esac

@@ -80,3 +80,91 @@ def test_bench_distributed_smoke(tmp_path):
     assert data["meta"]["flops_per_token"] > 0
     assert "| ours | 2 | 2 |" in (tmp_path / "bench_distributed_2gpu_ep2.md").read_text()
     assert "| ours | 2 | 2 |" in logs[0]  # rank 0 prints the table
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hubfuse_bench_script", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_sdpa_backends_smoke(tmp_path):
+    """--sdpa-backends: one row per configuration and backend, SDPA held to that backend for the run; the same
+    losses as with any other exact backend; GPU-only configurations skipped per backend."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--smoke", "--slices", "qwen3_small",
+                           "--configs", "eager", "ours", "ours_graph", "--sdpa-backends", "math", "flash",
+                           "--out", str(tmp_path), "--no-plots"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads((tmp_path / "bench_train.json").read_text())["results"]}
+    assert set(rows) == {f"{c}@{b}" for c in ("eager", "ours", "ours_graph") for b in ("math", "flash")}
+    for c in ("eager@math", "eager@flash", "ours@math", "ours@flash"):
+        assert rows[c]["status"] == "ok" and rows[c]["sdpa_backend"] == c.split("@")[1], rows[c]
+        assert abs(rows[c]["loss_step1"] - rows["eager@math"]["loss_step1"]) < 0.05, rows[c]
+    assert rows["ours_graph@flash"]["status"] == "skipped"
+    assert "| qwen3_small | ours@flash | ok |" in proc.stdout  # the compact table at the end
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--dry-run", "--configs", "ours@fast"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "ours@fast" in bad.stderr
+
+
+def _row(config, step, peak, top=None, **kw):
+    return dict(slice="qwen3_0_6b", config=config, status="ok", step_ms_median=step, peak_mem_GiB=peak,
+                host_ms=step * 0.9, gpu_ms=step * 0.8, launches_per_step=100.0, top_kernels=top, **kw)
+
+
+def test_bench_tables_and_report_only(tmp_path, capsys):
+    """The summary against the issue's targets, the per-kernel eager / replay table (per SDPA backend), and
+    --report-only re-printing them from a saved bench_train.json."""
+    bench = _bench_module()
+    eager_k = [["sdpa_bwd_kernel", 28.0, 6.2], ["gemm_a", 100.0, 30.0], ["only_in_eager", 5.0, 1.0]]
+    replay_k = [["sdpa_bwd_kernel", 28.0, 17.5], ["gemm_a", 100.0, 30.5]]
+    rows = [_row("compile", 100.0, 20.0), _row("compile_ro", 98.0, 25.0), _row("ours", 90.0, 10.0, eager_k),
+            _row("ours_graph", 80.0, 8.0, replay_k),
+            _row("ours_compile", 95.0, 12.0,
+                 note="dynamo: 1 graph(s), 0 break(s), 0 recompile(s), 0 cudagraph skip(s)"),
+            _row("ours@cudnn", 91.0, 10.0, eager_k), _row("ours_graph@cudnn", 85.0, 8.0, replay_k)]
+    summary = "\n".join(bench.summary(rows))
+    assert "best hubfuse mode ours_graph 80.0 ms vs best peer compile_ro 98.0 ms: 1.23x" in summary
+    assert "plain hubfuse vs HF + compile 1.11x" in summary
+    assert "ours_graph vs ours: 1.12x speed, 0.80x peak" in summary
+    assert "peak of ours_graph / HF + compile 0.40" in summary
+    kernels = bench.kernel_comparison(rows)
+    assert sum("(graph replay" in line for line in kernels) == 2  # plain and @cudnn pairs
+    assert "| sdpa_bwd_kernel | 6.20 | 17.50 | +11.30 | 28 | 28 |" in kernels
+    assert "| only_in_eager | 1.00 |  |  | 5 |  |" in kernels
+    assert kernels.index("| sdpa_bwd_kernel | 6.20 | 17.50 | +11.30 | 28 | 28 |") < kernels.index(
+        "| only_in_eager | 1.00 |  |  | 5 |  |")  # largest first
+    (tmp_path / "bench_train.json").write_text(json.dumps(dict(meta={}, results=rows[::-1])))
+    assert bench.main(["--report-only", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    order = [out.index(f"| qwen3_0_6b | {c} |") for c in ("ours", "ours@cudnn", "ours_graph", "compile")]
+    assert order == sorted(order)  # CONFIGS' run order, the backend variants after their configuration
+    assert "0 recompile(s)" in out and "+11.30" in out
+
+
+def test_dynamo_stats_counts_breaks_and_recompiles():
+    import torch
+
+    bench = _bench_module()
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters, guard_failures
+
+    counters.clear()
+    guard_failures.clear()
+
+    def f(x, n):
+        y = x * n
+        torch._dynamo.graph_break()
+        return y + 1
+
+    compiled = torch.compile(f, backend="eager", dynamic=False)
+    for n in (2, 3):  # a Python int: one recompile on the new value
+        compiled(torch.randn(4), n)
+    stats = bench.dynamo_stats()
+    torch._dynamo.reset()
+    assert stats["graph_breaks"] >= 1 and stats["recompiles"] >= 1 and stats["graphs"] >= 2, stats
+    assert "recompile(s)" in bench.dynamo_note(stats) and stats["recompile_reasons"]

@@ -18,6 +18,12 @@ is the copy of the batch and one graph launch. The rules are CUDA graphs' own:
   position, or torch.compile(mode="reduce-overhead") instead;
 - the returned loss tensor is the graph's output buffer: read or clone it before the next replay.
 
+Attention in the graph: while capturing, transformers cannot read the positions to check for packed sequences,
+so a plain model builds a full (batch, 1, seq, seq) mask and SDPA runs its masked kernels (slower, the backward
+above all) where eager runs the causal ones. A model loaded with `hubfuse.KernelConfig` (or given
+`hubfuse.training.apply_training_defaults`) passes Qwen3 / Qwen2 / Qwen3.5-MoE batches without a mask or
+positions the mask eager computes (none: SDPA's `is_causal` path), so the graph runs the kernels eager runs.
+
 With transformers' Trainer, which runs its own step, use `torch_compile=True, torch_compile_mode=
 "reduce-overhead"` (CUDA graphs of the compiled forward and backward; our kernels are custom ops inside them).
 """

@@ -517,6 +517,9 @@ class KernelConfig(transformers.KernelConfig):
             from . import presets
 
             presets.enable_losses(model, load["family"], **self._source)
+        from .training import apply_training_defaults  # no KV cache in training, the causal mask path (training.py)
+
+        apply_training_defaults(model)
 
 
 def _has_lm_head(model) -> bool:

@@ -1,0 +1,102 @@
+"""torch.compile over a kernelized model in training: one graph, no graph break, no recompile.
+
+A tiny preset-kernelized Qwen3 / Qwen3-MoE (3 layers, fused losses on) in training mode, `use_cache` at its default
+(so `hubfuse.training.skip_cache_in_training` is in effect):
+
+- `torch._dynamo.explain` over forward + loss: one graph, 0 graph breaks;
+- the model compiled whole, then several training steps (fwd, bwd, AdamW) on new batches of the same shape with
+  `error_on_recompile`: no recompile, one captured graph, and the losses equal the eager model's steps.
+
+CPU: backend "aot_eager" (dynamo and AOTAutograd, our ops' fake implementations and autograd registrations; no
+code generation). GPU (`-m gpu`): inductor, default and reduce-overhead, bf16 (what `scripts/bench.py` runs), plus
+no CUDA-graph partition skipped by inductor.
+"""
+import pytest
+import torch
+
+from hubfuse import presets
+from tests.utils import REVISION, load, make_batch, register_local_kernels, save_tiny_model, tiny_config
+
+FAMILIES = ("qwen3", "qwen3_moe")
+OVERRIDES = {"qwen3_moe": dict(output_router_logits=True)}
+STEPS = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    register_local_kernels("rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    return {fam: save_tiny_model(fam, d, num_hidden_layers=3, **OVERRIDES.get(fam, {})) for fam in FAMILIES}
+
+
+@pytest.fixture
+def dynamo_counters(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    yield counters
+    torch._dynamo.reset()
+
+
+def _kernelized(path, family, device, dtype):
+    model = load(path, presets.kernel_mapping(family, revision=REVISION), dtype=dtype, device=device)
+    presets.enable_losses(model, family, revision=REVISION)
+    return model.train()
+
+
+def _batches(family, device, n=STEPS):
+    return [make_batch(tiny_config(family).vocab_size, seq=16, device=device, seed=s) for s in range(n)]
+
+
+def _train(run, model, batches, mark_step=False):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for batch in batches:
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        opt.zero_grad(set_to_none=True)
+        loss = run(**batch).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return torch.stack(losses)
+
+
+def _check(family, model_dirs, counters, device, dtype, backend, mode=None, tol=1e-5):
+    model = _kernelized(model_dirs[family], family, device, dtype)
+    batches = _batches(family, device)
+    explained = torch._dynamo.explain(lambda **b: model(**b).loss)(**batches[0])
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+    torch._dynamo.reset()
+    counters.clear()
+
+    eager_model = _kernelized(model_dirs[family], family, device, dtype)
+    reference = _train(eager_model, eager_model, batches)
+    compiled = torch.compile(model, backend=backend, mode=mode)
+    losses = _train(compiled, model, batches, mark_step=mode == "reduce-overhead")  # raises on a recompile
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch.testing.assert_close(losses, reference, atol=tol, rtol=tol)
+    return counters
+
+
+@pytest.mark.slow  # ~70 s each on 2 shared CPU cores
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_training_one_graph_no_recompile(family, model_dirs, dynamo_counters):
+    _check(family, model_dirs, dynamo_counters, "cpu", torch.float32, backend="aot_eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", (None, "reduce-overhead"))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_training_one_graph_no_recompile_cuda(family, mode, model_dirs, dynamo_counters):
+    counters = _check(family, model_dirs, dynamo_counters, "cuda", torch.bfloat16, backend="inductor", mode=mode,
+                      tol=2e-2)
+    assert dict(counters["inductor"]).get("cudagraph_skips", 0) == 0, dict(counters["inductor"])

@@ -1,0 +1,184 @@
+"""hubfuse.training.apply_training_defaults: no KV cache in training unless `use_cache=True` is passed, and SDPA's
+causal path when transformers cannot check the batch for packing (torch.compile, CUDA-graph capture).
+
+- A model loaded with hubfuse.KernelConfig (Qwen3, Qwen3-MoE, Qwen3.5-MoE presets, fused losses on), in training
+  mode with labels and `use_cache` left at its default (the config's True): no `DynamicCache` is constructed,
+  the output's `past_key_values` is None, and loss and every gradient equal those of `use_cache=False`.
+- `use_cache=True` passed explicitly still builds the cache (to the causal LM or to its decoder model).
+- In eval mode the default still builds it, and greedy generation uses it (one cache per `generate`).
+- Llama / Qwen2 (HF classes, the function called by hand) behave the same; other model instances are untouched.
+- With transformers seeing a trace (`is_tracing` answered True, as under compile or capture), an unpadded,
+  unpacked training batch reaches attention with no mask (a plain HF model gets a 4D mask there), and the loss and
+  gradients equal the plain model's; a mask passed in, the eager attention implementation, eval mode and model
+  classes without a prepared-mask path keep transformers' mask.
+"""
+import pytest
+import torch
+
+from hubfuse import presets
+from hubfuse.training import MASK_MAPPING_MODELS, apply_training_defaults
+from tests.utils import REVISION, load, make_batch, register_local_kernels, save_tiny_model, tiny_config
+
+KERNELIZED = ("qwen3", "qwen3_moe", "qwen3_5_moe_text")
+OVERRIDES = {"qwen3_moe": dict(output_router_logits=True), "qwen3_5_moe_text": dict(output_router_logits=True)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    register_local_kernels("rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy",
+                           "gated-delta-net")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    return {fam: save_tiny_model(fam, d, **OVERRIDES.get(fam, {})) for fam in (*KERNELIZED, "llama", "qwen2")}
+
+
+@pytest.fixture
+def caches_built(monkeypatch):
+    """A list that gets one entry per DynamicCache constructed while the test runs."""
+    from transformers.cache_utils import DynamicCache
+
+    built = []
+    init = DynamicCache.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(DynamicCache, "__init__", counting_init)
+    return built
+
+
+def _kernelized(path, family):
+    model = load(path, presets.kernel_mapping(family, revision=REVISION))
+    presets.enable_losses(model, family, revision=REVISION)
+    return model
+
+
+def _loss_and_grads(model, batch, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, **kw)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", KERNELIZED)
+def test_kernelized_training_builds_no_cache(family, model_dirs, caches_built):
+    model = _kernelized(model_dirs[family], family).train()
+    assert model.config.use_cache  # the default the forward would otherwise read
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+
+    out, grads = _loss_and_grads(model, batch)
+    assert caches_built == [] and out.past_key_values is None
+
+    ref, ref_grads = _loss_and_grads(model, batch, use_cache=False)
+    torch.testing.assert_close(out.loss, ref.loss, atol=0, rtol=0)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+    out = model(**batch, use_cache=True)  # asked for: honoured
+    assert len(caches_built) == 1 and out.past_key_values is not None
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", KERNELIZED)
+def test_eval_default_and_generation_keep_the_cache(family, model_dirs, caches_built):
+    model = _kernelized(model_dirs[family], family).eval()
+    ids = make_batch(tiny_config(family).vocab_size, batch=1, seq=5)["input_ids"]
+    with torch.no_grad():
+        assert model(input_ids=ids).past_key_values is not None
+        assert len(caches_built) == 1
+        cached = model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert len(caches_built) == 2  # generate built one cache and decoded through it
+        uncached = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2"))
+def test_hf_model_by_hand(family, model_dirs, caches_built):
+    model = apply_training_defaults(load(model_dirs[family])).train()
+    other = load(model_dirs[family]).train()  # not passed to the function: HF's behaviour
+    batch = make_batch(tiny_config(family).vocab_size)
+    assert model(**batch).past_key_values is None and caches_built == []
+    assert other(**batch).past_key_values is not None and len(caches_built) == 1
+    assert model.model(input_ids=batch["input_ids"]).past_key_values is None and len(caches_built) == 1
+    assert model.model(input_ids=batch["input_ids"], use_cache=True).past_key_values is not None
+    assert len(caches_built) == 2
+    assert apply_training_defaults(model) is model  # idempotent: still one hook per module
+    assert len(model.model._forward_pre_hooks) == 1
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        apply_training_defaults(model.state_dict())
+
+
+@pytest.fixture
+def masks_seen(monkeypatch):
+    """Every attention call's mask (None or its shape), with transformers believing it is being traced."""
+    import transformers.masking_utils as masking_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    seen = []
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append(None if attention_mask is None else tuple(attention_mask.shape))
+        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy)
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *args, **kwargs: True)
+    return seen
+
+
+@pytest.mark.parametrize("family", ("qwen3", "qwen3_5_moe_text", "qwen2"))
+def test_traced_training_takes_the_causal_path(family, model_dirs, masks_seen):
+    plain = load(model_dirs[family]).train()
+    ours = apply_training_defaults(load(model_dirs[family])).train()
+    assert type(ours.model).__name__ in MASK_MAPPING_MODELS
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    n_attention = sum(t == "full_attention" for t in ours.config.layer_types)
+    ref, ref_grads = _loss_and_grads(plain, batch, use_cache=False)
+    assert masks_seen == [(2, 1, 9, 9)] * n_attention  # transformers' mask when it cannot check for packing
+    masks_seen.clear()
+    out, grads = _loss_and_grads(ours, batch)
+    assert masks_seen == [None] * n_attention
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+    masks_seen.clear()
+    padded = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
+    padded["attention_mask"][0, :3] = 0
+    ours(**padded)  # a mask passed in: honoured
+    ours.eval()(**batch, use_cache=False)  # eval: transformers' own path (with a cache it skips the mask anyway)
+    assert masks_seen == [(2, 1, 9, 9)] * (2 * n_attention)
+
+
+@pytest.mark.parametrize("family", ("qwen3_moe", "llama"))
+def test_models_without_a_mask_mapping_keep_their_mask(family, model_dirs, masks_seen):
+    model = apply_training_defaults(load(model_dirs[family])).train()
+    assert type(model.model).__name__ not in MASK_MAPPING_MODELS
+    model(**make_batch(tiny_config(family).vocab_size, seq=9))
+    assert masks_seen and all(m == (2, 1, 9, 9) for m in masks_seen)
+
+
+def test_eager_attention_keeps_its_mask(model_dirs, masks_seen):
+    """The eager implementation reads a None mask as no mask at all: it must keep transformers' causal mask."""
+    plain = load(model_dirs["qwen3"], attn_implementation="eager").train()
+    ours = apply_training_defaults(load(model_dirs["qwen3"], attn_implementation="eager")).train()
+    batch = make_batch(tiny_config("qwen3").vocab_size, seq=9)
+    torch.testing.assert_close(ours(**batch).loss, plain(**batch, use_cache=False).loss, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", MASK_MAPPING_MODELS)
+def test_mask_mapping_models_take_a_prepared_mapping(name):
+    """The models listed take `attention_mask` as a prepared {layer type: mask} dict (transformers' code)."""
+    import importlib
+    import inspect
+
+    module = {"Qwen3Model": "qwen3", "Qwen2Model": "qwen2", "Qwen3_5MoeTextModel": "qwen3_5_moe"}[name]
+    cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    source = inspect.getsource(inspect.unwrap(cls.forward))
+    assert "isinstance(causal_mask_mapping := attention_mask, dict)" in source
+    assert "causal_mask_mapping[self.config.layer_types[i]]" in source
