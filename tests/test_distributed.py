@@ -190,7 +190,8 @@ def _bare_experts(gate_up_proj, down_proj):
 def _expert_parallel_functional(world: int) -> list[str]:
     """moe.expert_parallel on raw tensors, EP over all ranks, against `moe_experts` with the full weights on each
     rank: outputs, hidden/weight gradients, and expert gradients (the EP one is the sum over ranks). Cases:
-    random routing, every token routed to rank 0's experts (the other ranks receive no rows), the sentinel E.
+    random routing, every token routed to rank 0's experts (the other ranks receive no rows), the sentinel E;
+    each with the sized exchange and with the fixed-capacity (sync-free) one.
     Each rank has its own token count; top_k 3 is above the EP size 2 and below 4 (both table widths)."""
     import torch
     import torch.distributed as dist
@@ -206,21 +207,23 @@ def _expert_parallel_functional(world: int) -> list[str]:
     g = torch.Generator().manual_seed(7)  # the same weights on every rank
     gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3
     errors = []
-    for case in ("random", "one_rank", "sentinel"):
-        g = torch.Generator().manual_seed(100 * rank + len(case))
+    capacity = 5 + 2 * world + 1  # above every rank's token count (5 + 2 * rank)
+    for case, cap in [(c, k) for k in (None, capacity) for c in ("random", "one_rank", "sentinel")]:
+        case = case if cap is None else f"{case}, fixed capacity {cap}"
+        g = torch.Generator().manual_seed(100 * rank + len(case.split(",")[0]))
         T = 5 + 2 * rank
         hidden = torch.randn(T, H, generator=g)
         index = torch.rand(T, E, generator=g).argsort(1)[:, :K]  # distinct experts per token
-        if case == "one_rank":
+        if case.startswith("one_rank"):
             index = torch.rand(T, E // world, generator=g).argsort(1)[:, :K]  # rank 0's experts only
-        if case == "sentinel":
+        if case.startswith("sentinel"):
             index[::2, -1] = E
         weights = torch.rand(T, K, generator=g)
         probe = torch.randn(T, H, generator=g)
         ref_inputs = [t.clone().requires_grad_() for t in (hidden, weights, gate_up, down)]
         ref = moe.moe_experts(ref_inputs[0], index, ref_inputs[1], ref_inputs[2], ref_inputs[3])
         (ref * probe).sum().backward()
-        experts = moe.shard_experts(_bare_experts(gate_up, down), mesh)
+        experts = moe.shard_experts(_bare_experts(gate_up, down), mesh, capacity=cap)
         h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
         out = experts(h, index, w)
         (out * probe).sum().backward()
