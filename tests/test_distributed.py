@@ -27,10 +27,12 @@ directory, gloo bound to the loopback interface, every process killed on timeout
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -148,7 +150,39 @@ def _build(family: str, path, world: int, ep: int, sharding: str):
     return model, local_rows
 
 
+class _FsdpWarnings(logging.Handler):
+    """FSDP's complaints about modules that skipped their forward (a warning or a log record, by torch version)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.add(record.getMessage())
+
+    def add(self, message: str):
+        if "did not run forward" in message or "FSDPLinear" in message:
+            self.messages.append(message[:300])
+
+
 def _train(model, batches, rank: int, world: int, sharding: str):
+    """(losses, first-step gradients, facts about lm_head: its forward calls, FSDP warnings)."""
+    import torch
+
+    head_calls = []
+    model.lm_head.register_forward_hook(lambda *_: head_calls.append(1))  # the fused loss runs through lm_head
+    fsdp_warnings = _FsdpWarnings()
+    logging.getLogger("torch.distributed").addHandler(fsdp_warnings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, grads = _steps(model, batches, rank, world, sharding)
+    logging.getLogger("torch.distributed").removeHandler(fsdp_warnings)
+    for w in caught:
+        fsdp_warnings.add(str(w.message))
+    return losses, grads, dict(lm_head_calls=len(head_calls), fsdp_warnings=fsdp_warnings.messages)
+
+
+def _steps(model, batches, rank: int, world: int, sharding: str):
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -283,13 +317,28 @@ def _configuration_errors(world: int) -> list[str]:
         ("EP size 2 without shard_experts", lambda: distributed.fully_shard_model(model, mesh), ValueError,
          "call moe.shard_experts"),
     ]
+    dense = nn.Module()
+    dense.model = nn.Module()
+    dense.model.layers = nn.ModuleList([nn.Linear(4, 4)])
+    cases += [
+        ("dense model under EP", lambda: distributed.fully_shard_model(dense, mesh), ValueError,
+         "no routed experts"),
+        ("mesh smaller than the world", lambda: distributed.fully_shard_model(dense, mesh["dp"]), ValueError,
+         f"the world has {world} processes"),
+        ("capacity not an int", lambda: moe.set_capacity(model, 2.5), TypeError, "capacity must be None or an int"),
+        ("capacity below 1", lambda: moe.set_capacity(model, 0), ValueError, "capacity must be >= 1"),
+        ("capacity before sharding", lambda: moe.set_capacity(model, 8), ValueError, "no expert-parallel experts"),
+    ]
     problems = _unmet_errors(cases)
     moe.shard_experts(model, mesh["ep"])
     problems += _unmet_errors([
         ("experts sharded over another mesh", lambda: distributed.fully_shard_model(model, other), ValueError,
          "not over this mesh"),
-        ("1-D mesh with EP experts", lambda: distributed.fully_shard_model(model, mesh["dp"]), ValueError,
+        ("1-D mesh with EP experts", lambda: distributed.fully_shard_model(model, mesh["ep"]), ValueError,
          "2-D (dp, 'ep') mesh"),
+        ("tokens above the capacity", lambda: moe.set_capacity(model, 3).model.layers[0].experts(
+            torch.randn(4, 6), torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2)), ValueError,
+         "exceed the fixed capacity 3"),
     ])
     dist.barrier()
     return [f"rank {dist.get_rank()}: {p}" for p in problems]
@@ -354,8 +403,8 @@ def _worker(spec_file: str) -> None:
             batches = torch.load(out_dir / f"batches_{family}.pt")
             model, local_rows = _build(family, path, world, ep, sharding)
             facts = _facts(model, local_rows)
-            losses, grads = _train(model, batches, rank, world, sharding)
-            result = dict(facts, losses=losses)
+            losses, grads, head = _train(model, batches, rank, world, sharding)
+            result = dict(facts, **head, losses=losses)
             if name in CHECKPOINT_SCENARIOS:
                 result.update(_checkpoint_round_trip(model, name, path, world, out_dir, rank))
             if rank == 0:
@@ -479,6 +528,9 @@ def _check_against_reference(name: str, run) -> list[dict]:
         torch.testing.assert_close(got_grads[key], want[key], **GRAD_TOL,
                                    msg=lambda m: f"{name}: gradient of {key} vs one process: {m}")
     for r in results:
+        # lm_head runs its forward (and FSDP its hooks) at every step under the fused loss, without FSDP warnings
+        assert r["lm_head_calls"] == STEPS, f"{name}: lm_head forward ran {r['lm_head_calls']} times"
+        assert not r["fsdp_warnings"], f"{name}: {r['fsdp_warnings']}"
         if sharding != "none":
             assert r["sharded"] == r["params"] > 0, f"{name}: every parameter should be a DTensor"
         if ep > 1 and sharding != "transformers":
