@@ -47,12 +47,13 @@ def test_bench_smoke(tmp_path):
 def test_bench_distributed_smoke(tmp_path):
     """scripts/bench_distributed.py --smoke on 2 CPU processes (gloo, file rendezvous; what torchrun runs on the
     GPUs): rank 0 first alone (--one-gpu-reference), then both configurations through transformers'
-    distributed_config (fsdp 2, ep 2); the table and the JSON with x hf, MFU fields and the scaling efficiency."""
+    distributed_config (fsdp 2, ep 2); the table and the JSON with x hf, MFU fields and the scaling efficiency,
+    and the per-rank profile breakdown (--profile 1)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", WORLD_SIZE="2",
                TRITON_INTERPRET="0")  # the kernels' torch path: the script, not the kernels, is under test
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), "--smoke", "--steps", "1",
            "--out", str(tmp_path), "--model-dir", str(tmp_path / "models"), "--one-gpu-reference",
-           "--init-method", f"file://{tmp_path / 'store'}"]
+           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
@@ -64,7 +65,7 @@ def test_bench_distributed_smoke(tmp_path):
                 p.wait()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
-    data = json.loads((tmp_path / "bench_distributed_2gpu_ep2.json").read_text())
+    data = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.json").read_text())
     rows = {(r["gpus"], r["config"]): r for r in data["results"]}
     assert set(rows) == {(g, c) for g in (1, 2) for c in ("hf", "ours")}
     for (gpus, config), r in rows.items():
@@ -78,5 +79,7 @@ def test_bench_distributed_smoke(tmp_path):
     assert "GroupedGemmExperts" in rows[(2, "ours")]["kernels"]
     assert abs(rows[(2, "ours")]["loss_step1"] - rows[(2, "hf")]["loss_step1"]) < 0.05
     assert data["meta"]["flops_per_token"] > 0
-    assert "| ours | 2 | 2 |" in (tmp_path / "bench_distributed_2gpu_ep2.md").read_text()
-    assert "| ours | 2 | 2 |" in logs[0]  # rank 0 prints the table
+    assert "| ours[fixed] | 2 | 2 |" in (tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.md").read_text()
+    assert "| ours[fixed] | 2 | 2 |" in logs[0]  # rank 0 prints the table (ours: the sync-free EP exchange)
+    profile = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2_profile.json").read_text())
+    assert [p["rank"] for p in profile["ours[fixed] x 2"]] == [0, 1]  # every rank's breakdown
