@@ -9,6 +9,14 @@ fwd+bwd CUDA graph unless --no-cuda-graphs. Settings chosen to match bench_distr
 bfloat16 (bf16 parameters and optimizer states, as our bench), no activation checkpointing unless
 --activation-checkpointing (FullAC), no torch.compile unless --compile, no checkpointing, lr 1e-5.
 
+Runs only where torch has what torchtitan 0.3.0 imports (`preflight`): torch >= 2.12. On torch 2.11 it cannot:
+`torchtitan/distributed/fsdp.py` (lines 13-18, at import) takes `DataParallelMeshDims` from
+`torch.distributed.fsdp`, and with EP > 1 its `apply_fsdp_to_decoder` (lines 261-267) needs FSDP2's per-parameter
+meshes (`ShardPlacementResult` in `torch.distributed.fsdp._fully_shard._fsdp_common`); neither is in torch 2.11.
+After its first step the trainer calls `torch.distributed.set_timeout` (`torchtitan/distributed/utils.py:595`, from
+`trainer.py:1061-1067`), which torch 2.13.0 does not have either: where it is missing, this launcher installs a
+no-op in its place (the process groups keep their initial timeout) and records that in the JSON.
+
 Reported: tokens/s/GPU (torchtitan's own per-step `tps`, median over the steps after --warmup), TFLOP/s/GPU and
 MFU with bench_distributed.py's FLOPs per token (6 x active matmul parameters + causal attention) and with
 torchtitan's own count, peak memory (torchtitan's max reserved / max active, GiB). Writes
@@ -93,6 +101,31 @@ def components():
     return StubTokenizer, RandomTokens
 
 
+def preflight() -> list[str]:
+    """What this torch lacks for torchtitan 0.3.0 with EP (empty: it can run)."""
+    import torch.distributed.fsdp as fsdp
+
+    missing = []
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        missing.append("torch.distributed.fsdp.DataParallelMeshDims (imported by torchtitan/distributed/fsdp.py:13)")
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult  # noqa: F401
+    except ImportError:
+        missing.append("FSDP2 per-parameter meshes, ShardPlacementResult (torchtitan/distributed/fsdp.py:261, EP > 1)")
+    return missing
+
+
+def backfill_set_timeout() -> list[str]:
+    """torchtitan's trainer lowers the process-group timeouts after step 1 through torch.distributed.set_timeout;
+    where torch lacks it, a no-op (the groups keep their initial timeout)."""
+    import torch.distributed as dist
+
+    if hasattr(dist, "set_timeout"):
+        return []
+    dist.set_timeout = lambda timeout, group=None: None
+    return ["torch.distributed.set_timeout: absent, replaced by a no-op"]
+
+
 def trainer_config(args, world: int):
     from torchtitan.distributed.activation_checkpoint import FullAC
     from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
@@ -149,6 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-cuda-graphs", action="store_true", help="training.disable_cuda_graphs (eager fwd+bwd)")
     p.add_argument("--peak-tflops", type=float, default=989.4, help="per-GPU bf16 dense peak for MFU (H100/H200)")
     p.add_argument("--out", default=None, help="output dir (default $OUT or ./out)")
+    p.add_argument("--preflight", action="store_true",
+                   help="only check that torchtitan imports and this torch has what it needs (exit 3 if not)")
     args = p.parse_args(argv)
     args.out = args.out or os.environ.get("OUT") or str(ROOT / "out")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -158,6 +193,16 @@ def main(argv=None) -> int:
 
     import torch
 
+    missing = preflight()
+    if missing:
+        log(f"bench_torchtitan: torch {torch.__version__} cannot run torchtitan 0.3.0 with EP: lacks "
+            + "; ".join(missing))
+        return 3
+    if args.preflight:
+        trainer_config(args, world)  # imports torchtitan's trainer, model and config
+        log(f"bench_torchtitan: torch {torch.__version__}, torchtitan {md.version('torchtitan')}: can run")
+        return 0
+    shims = backfill_set_timeout()
     config = trainer_config(args, world)
     t0 = time.time()
     trainer = config.build()
@@ -192,7 +237,7 @@ def main(argv=None) -> int:
                    peak_active_GiB=round(max(s["memory/max_active(GiB)"] for s in measured), 2),
                    loss_first=steps[0]["loss_metrics/global_avg_loss"],
                    loss_last=steps[-1]["loss_metrics/global_avg_loss"], build_s=round(build_s, 1),
-                   cuda_graphs=not args.no_cuda_graphs, compile=args.compile,
+                   cuda_graphs=not args.no_cuda_graphs, compile=args.compile, shims=shims,
                    activation_checkpointing=args.activation_checkpointing, flops_per_token=ours,
                    torch=torch.__version__, torchtitan=md.version("torchtitan"),
                    device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
