@@ -24,7 +24,9 @@ $OUT/bench_torchtitan_<layers>l_<N>gpu_ep<ep>.json. Install (the GPU machine, no
 
     pip install --no-deps --target /tmp/site_titan torchtitan-0.3.0-py3-none-any.whl spmd_types-0.2.3-py3-none-any.whl \\
         torchdata-0.11.0-py3-none-any.whl torch_checkpointing-0.1.1-py3-none-any.whl tyro-1.0.17-py3-none-any.whl \\
-        docstring_parser-0.18.0-py3-none-any.whl typeguard-4.6.1-py3-none-any.whl
+        docstring_parser-0.18.0-py3-none-any.whl typeguard-4.6.1-py3-none-any.whl tensorboard-2.21.0-py3-none-any.whl \\
+        protobuf-7.36.2-cp310-abi3-manylinux2014_x86_64.whl absl_py-2.5.1-py3-none-any.whl
+    (scripts/gpu_check.sh scale does this from .whl/titan/*.whl)
     PYTHONPATH=/tmp/site_titan:$PYTHONPATH torchrun --standalone --nproc-per-node 4 scripts/bench_torchtitan.py \\
         --layers 8 --ep 4
 """

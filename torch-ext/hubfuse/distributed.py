@@ -58,7 +58,8 @@ def _flattened(mesh, dims: tuple[str, ...]):
 def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=None, offload_policy=None,
                       reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2 over a (kernelized) causal LM: each decoder layer, then the root (embeddings, final norm and
-    `lm_head` together: the fused loss reads `lm_head.weight` outside `lm_head`'s forward). Returns the model.
+    `lm_head`; the fused loss calls `lm_head`, so it could also be a group of its own). Returns the model.
+    The mesh must cover every rank of the world (ValueError otherwise).
 
     mesh: a 1-D DeviceMesh: every parameter is sharded over all its ranks. Or a 2-D mesh with dims (dp, `ep_dim`)
     after `moe.shard_experts(model, mesh[ep_dim])`: the dense parameters are sharded over all dp x ep ranks (the
