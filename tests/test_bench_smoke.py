@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SLICES = ("qwen3_small", "qwen3_moe_small", "qwen3_5_moe")  # the smoke default: one per family
 CPU_CONFIGS = ("eager", "ours")
@@ -83,3 +85,25 @@ def test_bench_distributed_smoke(tmp_path):
     assert "| ours[fixed] | 2 | 2 |" in logs[0]  # rank 0 prints the table (ours: the sync-free EP exchange)
     profile = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2_profile.json").read_text())
     assert [p["rank"] for p in profile["ours[fixed] x 2"]] == [0, 1]  # every rank's breakdown
+
+
+def test_bench_distributed_profile_breakdown():
+    """The per-rank profile of scripts/bench_distributed.py on a hand-made trace: NCCL kernels sorted by kind,
+    exposed time = busy time outside compute, idle GPU time, host syncs counted (other runtime calls not)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_distributed
+
+    events = [("kernel", "gemm", 0, 100), ("kernel", "ncclDevKernel_AllGather_RING_LL", 50, 100),
+              ("kernel", "ncclDevKernel_SendRecv", 200, 30), ("kernel", "ncclDevKernel_ReduceScatter_Sum", 210, 10),
+              ("gpu_memcpy", "Memcpy DtoD", 235, 5), ("cuda_runtime", "cudaStreamSynchronize", 0, 40),
+              ("cuda_runtime", "cudaLaunchKernel", 0, 5)]
+    trace = {"traceEvents": [dict(cat=c, name=n, ts=ts, dur=dur) for c, n, ts, dur in events]}
+    got = bench_distributed.summarize_trace(trace, steps=2)  # per step: half of every time (us -> ms)
+    approx = pytest.approx
+    # GPU busy: [0, 150] + [200, 230] + [235, 240] of a 240 us span
+    assert (got["span_ms"], got["compute_ms"], got["idle_ms"]) == approx((0.12, 0.0525, 0.0275))
+    assert got["all_gather"] == dict(busy_ms=approx(0.05), exposed_ms=approx(0.025))  # half under the GEMM
+    assert got["all_to_all"] == dict(busy_ms=approx(0.015), exposed_ms=approx(0.015))
+    assert got["reduce_scatter"] == dict(busy_ms=approx(0.005), exposed_ms=approx(0.005))
+    assert got["all_reduce"] == dict(busy_ms=0.0, exposed_ms=0.0)
+    assert (got["host_syncs"], got["host_sync_ms"]) == approx((0.5, 0.02))
