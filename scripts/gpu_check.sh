@@ -12,7 +12,7 @@
 #   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
 #                                                    NPROC=1 (default) the --single-gpu proxy, NPROC=N torchrun
 #   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
-#                                                    its own timeout within SCALE_BUDGET_S (default 540 s): slice8
+#                                                    its own timeout within SCALE_BUDGET_S (default 500 s): slice8
 #                                                    (8 layers, 1-GPU reference, EP dispatch / FSDP prefetch variants,
 #                                                    profile), qwen35 (Qwen3.5-MoE, 8 layers), deep (48 layers, AC),
 #                                                    titan (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can)
@@ -86,7 +86,7 @@ case "$step" in
   scale)
     # multicast (NVLS) off: see KINDS.md of the device tool
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    nproc="${NPROC:-4}"; budget="${SCALE_BUDGET_S:-540}"; start=$SECONDS; status=0
+    nproc="${NPROC:-4}"; budget="${SCALE_BUDGET_S:-500}"; start=$SECONDS; status=0
     parts="${*:-slice8 qwen35 deep titan}"
     torchrun=(python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc")
     bench=("${torchrun[@]}" scripts/bench_distributed.py --ep "$nproc")
@@ -104,9 +104,9 @@ case "$step" in
     }
     for part in $parts; do
       case "$part" in
-        slice8) run_part slice8 "${T_SLICE8:-200}" "${bench[@]}" --layers 8 --one-gpu-reference --profile 1 \
+        slice8) run_part slice8 "${T_SLICE8:-230}" "${bench[@]}" --layers 8 --one-gpu-reference --profile 1 \
                   --steps 4 --warmup 2 --ep-dispatch fixed sized --fsdp default prefetch2 || status=1 ;;
-        qwen35) run_part qwen35 "${T_QWEN35:-110}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
+        qwen35) run_part qwen35 "${T_QWEN35:-100}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
                   --warmup 2 --profile 1 || status=1 ;;
         deep)   run_part deep48 "${T_DEEP:-200}" "${bench[@]}" --layers 48 --activation-checkpointing --configs ours \
                   --steps 2 --warmup 1 \

@@ -16,8 +16,11 @@ first-step gradients the full (gathered) gradients of the sharded run, within fp
   checkpoint round trips: `hubfuse.distributed.save_pretrained` writes a checkpoint that plain `from_pretrained`
   loads with the same weights; (Qwen3.5-MoE) a torch.distributed.checkpoint (DCP) save loads back into a freshly
   sharded model.
-- Both: the EP exchange on raw tensors against `moe_experts` (routing edge cases), EP over all ranks; with 2
-  processes also the errors for bad configurations.
+- Both: the EP exchange on raw tensors against `moe_experts` (routing edge cases; sized and fixed-capacity
+  exchange), EP over all ranks; with 2 processes also the errors for bad configurations. The `FIXED_CAPACITY`
+  scenarios run the models with the sync-free exchange, the other EP scenarios with the sized one.
+- Every scenario: `lm_head`'s forward runs at every step (the fused loss calls it) and FSDP warns about no module
+  that skipped its forward.
 
 One process launch per world size runs all of its scenarios (a module-scoped fixture); each test checks one.
 The kernels run as Triton under the interpreter in the `INTERPRETED` scenarios, their torch reference elsewhere.
@@ -67,6 +70,9 @@ CHECKPOINT_SCENARIOS = {"fsdp2_ep_qwen3_5_moe": ("hf", "dcp"), "transformers_fsd
 # (TRITON_INTERPRET=0: same ops, dispatch and sharding code, ~5x less time on the CI's 2 cores). The kernels'
 # numerics are the kernel and model tests' business; here the sharding and the exchanges are under test.
 INTERPRETED = {"fsdp2_qwen3", "fsdp2_ep_qwen3_moe"}
+# Scenarios whose experts use the sync-free fixed-capacity exchange (moe.set_capacity, capacity = the micro-batch's
+# tokens); the other EP scenarios use the sized one
+FIXED_CAPACITY = {"fsdp2_ep_qwen3_5_moe_ep2", "transformers_fsdp2_ep_qwen3_moe"}
 
 
 def _model_overrides(family: str) -> dict:
@@ -116,7 +122,7 @@ def _average_grads(model, world: int) -> None:
             p.grad.div_(world)
 
 
-def _build(family: str, path, world: int, ep: int, sharding: str):
+def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int | None = None):
     import torch
     import torch.distributed as dist
     from kernels import get_kernel
@@ -136,10 +142,12 @@ def _build(family: str, path, world: int, ep: int, sharding: str):
     presets.enable_losses(model, family, revision=REVISION, aux_loss_group=dist.group.WORLD if moe_family else None)
     local_rows = []  # experts held by this rank after expert-parallel sharding (before FSDP shards them further)
     if sharding == "transformers":
+        if capacity is not None:
+            get_kernel("hubfuse/moe", revision=REVISION).set_capacity(model, capacity)
         return distributed.fix_single_rank_expert_reduction(model), local_rows
     if ep > 1:
         mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
-        get_kernel("hubfuse/moe", revision=REVISION).shard_experts(model, mesh["ep"])
+        get_kernel("hubfuse/moe", revision=REVISION).shard_experts(model, mesh["ep"], capacity=capacity)
         local_rows = [m.gate_up_proj.to_local().shape[0] for name, m in model.named_modules()
                       if name.endswith("mlp.experts")]
     else:
@@ -401,7 +409,8 @@ def _worker(spec_file: str) -> None:
             t0 = time.time()
             os.environ["TRITON_INTERPRET"] = "1" if name in INTERPRETED else "0"  # read by the kernels at every call
             batches = torch.load(out_dir / f"batches_{family}.pt")
-            model, local_rows = _build(family, path, world, ep, sharding)
+            model, local_rows = _build(family, path, world, ep, sharding,
+                                       capacity=ROWS * SEQ if name in FIXED_CAPACITY else None)
             facts = _facts(model, local_rows)
             losses, grads, head = _train(model, batches, rank, world, sharding)
             result = dict(facts, **head, losses=losses)
