@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""Qwen3-30B-A3B training throughput under FSDP2 (+ expert parallelism): our kernels vs HF + FSDP2 eager.
+"""MoE training throughput under FSDP2 (+ expert parallelism): our kernels vs HF + FSDP2 eager, in the same run.
 
-Qwen3-30B-A3B widths (hidden 2048, 128 experts top-8, moe_intermediate 768, 32/4 heads, head_dim 128, vocab
-151936, router aux loss on), `--layers` decoder layers (48 = the full model), bf16 weights, random init (a
-checkpoint built once by rank 0 under --model-dir), random tokens, `--batch` x `--seq` tokens per GPU per step.
-One training step = forward + backward + AdamW (fused on CUDA). Configurations, in the same run, same weights
-and batches:
+Models (`--model`): qwen3_30b_a3b (Qwen3-30B-A3B widths: hidden 2048, 128 experts top-8, moe_intermediate 768,
+32/4 heads, head_dim 128, vocab 151936) or qwen3_5_moe (Qwen3.5-MoE widths: transformers' Qwen3_5MoeTextConfig
+defaults, 256 experts top-8 + a shared expert, Gated DeltaNet : full attention 3 : 1, vocab 248320); router aux
+loss on, `--layers` decoder layers, bf16 weights and (hence) bf16 AdamW states, random init (a checkpoint built
+once by rank 0 under --model-dir), random tokens, `--batch` x `--seq` tokens per GPU per step. One training step
+= forward + backward + AdamW (fused on CUDA). Configurations, in the same run, same weights and batches:
 
   hf    transformers 5.22.2 stock: experts_implementation="grouped_mm", sdpa attention, HF losses
-  ours  hubfuse.KernelConfig(presets.kernel_mapping("qwen3_moe")) + presets.enable_losses (fused linear
-        cross-entropy, fused aux loss with its statistics reduced over all ranks)
+  ours  hubfuse.KernelConfig(presets.kernel_mapping(family)) + presets.enable_losses (fused linear cross-entropy
+        through lm_head, fused aux loss with its statistics reduced over all ranks)
 
 Sharding (`--sharding`, several GPUs):
   transformers (default)  from_pretrained(distributed_config=DistributedConfig(fsdp_size=N, ep_size=--ep,
@@ -21,21 +22,35 @@ Sharding (`--sharding`, several GPUs):
   hubfuse  every rank loads the whole model, then ours: moe.shard_experts(mesh["ep"]) +
         hubfuse.distributed.fully_shard_model(2-D (dp, ep) mesh); hf: fully_shard_model on the 1-D mesh (no
         EP: its experts are FSDP-sharded like the rest). Needs the whole model in each GPU's memory at load.
---single-gpu: one process, no process group, the 8-layer slice (the per-GPU proxy), no FSDP.
+--single-gpu: one process, no process group, no FSDP.
 
-Reported per config: tokens/s/GPU (batch*seq / median step time, the slowest rank's), MFU (model FLOPs per
-token: 6 x active matmul parameters + 6 x layers x seq x heads x head_dim for causal attention, over
+Variants measured on the same loaded model, one row each (several GPUs): `--ep-dispatch` (ours with EP: fixed =
+the sync-free fixed-capacity exchange, capacity batch x seq; sized = split sizes read on the host) and `--fsdp`
+(default = FSDP2's implicit prefetch; prefetch2 = explicit forward / backward prefetch of the next / previous 2
+decoder layers and their experts modules; noreshard = reshard_after_forward=False on the decoder layers).
+`--activation-checkpointing`: per decoder layer (transformers' gradient_checkpointing_enable, non-reentrant).
+`--profile N`: after the measured steps of every row, N more steps under torch.profiler on every rank; per rank:
+GPU time per step, compute, NCCL all-gather / reduce-scatter / all-to-all / all-reduce (busy and exposed = not
+overlapped by compute), idle GPU time, host syncs (cudaStreamSynchronize / cudaEventSynchronize calls and their
+time); a table on rank 0 and $OUT/bench_distributed_<tag>_profile.json.
+
+Reported per row: tokens/s/GPU (batch*seq / median step time, the slowest rank's), MFU (model FLOPs per token:
+6 x active matmul parameters (embedding lookups excluded, routed experts x top_k / E) + 6 x full-attention
+layers x seq x heads x head_dim (causal attention; the Gated DeltaNet recurrence is not counted), over
 --peak-tflops, default 989 for H100/H200 bf16 dense), peak memory per GPU (max over ranks of
 max_memory_allocated over the measured steps), loss of the first and last step (mean over ranks), and the
 scaling efficiency: tokens/s/GPU over the one-GPU tokens/s of the same config, depth, seq and batch, read from
 --one-gpu-reference (rank 0 first runs the configs alone on its GPU, the other ranks wait) or --reference (the
 JSON of a --single-gpu run with the same --layers). Writes $OUT/bench_distributed_<tag>.json and .md (OUT
-defaults to ./out; tag "1gpu" or "<N>gpu_ep<ep>") after every config, and prints the table.
+defaults to ./out; tag "<model>_<layers>l_1gpu" or "<model>_<layers>l_<N>gpu_ep<ep>") after every row, and prints
+the table. Progress lines only (one per warm-up step and every 5 measured steps, on rank 0).
 
     python scripts/bench_distributed.py --single-gpu                                  # 1 GPU, 8 layers
-    torchrun --standalone --nproc-per-node 8 scripts/bench_distributed.py --layers 48 --ep 8
-    torchrun --standalone --nproc-per-node 8 scripts/bench_distributed.py --layers 8 --ep 8 \\
-        --one-gpu-reference                                                           # scaling at 8 layers
+    torchrun --standalone --nproc-per-node 4 scripts/bench_distributed.py --layers 8 --ep 4 \\
+        --one-gpu-reference --profile 1                                               # scaling at 8 layers
+    torchrun --standalone --nproc-per-node 4 scripts/bench_distributed.py --model qwen3_5_moe --layers 8 --ep 4
+    torchrun --standalone --nproc-per-node 4 scripts/bench_distributed.py --layers 48 --ep 4 \\
+        --activation-checkpointing                                                    # the full depth
     torchrun --standalone --nproc-per-node 2 scripts/bench_distributed.py --smoke     # CPU, gloo, tiny dims
 """
 from __future__ import annotations
@@ -54,10 +69,13 @@ ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT / "scripts", ROOT / "torch-ext", ROOT):
     sys.path.insert(0, str(p))
 
-SLICE = "qwen3_30b_a3b"  # scripts/bench.py's slice: the Qwen3-30B-A3B config
-FAMILY = "qwen3_moe"
+# --model -> (scripts/bench.py's slice: the config; the preset family; title)
+MODELS = {"qwen3_30b_a3b": ("qwen3_30b_a3b", "qwen3_moe", "Qwen3-30B-A3B widths"),
+          "qwen3_5_moe": ("qwen3_5_moe", "qwen3_5_moe", "Qwen3.5-MoE widths (256 experts + shared, Gated DeltaNet)")}
 REVISION = "v1"
 CONFIGS = ("hf", "ours")
+FSDP_MODES = ("default", "prefetch2", "noreshard")
+EP_DISPATCH = ("fixed", "sized")
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "H20": 148.0, "B200": 2250.0, "A100": 312.0}
 
 
@@ -66,13 +84,23 @@ def log(msg: str) -> None:
 
 
 def flops_per_token(cfg, seq: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward): matmuls of the active parameters (attention
-    projections, router, top-k experts, lm_head) and causal attention (average context seq / 2)."""
-    h, d_attn, d_kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_layer = (2 * h * d_attn + 2 * h * d_kv + h * cfg.num_experts
-                 + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size)
-    active = cfg.num_hidden_layers * per_layer + h * cfg.vocab_size
-    return 6.0 * active + 6.0 * cfg.num_hidden_layers * seq * d_attn
+    """Training FLOPs per token (forward + backward = 3 x forward): matmuls of the active parameters (every >= 2-D
+    parameter of the model built on the meta device, except the embedding lookup; routed experts x top_k / E)
+    and causal attention in the full-attention layers (average context seq / 2)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    active = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "embed_tokens" in name:
+            continue
+        routed = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        active += p.numel() * (cfg.num_experts_per_tok / cfg.num_experts if routed else 1.0)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    full = sum(t == "full_attention" for t in types)
+    return 6.0 * active + 6.0 * full * seq * cfg.num_attention_heads * cfg.head_dim
 
 
 class Dist:
@@ -143,11 +171,12 @@ def load(config: str, path: Path, args, d: Dist):
 
     from hubfuse import KernelConfig, distributed, presets
 
+    family = MODELS[args.model][1]
     kw = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
     if config == "hf":
         kw["experts_implementation"] = "grouped_mm"
     else:
-        kw.update(use_kernels=True, kernel_config=KernelConfig(presets.kernel_mapping(FAMILY, revision=REVISION)))
+        kw.update(use_kernels=True, kernel_config=KernelConfig(presets.kernel_mapping(family, revision=REVISION)))
     tf_sharded = d.world > 1 and args.sharding == "transformers"
     if tf_sharded:
         from transformers.distributed import DistributedConfig
@@ -160,7 +189,8 @@ def load(config: str, path: Path, args, d: Dist):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if config == "ours":
-        presets.enable_losses(model, FAMILY, revision=REVISION, aux_loss_group=dist.group.WORLD if d.world > 1 else None)
+        presets.enable_losses(model, family, revision=REVISION,
+                              aux_loss_group=dist.group.WORLD if d.world > 1 else None)
     if d.world == 1:
         return model, "none (one GPU)"
     if tf_sharded:
@@ -171,16 +201,20 @@ def load(config: str, path: Path, args, d: Dist):
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if config == "ours" and args.ep > 1:
-        from kernels import get_kernel
-
         mesh = init_device_mesh(d.device.type, (d.world // args.ep, args.ep), mesh_dim_names=("dp", "ep"))
-        get_kernel("hubfuse/moe", revision=REVISION).shard_experts(model, mesh["ep"])
+        moe_kernel().shard_experts(model, mesh["ep"])
         how = f"hubfuse: shard_experts ep {args.ep} + fully_shard_model (dp {d.world // args.ep} x ep {args.ep})"
     else:
         mesh = init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("dp",))
         how = f"hubfuse: fully_shard_model over {d.world} ranks (no EP)"
     distributed.fully_shard_model(model, mesh, mp_policy=mp)
     return model, how
+
+
+def moe_kernel():
+    from kernels import get_kernel
+
+    return get_kernel("hubfuse/moe", revision=REVISION)
 
 
 def bound_kernels(model) -> list[str]:
@@ -200,13 +234,52 @@ def param_groups(model) -> list[dict]:
     return [{"params": ps} for ps in groups.values()]
 
 
-def run_one(config: str, path: Path, batches, args, d: Dist, cfg) -> dict:
+# ----------------------------------------------------------------------------------------------- variants
+
+def variants(config: str, args, d: Dist) -> list[tuple[str, str | None]]:
+    """(FSDP mode, EP dispatch or None) of every row measured on one loaded model."""
+    if d.world == 1:
+        return [("default", None)]
+    dispatch = args.ep_dispatch if config == "ours" and args.ep > 1 else [None]
+    return [(mode, ep) for ep in dispatch for mode in args.fsdp]
+
+
+def variant_name(config: str, mode: str, dispatch: str | None) -> str:
+    tags = [t for t in (dispatch, None if mode == "default" else mode) if t]
+    return config + (f"[{','.join(tags)}]" if tags else "")
+
+
+def set_fsdp_mode(model, mode: str) -> None:
+    """FSDP2 settings of the decoder layers (and their own FSDP submodules: the experts), on a sharded model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from hubfuse import distributed
+
+    layers = [layer for layer in distributed.decoder_layers(model) if isinstance(layer, FSDPModule)]
+    units = [[layer] + [m for m in layer.modules() if m is not layer and isinstance(m, FSDPModule)]
+             for layer in layers]
+    for i, layer in enumerate(layers):
+        nxt = [m for u in units[i + 1:i + 3] for m in u] if mode == "prefetch2" else []
+        prev = [m for u in reversed(units[max(0, i - 2):i]) for m in reversed(u)] if mode == "prefetch2" else []
+        layer.set_modules_to_forward_prefetch(nxt)
+        layer.set_modules_to_backward_prefetch(prev)
+        layer.set_reshard_after_forward(mode != "noreshard")
+
+
+def set_ep_dispatch(model, dispatch: str | None, args) -> None:
+    if dispatch is not None:
+        moe_kernel().set_capacity(model, args.batch * args.seq if dispatch == "fixed" else None)
+
+
+# ----------------------------------------------------------------------------------------------- one row
+
+def run_one(config: str, path: Path, batches, args, d: Dist, cfg, record) -> None:
     """run_config; in a process on its own an exception (an OOM) becomes the row and the run goes on (with
     several ranks it cannot: the others would wait in a collective)."""
     import torch
 
     try:
-        return run_config(config, path, batches, args, d, cfg)
+        run_config(config, path, batches, args, d, cfg, record)
     except Exception as e:
         if d.world > 1:
             raise
@@ -216,63 +289,79 @@ def run_one(config: str, path: Path, batches, args, d: Dist, cfg) -> dict:
         gc.collect()
         if d.device.type == "cuda":
             torch.cuda.empty_cache()
-        return dict(config=config, gpus=1, ep=1, layers=args.layers, status="oom" if oom else "error",
-                    note=f"{type(e).__name__}: {str(e)[:300]}")
+        record(dict(config=config, row=config, gpus=1, ep=1, layers=args.layers, status="oom" if oom else "error",
+                    note=f"{type(e).__name__}: {str(e)[:300]}"), d)
 
 
-def run_config(config: str, path: Path, batches, args, d: Dist, cfg) -> dict:
-    import torch
+def train_step(model, opt, batch):
+    opt.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    return loss
 
-    row = dict(config=config, gpus=d.world, ep=args.ep if d.world > 1 else 1, layers=args.layers, seq=args.seq,
-               batch=args.batch, tokens_per_gpu_step=args.batch * args.seq)
-    t0 = time.time()
-    model, how = load(config, path, args, d)
-    row.update(sharding=how, load_s=round(time.time() - t0, 1))
-    if config == "ours":
-        row["kernels"] = bound_kernels(model)
-    cuda = d.device.type == "cuda"
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-5, weight_decay=0.01, fused=cuda)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for i, batch in enumerate(batches):
-        if i == args.warmup and cuda:
-            torch.cuda.reset_peak_memory_stats()
-        d.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - start
-        losses.append(loss.item())
-        if i >= args.warmup:
-            times.append(dt)
-        if d.rank == 0 and (i < args.warmup or i == len(batches) - 1 or (i - args.warmup) % 5 == 4):
-            log(f"[{config}] {'warm-up' if i < args.warmup else 'step'} {i + 1}/{len(batches)}: {dt * 1e3:.0f} ms, "
-                f"loss {losses[-1]:.4f}")
-    median = d.reduce(statistics.median(times), "max")  # the slowest rank sets the pace
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    tps = row["tokens_per_gpu_step"] / median
-    row.update(status="ok", step_ms_median=round(median * 1e3, 1), tokens_per_s_per_gpu=round(tps, 1),
-               tflops_per_gpu=round(tps * flops_per_token(cfg, args.seq) / 1e12, 1),
-               peak_mem_GiB_per_gpu=round(d.reduce(peak, "max"), 2),
-               loss_step1=round(d.reduce(losses[0], "mean"), 4), loss_last=round(d.reduce(losses[-1], "mean"), 4))
-    if not all(math.isfinite(x) for x in losses):
-        row.update(status="error", note=f"non-finite loss {losses}")
-    del model, opt
+
+def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> None:
+    """Load one configuration, then measure each of its variants (one row each) on the same model."""
     import gc
 
+    import torch
+
+    t0 = time.time()
+    model, how = load(config, path, args, d)
+    load_s = round(time.time() - t0, 1)
+    kernels = bound_kernels(model) if config == "ours" else None
+    cuda = d.device.type == "cuda"
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-5, weight_decay=0.01, fused=cuda)
+    for mode, dispatch in variants(config, args, d):
+        name = variant_name(config, mode, dispatch)
+        row = dict(config=config, row=name, fsdp=mode, ep_dispatch=dispatch, gpus=d.world,
+                   ep=args.ep if d.world > 1 else 1, layers=args.layers, seq=args.seq, batch=args.batch,
+                   tokens_per_gpu_step=args.batch * args.seq, sharding=how, load_s=load_s,
+                   activation_checkpointing=args.activation_checkpointing)
+        if kernels is not None:
+            row["kernels"] = kernels
+        if d.world > 1:
+            set_fsdp_mode(model, mode)
+            set_ep_dispatch(model, dispatch, args)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times, losses = [], []
+        for i, batch in enumerate(batches):
+            if i == args.warmup and cuda:
+                torch.cuda.reset_peak_memory_stats()
+            d.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = train_step(model, opt, batch)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - start
+            losses.append(loss.item())
+            if i >= args.warmup:
+                times.append(dt)
+            if d.rank == 0 and (i < args.warmup or i == len(batches) - 1 or (i - args.warmup) % 5 == 4):
+                log(f"[{name} x {d.world}] {'warm-up' if i < args.warmup else 'step'} {i + 1}/{len(batches)}: "
+                    f"{dt * 1e3:.0f} ms, loss {losses[-1]:.4f}")
+        median = d.reduce(statistics.median(times), "max")  # the slowest rank sets the pace
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        tps = row["tokens_per_gpu_step"] / median
+        row.update(status="ok", step_ms_median=round(median * 1e3, 1), tokens_per_s_per_gpu=round(tps, 1),
+                   tflops_per_gpu=round(tps * args.flops_per_token / 1e12, 1),
+                   peak_mem_GiB_per_gpu=round(d.reduce(peak, "max"), 2),
+                   loss_step1=round(d.reduce(losses[0], "mean"), 4), loss_last=round(d.reduce(losses[-1], "mean"), 4))
+        if not all(math.isfinite(x) for x in losses):
+            row.update(status="error", note=f"non-finite loss {losses}")
+        if args.profile:
+            row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d)
+        record(row, d)
+    del model, opt
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     d.barrier()
-    return row
 
 
 def one_gpu_reference(rows, meta, args) -> dict:
@@ -288,23 +377,30 @@ def one_gpu_reference(rows, meta, args) -> dict:
     return ref
 
 
+def tag_of(args, d: Dist) -> str:
+    return f"{args.model}_{args.layers}l_" + ("1gpu" if d.world == 1 else f"{d.world}gpu_ep{args.ep}")
+
+
 def finish(rows, meta, args, d: Dist) -> list[str]:
     """MFU, x hf, scaling efficiency; JSON + markdown under --out; returns the table lines."""
     ref = one_gpu_reference(rows, meta, args)
     peak = args.peak_tflops or meta.get("peak_tflops")
-    by = {(r["gpus"], r["config"]): r for r in rows}
+    hf_tps = {r["gpus"]: r["tokens_per_s_per_gpu"] for r in rows
+              if r.get("row") == "hf" and r.get("status") == "ok"}
     for r in rows:
         if r.get("status") != "ok":
             continue
         r["mfu"] = round(r["tflops_per_gpu"] / peak, 3) if peak else None
-        hf = by.get((r["gpus"], "hf"), {}).get("tokens_per_s_per_gpu")
+        hf = hf_tps.get(r["gpus"])
         r["x_hf"] = round(r["tokens_per_s_per_gpu"] / hf, 2) if hf else None
         r["scaling_efficiency"] = 1.0 if r["gpus"] == 1 else (
             round(r["tokens_per_s_per_gpu"] / ref[r["config"]], 3) if r["config"] in ref else None)
-    lines = [f"Qwen3-30B-A3B widths, {args.layers} layers, {meta['device']} x {d.world}, "
-             f"{args.batch} x {args.seq} tokens per GPU per step, bf16, median of {args.steps} steps after "
-             f"{args.warmup} warm-up; torch {meta['torch']}, transformers {meta['transformers']}, "
-             f"kernels {meta['kernels']}, triton {meta['triton']}; MFU over {peak} TFLOP/s per GPU.",
+    lines = [f"{MODELS[args.model][2]}, {args.layers} layers, {meta['device']} x {d.world}, "
+             f"{args.batch} x {args.seq} tokens per GPU per step, bf16 weights and AdamW states"
+             f"{', activation checkpointing per layer' if args.activation_checkpointing else ''}, median of "
+             f"{args.steps} steps after {args.warmup} warm-up; torch {meta['torch']}, transformers "
+             f"{meta['transformers']}, kernels {meta['kernels']}, triton {meta['triton']}; MFU over {peak} TFLOP/s "
+             f"per GPU; {meta['flops_per_token'] / 1e9:.2f} GFLOP/token.",
              f"Command: `{meta['command']}`", "",
              "| config | GPUs | EP | tok/s/GPU | x hf | TFLOP/s/GPU | MFU | peak GiB/GPU | scaling eff. | step ms | "
              "loss 1 | loss last | sharding |",
@@ -314,23 +410,143 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
         return "" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
 
     for r in rows:
-        lines.append(f"| {r['config']} | {r['gpus']} | {r['ep']} | {f(r.get('tokens_per_s_per_gpu'), '.0f')} | "
+        lines.append(f"| {r['row']} | {r['gpus']} | {r['ep']} | {f(r.get('tokens_per_s_per_gpu'), '.0f')} | "
                      f"{f(r.get('x_hf'), '.2f')} | {f(r.get('tflops_per_gpu'), '.0f')} | {f(r.get('mfu'), '.1%')} | "
                      f"{f(r.get('peak_mem_GiB_per_gpu'), '.1f')} | {f(r.get('scaling_efficiency'), '.2f')} | "
                      f"{f(r.get('step_ms_median'), '.0f')} | {f(r.get('loss_step1'), '.3f')} | "
-                     f"{f(r.get('loss_last'), '.3f')} | {r.get('sharding', r.get('note', ''))} |")
+                     f"{f(r.get('loss_last'), '.3f')} | {r.get('note') or r.get('sharding', '')} |")
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        lines += ["", f"Profile (torch.profiler, {args.profile} step(s) per row after the measured ones; ms per step "
+                      "per rank; comm = busy / exposed (not overlapped by compute); host syncs = "
+                      "cudaStreamSynchronize + cudaEventSynchronize calls per step and their ms):", "",
+                  "| config | GPUs | rank | GPU span | compute | all-gather | reduce-scatter | all-to-all | all-reduce "
+                  "| GPU idle | host syncs |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in profiled:
+            for rank, prof in enumerate(r["profile"]):
+                comm = [f"{prof[c]['busy_ms']:.1f} / {prof[c]['exposed_ms']:.1f}" for c in COMM_KINDS]
+                lines.append(f"| {r['row']} | {r['gpus']} | {rank} | {prof['span_ms']:.1f} | {prof['compute_ms']:.1f} "
+                             f"| {' | '.join(comm)} | {prof['idle_ms']:.1f} | {prof['host_syncs']:.0f} "
+                             f"({prof['host_sync_ms']:.1f}) |")
     if d.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        tag = "1gpu" if d.world == 1 else f"{d.world}gpu_ep{args.ep}"
+        tag = tag_of(args, d)
         (out / f"bench_distributed_{tag}.json").write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
         (out / f"bench_distributed_{tag}.md").write_text("\n".join(lines) + "\n")
+        if profiled:
+            (out / f"bench_distributed_{tag}_profile.json").write_text(json.dumps(
+                {r["row"] + f" x {r['gpus']}": r["profile"] for r in profiled}, indent=1))
     return lines
+
+
+# ----------------------------------------------------------------------------------------------- profile
+
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+_HOST_SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize")
+
+
+def _comm_kind(kernel: str) -> str | None:
+    """NCCL kernel name -> COMM_KINDS entry (all-to-all runs as grouped send/recv), None for compute."""
+    k = kernel.lower()
+    if "nccl" not in k:
+        return None
+    if "allgather" in k:
+        return "all_gather"
+    if "reducescatter" in k:
+        return "reduce_scatter"
+    if "allreduce" in k:
+        return "all_reduce"
+    return "all_to_all"  # SendRecv / AllToAll (and any other p2p)
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(union) -> float:
+    return sum(b - a for a, b in union)
+
+
+def _overlap(u, v) -> float:
+    """Length of the intersection of two unions of sorted disjoint intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(u) and j < len(v):
+        a, b = max(u[i][0], v[j][0]), min(u[i][1], v[j][1])
+        total += max(0.0, b - a)
+        if u[i][1] < v[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize_trace(trace: dict, steps: int) -> dict:
+    """Per-step breakdown (ms) of one rank's chrome trace: GPU span, compute busy, each NCCL kind busy and exposed
+    (outside compute), idle, host syncs."""
+    compute, comm = [], {c: [] for c in COMM_KINDS}
+    syncs, sync_us = 0, 0.0
+    for e in trace.get("traceEvents", []):
+        cat, dur = e.get("cat", ""), e.get("dur")
+        if dur is None:
+            continue
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kind = _comm_kind(e.get("name", "")) if cat == "kernel" else None
+            (comm[kind] if kind else compute).append((float(e["ts"]), float(e["ts"]) + float(dur)))
+        elif cat == "cuda_runtime" and e.get("name") in _HOST_SYNCS:
+            syncs += 1
+            sync_us += float(dur)
+    every = [iv for ivs in [compute, *comm.values()] for iv in ivs]
+    busy = _union(compute)
+    span = (max(b for _, b in every) - min(a for a, _ in every)) if every else 0.0
+    out = dict(span_ms=span / steps / 1e3, compute_ms=_length(busy) / steps / 1e3,
+               idle_ms=(span - _length(_union(every))) / steps / 1e3, host_syncs=syncs / steps,
+               host_sync_ms=sync_us / steps / 1e3)
+    for kind, ivs in comm.items():
+        u = _union(ivs)
+        out[kind] = dict(busy_ms=_length(u) / steps / 1e3, exposed_ms=(_length(u) - _overlap(u, busy)) / steps / 1e3)
+    return out
+
+
+def profile(step, steps: int, d: Dist) -> list[dict]:
+    """`steps` calls of `step` under torch.profiler on every rank; every rank's summary (gathered), rank order."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.device.type == "cuda" else [])
+    d.barrier()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        summary = summarize_trace(json.loads(path.read_text()), steps)
+    summary["rank"] = d.rank
+    if d.world == 1:
+        return [summary]
+    gathered = [None] * d.world
+    dist.all_gather_object(gathered, summary)
+    return gathered
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--single-gpu", action="store_true", help="one process, one GPU, no FSDP: the per-GPU proxy")
+    p.add_argument("--model", choices=list(MODELS), default="qwen3_30b_a3b", help="the widths (default Qwen3-30B-A3B)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 48; --single-gpu 8; smoke 2)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; smoke 32)")
     p.add_argument("--batch", type=int, default=None, help="sequences per GPU per step (default 2; smoke 2)")
@@ -340,6 +556,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 10; smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
     p.add_argument("--activation-checkpointing", action="store_true", help="gradient checkpointing per layer")
+    p.add_argument("--fsdp", nargs="+", default=["default"], choices=list(FSDP_MODES),
+                   help="FSDP2 prefetch / reshard settings, one row each (several GPUs)")
+    p.add_argument("--ep-dispatch", nargs="+", default=["fixed"], choices=list(EP_DISPATCH),
+                   help="ours with EP: fixed = sync-free fixed-capacity exchange, sized = host-read split sizes")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="N steps under torch.profiler after every row's measured steps (per-rank breakdown)")
     p.add_argument("--one-gpu-reference", action="store_true",
                    help="several GPUs: rank 0 first runs the configs alone on its GPU (the others wait), for the "
                         "scaling efficiency (the model must fit one GPU)")
@@ -378,23 +600,27 @@ def main(argv=None) -> int:
         import bench
         from hubfuse import presets
 
-        cfg = bench.slice_config(SLICE, args.layers, args.smoke)
+        slice_name, family, _ = MODELS[args.model]
+        cfg = bench.slice_config(slice_name, args.layers, args.smoke)
         if d.world > 1 and (d.world % args.ep or cfg.num_experts % args.ep):
             raise SystemExit(f"bench_distributed: --ep {args.ep} must divide the world size {d.world} and the "
                              f"{cfg.num_experts} experts")
-        local_kernels(d, presets.kernel_repos(FAMILY))
-        model_dir = Path(args.model_dir or f"/tmp/hubfuse_bench_models/{'smoke' if args.smoke else 'gpu'}") / SLICE
+        args.flops_per_token = flops_per_token(cfg, args.seq)
+        local_kernels(d, presets.kernel_repos(family))
+        model_dir = Path(args.model_dir or f"/tmp/hubfuse_bench_models/{'smoke' if args.smoke else 'gpu'}") / \
+            f"{slice_name}_{args.layers}l"
         if d.rank == 0:
-            bench.ensure_model(SLICE, model_dir, args, d.device.type)
+            bench.ensure_model(slice_name, model_dir, args, d.device.type)
         d.barrier()
         import importlib.metadata as md
 
         name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu (smoke)"
         meta = dict(command=("torchrun ... " if d.world > 1 else "python ") + "scripts/bench_distributed.py "
                     + " ".join(sys.argv[1:] if argv is None else argv),
-                    device=name, world=d.world, ep=args.ep, layers=args.layers, seq=args.seq, batch=args.batch,
-                    steps=args.steps, warmup=args.warmup, sharding=args.sharding,
-                    flops_per_token=flops_per_token(cfg, args.seq), torch=torch.__version__,
+                    model=args.model, device=name, world=d.world, ep=args.ep, layers=args.layers, seq=args.seq,
+                    batch=args.batch, steps=args.steps, warmup=args.warmup, sharding=args.sharding,
+                    activation_checkpointing=args.activation_checkpointing,
+                    flops_per_token=args.flops_per_token, torch=torch.__version__,
                     peak_tflops=next((v for k, v in PEAK_TFLOPS.items() if k in name), None))
         for dist_name in ("transformers", "kernels", "triton"):
             try:
@@ -407,27 +633,29 @@ def main(argv=None) -> int:
             ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(d.device)
             batches.append({"input_ids": ids, "labels": ids})
         if d.rank == 0:
-            log(f"bench_distributed: {d.world} x {name}, {args.layers} layers, {args.batch} x {args.seq} tokens per "
-                f"GPU, ep {args.ep}, configs {args.configs}, {flops_per_token(cfg, args.seq) / 1e9:.1f} GFLOP/token")
+            log(f"bench_distributed: {args.model}, {d.world} x {name}, {args.layers} layers, {args.batch} x "
+                f"{args.seq} tokens per GPU, ep {args.ep}, configs {args.configs}, fsdp {args.fsdp}, ep dispatch "
+                f"{args.ep_dispatch}, {args.flops_per_token / 1e9:.1f} GFLOP/token")
         rows, lines = [], []
 
         def record(row, where):
             nonlocal lines
+            if where.world == 1 and d.world > 1:
+                row["note"] = "one-GPU reference (rank 0 alone)"
             rows.append(row)
             if d.rank == 0:
                 lines = finish(rows, meta, args, d)
-                log(f"[{row['config']} x {where.world}] {row['status']}: {row.get('tokens_per_s_per_gpu')} tok/s/GPU, "
-                    f"peak {row.get('peak_mem_GiB_per_gpu')} GiB/GPU, {row.get('sharding', row.get('note'))}")
+                log(f"[{row['row']} x {where.world}] {row['status']}: {row.get('tokens_per_s_per_gpu')} tok/s/GPU, "
+                    f"{row.get('tflops_per_gpu')} TFLOP/s/GPU, peak {row.get('peak_mem_GiB_per_gpu')} GiB/GPU, "
+                    f"{row.get('note') or row.get('sharding')}")
 
         if args.one_gpu_reference and d.world > 1:
             if d.rank == 0:  # alone on its GPU: no collective until the barrier below
                 for config in args.configs:
-                    row = run_one(config, model_dir, batches, args, Dist.alone(d), cfg)
-                    row["note"] = "one-GPU reference (rank 0 alone)"
-                    record(row, Dist.alone(d))
+                    run_one(config, model_dir, batches, args, Dist.alone(d), cfg, record)
             d.barrier()  # the other ranks wait here meanwhile
         for config in args.configs:
-            record(run_one(config, model_dir, batches, args, d, cfg), d)
+            run_one(config, model_dir, batches, args, d, cfg, record)
         if d.rank == 0:
             log("\n".join(lines))
     finally:

@@ -20,6 +20,11 @@
 #   bash scripts/gpu_check.sh demo                   scripts/demo.py
 #   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
 #                                                    NPROC=1 (default) the --single-gpu proxy, NPROC=N torchrun
+#   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
+#                                                    its own timeout within SCALE_BUDGET_S (default 500 s): slice8
+#                                                    (8 layers, 1-GPU reference, EP dispatch / FSDP prefetch variants,
+#                                                    profile), qwen35 (Qwen3.5-MoE, 8 layers), deep (48 layers, AC),
+#                                                    titan (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can)
 # Carry `.whl` (the device image's Python 3.12), made with:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
@@ -114,7 +119,58 @@ case "$step" in
       python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" scripts/bench_distributed.py "$@"
     fi 2>&1 | tee "$OUT/bench_distributed.log" | grep -v "^\[.*\] \(warm-up\|step\)" | tail -n 30
     exit "${PIPESTATUS[0]}" ;;
+  scale)
+    # multicast (NVLS) off: see KINDS.md of the device tool
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    nproc="${NPROC:-4}"; budget="${SCALE_BUDGET_S:-500}"; start=$SECONDS; status=0
+    parts="${*:-slice8 qwen35 deep titan}"
+    torchrun=(python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc")
+    bench=("${torchrun[@]}" scripts/bench_distributed.py --ep "$nproc")
+    run_part() {  # name timeout_s command...: a part's log in $OUT/scale_<name>.log, its table and verdict here
+      local name="$1" limit="$2"; shift 2
+      local left=$(( budget - (SECONDS - start) ))
+      if [ "$left" -lt 40 ]; then echo "=== $name: skipped (SCALE_BUDGET_S spent)"; return 1; fi
+      [ "$limit" -gt "$left" ] && limit="$left"
+      echo "=== $name (timeout ${limit} s): $*"
+      timeout --kill-after=20 "$limit" "$@" >"$OUT/scale_$name.log" 2>&1
+      local rc=$?
+      grep -E "^\||^\[.*\] (ok|oom|error)|^bench_|Error|error:|did not run forward" "$OUT/scale_$name.log" | tail -n 60
+      echo "=== $name: exit $rc ($(( SECONDS - start )) s so far)"
+      return $rc
+    }
+    for part in $parts; do
+      case "$part" in
+        slice8) run_part slice8 "${T_SLICE8:-230}" "${bench[@]}" --layers 8 --one-gpu-reference --profile 1 \
+                  --steps 4 --warmup 2 --ep-dispatch fixed sized --fsdp default prefetch2 || status=1 ;;
+        qwen35) run_part qwen35 "${T_QWEN35:-100}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
+                  --warmup 2 --profile 1 || status=1 ;;
+        deep)   run_part deep48 "${T_DEEP:-200}" "${bench[@]}" --layers 48 --activation-checkpointing --configs ours \
+                  --steps 2 --warmup 1 \
+                  || run_part deep24 "${T_DEEP:-200}" "${bench[@]}" --layers 24 --activation-checkpointing \
+                  --configs ours --steps 2 --warmup 1 || status=1 ;;
+        titan)
+          if ls .whl/titan/*.whl >/dev/null 2>&1; then
+            [ -f /tmp/site_titan/.hubfuse_wheels ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+              --no-cache-dir --target /tmp/site_titan .whl/titan/*.whl && touch /tmp/site_titan/.hubfuse_wheels; }
+            site="$PYTHONPATH"; export PYTHONPATH="/tmp/site_titan:$site"
+            # --preflight: exit 3 and the reason when this torch lacks what torchtitan 0.3.0 needs (not a failure)
+            if python3 scripts/bench_torchtitan.py --preflight 2>&1 | tee "$OUT/scale_titan_preflight.log" | tail -n 3 \
+                && [ "${PIPESTATUS[0]}" = 0 ]; then
+              run_part titan "${T_TITAN:-120}" "${torchrun[@]}" scripts/bench_torchtitan.py --layers 8 --ep "$nproc" \
+                --steps 4 --warmup 3 || status=1
+            else
+              echo "=== titan: not runnable here (above; $OUT/scale_titan_preflight.log)"
+            fi
+            export PYTHONPATH="$site"
+          else
+            echo "=== titan: skipped (no .whl/titan/*.whl)"
+          fi ;;
+        *) echo "gpu_check.sh scale: unknown part '$part' (slice8 qwen35 deep titan)" >&2; status=2 ;;
+      esac
+    done
+    ls "$OUT"/bench_distributed_*.json "$OUT"/bench_torchtitan_*.json 2>/dev/null
+    exit $status ;;
   *)
-    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, dense, kernels-benchmark, demo, dist)" >&2
+    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, dense, kernels-benchmark, demo, dist, scale)" >&2
     exit 2 ;;
 esac

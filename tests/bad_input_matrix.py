@@ -781,7 +781,7 @@ def _register():
             "model-level hooks (tests/test_load_balancing_loss_models.py); they install load_balancing_loss_func",
         "register_experts_implementation": "registers hubfuse_experts_forward (in the matrix) with transformers",
         "EXPERTS_IMPLEMENTATION_NAME": "a string constant",
-        "expert_parallel, shard_experts": "expert parallelism needs a process group and a DeviceMesh "
+        "expert_parallel, shard_experts, set_capacity": "expert parallelism needs a process group and a DeviceMesh "
             "(tests/test_distributed.py); the experts it runs are moe_experts, and it checks the global ids as that "
             "does",
         "group_load_balancing_loss_func": "load_balancing_loss_func with its statistics all-reduced over a process "

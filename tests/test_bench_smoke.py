@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SLICES = ("qwen3_small", "qwen3_moe_small", "qwen3_5_moe")  # the smoke default: one per family
 CPU_CONFIGS = ("eager", "ours")
@@ -47,12 +49,13 @@ def test_bench_smoke(tmp_path):
 def test_bench_distributed_smoke(tmp_path):
     """scripts/bench_distributed.py --smoke on 2 CPU processes (gloo, file rendezvous; what torchrun runs on the
     GPUs): rank 0 first alone (--one-gpu-reference), then both configurations through transformers'
-    distributed_config (fsdp 2, ep 2); the table and the JSON with x hf, MFU fields and the scaling efficiency."""
+    distributed_config (fsdp 2, ep 2); the table and the JSON with x hf, MFU fields and the scaling efficiency,
+    and the per-rank profile breakdown (--profile 1)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", WORLD_SIZE="2",
                TRITON_INTERPRET="0")  # the kernels' torch path: the script, not the kernels, is under test
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), "--smoke", "--steps", "1",
            "--out", str(tmp_path), "--model-dir", str(tmp_path / "models"), "--one-gpu-reference",
-           "--init-method", f"file://{tmp_path / 'store'}"]
+           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
@@ -64,7 +67,7 @@ def test_bench_distributed_smoke(tmp_path):
                 p.wait()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
-    data = json.loads((tmp_path / "bench_distributed_2gpu_ep2.json").read_text())
+    data = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.json").read_text())
     rows = {(r["gpus"], r["config"]): r for r in data["results"]}
     assert set(rows) == {(g, c) for g in (1, 2) for c in ("hf", "ours")}
     for (gpus, config), r in rows.items():
@@ -78,8 +81,10 @@ def test_bench_distributed_smoke(tmp_path):
     assert "GroupedGemmExperts" in rows[(2, "ours")]["kernels"]
     assert abs(rows[(2, "ours")]["loss_step1"] - rows[(2, "hf")]["loss_step1"]) < 0.05
     assert data["meta"]["flops_per_token"] > 0
-    assert "| ours | 2 | 2 |" in (tmp_path / "bench_distributed_2gpu_ep2.md").read_text()
-    assert "| ours | 2 | 2 |" in logs[0]  # rank 0 prints the table
+    assert "| ours[fixed] | 2 | 2 |" in (tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.md").read_text()
+    assert "| ours[fixed] | 2 | 2 |" in logs[0]  # rank 0 prints the table (ours: the sync-free EP exchange)
+    profile = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2_profile.json").read_text())
+    assert [p["rank"] for p in profile["ours[fixed] x 2"]] == [0, 1]  # every rank's breakdown
 
 
 def _bench_module():
@@ -168,3 +173,25 @@ def test_dynamo_stats_counts_breaks_and_recompiles():
     torch._dynamo.reset()
     assert stats["graph_breaks"] >= 1 and stats["recompiles"] >= 1 and stats["graphs"] >= 2, stats
     assert "recompile(s)" in bench.dynamo_note(stats) and stats["recompile_reasons"]
+
+
+def test_bench_distributed_profile_breakdown():
+    """The per-rank profile of scripts/bench_distributed.py on a hand-made trace: NCCL kernels sorted by kind,
+    exposed time = busy time outside compute, idle GPU time, host syncs counted (other runtime calls not)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_distributed
+
+    events = [("kernel", "gemm", 0, 100), ("kernel", "ncclDevKernel_AllGather_RING_LL", 50, 100),
+              ("kernel", "ncclDevKernel_SendRecv", 200, 30), ("kernel", "ncclDevKernel_ReduceScatter_Sum", 210, 10),
+              ("gpu_memcpy", "Memcpy DtoD", 235, 5), ("cuda_runtime", "cudaStreamSynchronize", 0, 40),
+              ("cuda_runtime", "cudaLaunchKernel", 0, 5)]
+    trace = {"traceEvents": [dict(cat=c, name=n, ts=ts, dur=dur) for c, n, ts, dur in events]}
+    got = bench_distributed.summarize_trace(trace, steps=2)  # per step: half of every time (us -> ms)
+    approx = pytest.approx
+    # GPU busy: [0, 150] + [200, 230] + [235, 240] of a 240 us span
+    assert (got["span_ms"], got["compute_ms"], got["idle_ms"]) == approx((0.12, 0.0525, 0.0275))
+    assert got["all_gather"] == dict(busy_ms=approx(0.05), exposed_ms=approx(0.025))  # half under the GEMM
+    assert got["all_to_all"] == dict(busy_ms=approx(0.015), exposed_ms=approx(0.015))
+    assert got["reduce_scatter"] == dict(busy_ms=approx(0.005), exposed_ms=approx(0.005))
+    assert got["all_reduce"] == dict(busy_ms=0.0, exposed_ms=0.0)
+    assert (got["host_syncs"], got["host_sync_ms"]) == approx((0.5, 0.02))

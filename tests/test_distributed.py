@@ -16,8 +16,11 @@ first-step gradients the full (gathered) gradients of the sharded run, within fp
   checkpoint round trips: `hubfuse.distributed.save_pretrained` writes a checkpoint that plain `from_pretrained`
   loads with the same weights; (Qwen3.5-MoE) a torch.distributed.checkpoint (DCP) save loads back into a freshly
   sharded model.
-- Both: the EP exchange on raw tensors against `moe_experts` (routing edge cases), EP over all ranks; with 2
-  processes also the errors for bad configurations.
+- Both: the EP exchange on raw tensors against `moe_experts` (routing edge cases; sized and fixed-capacity
+  exchange), EP over all ranks; with 2 processes also the errors for bad configurations. The `FIXED_CAPACITY`
+  scenarios run the models with the sync-free exchange, the other EP scenarios with the sized one.
+- Every scenario: `lm_head`'s forward runs at every step (the fused loss calls it) and FSDP warns about no module
+  that skipped its forward.
 
 One process launch per world size runs all of its scenarios (a module-scoped fixture); each test checks one.
 The kernels run as Triton under the interpreter in the `INTERPRETED` scenarios, their torch reference elsewhere.
@@ -27,10 +30,12 @@ directory, gloo bound to the loopback interface, every process killed on timeout
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -65,6 +70,9 @@ CHECKPOINT_SCENARIOS = {"fsdp2_ep_qwen3_5_moe": ("hf", "dcp"), "transformers_fsd
 # (TRITON_INTERPRET=0: same ops, dispatch and sharding code, ~5x less time on the CI's 2 cores). The kernels'
 # numerics are the kernel and model tests' business; here the sharding and the exchanges are under test.
 INTERPRETED = {"fsdp2_qwen3", "fsdp2_ep_qwen3_moe"}
+# Scenarios whose experts use the sync-free fixed-capacity exchange (moe.set_capacity, capacity = the micro-batch's
+# tokens); the other EP scenarios use the sized one
+FIXED_CAPACITY = {"fsdp2_ep_qwen3_5_moe_ep2", "transformers_fsdp2_ep_qwen3_moe"}
 
 
 def _model_overrides(family: str) -> dict:
@@ -114,7 +122,7 @@ def _average_grads(model, world: int) -> None:
             p.grad.div_(world)
 
 
-def _build(family: str, path, world: int, ep: int, sharding: str):
+def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int | None = None):
     import torch
     import torch.distributed as dist
     from kernels import get_kernel
@@ -134,10 +142,12 @@ def _build(family: str, path, world: int, ep: int, sharding: str):
     presets.enable_losses(model, family, revision=REVISION, aux_loss_group=dist.group.WORLD if moe_family else None)
     local_rows = []  # experts held by this rank after expert-parallel sharding (before FSDP shards them further)
     if sharding == "transformers":
+        if capacity is not None:
+            get_kernel("hubfuse/moe", revision=REVISION).set_capacity(model, capacity)
         return distributed.fix_single_rank_expert_reduction(model), local_rows
     if ep > 1:
         mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
-        get_kernel("hubfuse/moe", revision=REVISION).shard_experts(model, mesh["ep"])
+        get_kernel("hubfuse/moe", revision=REVISION).shard_experts(model, mesh["ep"], capacity=capacity)
         local_rows = [m.gate_up_proj.to_local().shape[0] for name, m in model.named_modules()
                       if name.endswith("mlp.experts")]
     else:
@@ -148,7 +158,39 @@ def _build(family: str, path, world: int, ep: int, sharding: str):
     return model, local_rows
 
 
+class _FsdpWarnings(logging.Handler):
+    """FSDP's complaints about modules that skipped their forward (a warning or a log record, by torch version)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.add(record.getMessage())
+
+    def add(self, message: str):
+        if "did not run forward" in message or "FSDPLinear" in message:
+            self.messages.append(message[:300])
+
+
 def _train(model, batches, rank: int, world: int, sharding: str):
+    """(losses, first-step gradients, facts about lm_head: its forward calls, FSDP warnings)."""
+    import torch
+
+    head_calls = []
+    model.lm_head.register_forward_hook(lambda *_: head_calls.append(1))  # the fused loss runs through lm_head
+    fsdp_warnings = _FsdpWarnings()
+    logging.getLogger("torch.distributed").addHandler(fsdp_warnings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, grads = _steps(model, batches, rank, world, sharding)
+    logging.getLogger("torch.distributed").removeHandler(fsdp_warnings)
+    for w in caught:
+        fsdp_warnings.add(str(w.message))
+    return losses, grads, dict(lm_head_calls=len(head_calls), fsdp_warnings=fsdp_warnings.messages)
+
+
+def _steps(model, batches, rank: int, world: int, sharding: str):
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -190,7 +232,8 @@ def _bare_experts(gate_up_proj, down_proj):
 def _expert_parallel_functional(world: int) -> list[str]:
     """moe.expert_parallel on raw tensors, EP over all ranks, against `moe_experts` with the full weights on each
     rank: outputs, hidden/weight gradients, and expert gradients (the EP one is the sum over ranks). Cases:
-    random routing, every token routed to rank 0's experts (the other ranks receive no rows), the sentinel E.
+    random routing, every token routed to rank 0's experts (the other ranks receive no rows), the sentinel E;
+    each with the sized exchange and with the fixed-capacity (sync-free) one.
     Each rank has its own token count; top_k 3 is above the EP size 2 and below 4 (both table widths)."""
     import torch
     import torch.distributed as dist
@@ -206,21 +249,23 @@ def _expert_parallel_functional(world: int) -> list[str]:
     g = torch.Generator().manual_seed(7)  # the same weights on every rank
     gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3
     errors = []
-    for case in ("random", "one_rank", "sentinel"):
-        g = torch.Generator().manual_seed(100 * rank + len(case))
+    capacity = 5 + 2 * world + 1  # above every rank's token count (5 + 2 * rank)
+    for case, cap in [(c, k) for k in (None, capacity) for c in ("random", "one_rank", "sentinel")]:
+        case = case if cap is None else f"{case}, fixed capacity {cap}"
+        g = torch.Generator().manual_seed(100 * rank + len(case.split(",")[0]))
         T = 5 + 2 * rank
         hidden = torch.randn(T, H, generator=g)
         index = torch.rand(T, E, generator=g).argsort(1)[:, :K]  # distinct experts per token
-        if case == "one_rank":
+        if case.startswith("one_rank"):
             index = torch.rand(T, E // world, generator=g).argsort(1)[:, :K]  # rank 0's experts only
-        if case == "sentinel":
+        if case.startswith("sentinel"):
             index[::2, -1] = E
         weights = torch.rand(T, K, generator=g)
         probe = torch.randn(T, H, generator=g)
         ref_inputs = [t.clone().requires_grad_() for t in (hidden, weights, gate_up, down)]
         ref = moe.moe_experts(ref_inputs[0], index, ref_inputs[1], ref_inputs[2], ref_inputs[3])
         (ref * probe).sum().backward()
-        experts = moe.shard_experts(_bare_experts(gate_up, down), mesh)
+        experts = moe.shard_experts(_bare_experts(gate_up, down), mesh, capacity=cap)
         h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
         out = experts(h, index, w)
         (out * probe).sum().backward()
@@ -280,13 +325,28 @@ def _configuration_errors(world: int) -> list[str]:
         ("EP size 2 without shard_experts", lambda: distributed.fully_shard_model(model, mesh), ValueError,
          "call moe.shard_experts"),
     ]
+    dense = nn.Module()
+    dense.model = nn.Module()
+    dense.model.layers = nn.ModuleList([nn.Linear(4, 4)])
+    cases += [
+        ("dense model under EP", lambda: distributed.fully_shard_model(dense, mesh), ValueError,
+         "no routed experts"),
+        ("mesh smaller than the world", lambda: distributed.fully_shard_model(dense, mesh["dp"]), ValueError,
+         f"the world has {world} processes"),
+        ("capacity not an int", lambda: moe.set_capacity(model, 2.5), TypeError, "capacity must be None or an int"),
+        ("capacity below 1", lambda: moe.set_capacity(model, 0), ValueError, "capacity must be >= 1"),
+        ("capacity before sharding", lambda: moe.set_capacity(model, 8), ValueError, "no expert-parallel experts"),
+    ]
     problems = _unmet_errors(cases)
     moe.shard_experts(model, mesh["ep"])
     problems += _unmet_errors([
         ("experts sharded over another mesh", lambda: distributed.fully_shard_model(model, other), ValueError,
          "not over this mesh"),
-        ("1-D mesh with EP experts", lambda: distributed.fully_shard_model(model, mesh["dp"]), ValueError,
+        ("1-D mesh with EP experts", lambda: distributed.fully_shard_model(model, mesh["ep"]), ValueError,
          "2-D (dp, 'ep') mesh"),
+        ("tokens above the capacity", lambda: moe.set_capacity(model, 3).model.layers[0].experts(
+            torch.randn(4, 6), torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2)), ValueError,
+         "exceed the fixed capacity 3"),
     ])
     dist.barrier()
     return [f"rank {dist.get_rank()}: {p}" for p in problems]
@@ -349,10 +409,11 @@ def _worker(spec_file: str) -> None:
             t0 = time.time()
             os.environ["TRITON_INTERPRET"] = "1" if name in INTERPRETED else "0"  # read by the kernels at every call
             batches = torch.load(out_dir / f"batches_{family}.pt")
-            model, local_rows = _build(family, path, world, ep, sharding)
+            model, local_rows = _build(family, path, world, ep, sharding,
+                                       capacity=ROWS * SEQ if name in FIXED_CAPACITY else None)
             facts = _facts(model, local_rows)
-            losses, grads = _train(model, batches, rank, world, sharding)
-            result = dict(facts, losses=losses)
+            losses, grads, head = _train(model, batches, rank, world, sharding)
+            result = dict(facts, **head, losses=losses)
             if name in CHECKPOINT_SCENARIOS:
                 result.update(_checkpoint_round_trip(model, name, path, world, out_dir, rank))
             if rank == 0:
@@ -476,6 +537,9 @@ def _check_against_reference(name: str, run) -> list[dict]:
         torch.testing.assert_close(got_grads[key], want[key], **GRAD_TOL,
                                    msg=lambda m: f"{name}: gradient of {key} vs one process: {m}")
     for r in results:
+        # lm_head runs its forward (and FSDP its hooks) at every step under the fused loss, without FSDP warnings
+        assert r["lm_head_calls"] == STEPS, f"{name}: lm_head forward ran {r['lm_head_calls']} times"
+        assert not r["fsdp_warnings"], f"{name}: {r['fsdp_warnings']}"
         if sharding != "none":
             assert r["sharded"] == r["params"] > 0, f"{name}: every parameter should be a DTensor"
         if ep > 1 and sharding != "transformers":

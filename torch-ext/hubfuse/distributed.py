@@ -33,6 +33,11 @@ def _ep_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
             and not hasattr(m, "_get_fsdp_state")]  # not yet wrapped by fully_shard
 
 
+def _has_routed_experts(model: nn.Module) -> bool:
+    """Whether the model has routed-experts modules in the transformers v5 layout (3-D `gate_up_proj`)."""
+    return any(name.rsplit(".", 1)[-1] == "gate_up_proj" and p.dim() == 3 for name, p in model.named_parameters())
+
+
 def decoder_layers(model: nn.Module):
     """The decoder layers of a transformers causal LM (`model.model.layers`)."""
     base = getattr(model, "model", None)
@@ -53,7 +58,8 @@ def _flattened(mesh, dims: tuple[str, ...]):
 def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=None, offload_policy=None,
                       reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2 over a (kernelized) causal LM: each decoder layer, then the root (embeddings, final norm and
-    `lm_head` together: the fused loss reads `lm_head.weight` outside `lm_head`'s forward). Returns the model.
+    `lm_head`; the fused loss calls `lm_head`, so it could also be a group of its own). Returns the model.
+    The mesh must cover every rank of the world (ValueError otherwise).
 
     mesh: a 1-D DeviceMesh: every parameter is sharded over all its ranks. Or a 2-D mesh with dims (dp, `ep_dim`)
     after `moe.shard_experts(model, mesh[ep_dim])`: the dense parameters are sharded over all dp x ep ranks (the
@@ -71,6 +77,10 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
     if offload_policy is not None:
         kw["offload_policy"] = offload_policy
     layers = decoder_layers(model)
+    if dist.is_initialized() and mesh.size() != dist.get_world_size():
+        raise ValueError(f"fully_shard_model: the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}) but the "
+                         f"world has {dist.get_world_size()} processes; the mesh must cover every rank (one model "
+                         "replica, its gradients reduced over all ranks)")
     experts = _ep_experts(model)
     if mesh.ndim == 1:
         if experts:
@@ -87,6 +97,10 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
             if module.gate_up_proj.device_mesh != ep_mesh:
                 raise ValueError(f"fully_shard_model: {name} is sharded over {module.gate_up_proj.device_mesh}, "
                                  f"not over this mesh's {ep_dim!r} dimension {ep_mesh} (mismatched process groups)")
+        if ep_mesh.size() > 1 and not _has_routed_experts(model):
+            raise ValueError(f"fully_shard_model: the mesh has {ep_dim!r} size {ep_mesh.size()} but "
+                             f"{type(model).__name__} has no routed experts (3-D gate_up_proj parameters): expert "
+                             "parallelism needs an MoE model; use a 1-D mesh for a dense model")
         if ep_mesh.size() > 1 and not experts:
             raise ValueError(f"fully_shard_model: the mesh has {ep_dim!r} size {ep_mesh.size()} but no experts are "
                              f"sharded over it: call moe.shard_experts(model, mesh[{ep_dim!r}]) first")

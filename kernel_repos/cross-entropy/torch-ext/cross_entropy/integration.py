@@ -11,6 +11,10 @@ module's own `load_balancing_loss_func`, so a fused aux-loss kernel can be plugg
 (signature `(router_logits, num_experts, top_k, attention_mask) -> scalar`). Without labels the forward is
 HF's own. `disable_fused_loss(model)` restores the previous forward.
 
+The loss is computed by calling the `lm_head` module (its instance forward takes the shifted labels and returns
+the loss): the module's hooks run as for the logits, so FSDP2 all-gathers, reshards and reduces `lm_head` like
+any other module when it is sharded in a group of its own (transformers' FSDP plan).
+
 transformers is imported lazily inside the functions: the package itself depends only on torch.
 """
 import sys
@@ -22,6 +26,7 @@ import torch
 from .ops import cross_entropy, linear_cross_entropy
 
 STATE_ATTR = "_hubfuse_fused_loss"
+_HEAD_PREVIOUS_FORWARD = "_hubfuse_previous_forward"  # on lm_head: its instance forward before the switch, or None
 _LOSS_ONLY_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 _OPTION_NAMES = ("ignore_index", "label_smoothing", "z_loss_weight", "softcap", "chunk_size", "weight_grad_fp32",
                  "return_logits", "aux_loss_fn")
@@ -73,6 +78,9 @@ def enable_fused_loss(
         state = {"previous_forward": model.__dict__.get("forward")}
         model.__dict__[STATE_ATTR] = state  # plain dict: not a submodule, not a parameter
         model.forward = types.MethodType(can_return_tuple(_fused_causal_lm_forward), model)
+        head = model.lm_head
+        head.__dict__[_HEAD_PREVIOUS_FORWARD] = head.__dict__.get("forward")
+        head.forward = types.MethodType(_lm_head_forward, head)
     state.update(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss_weight=z_loss_weight,
                  softcap=softcap, chunk_size=chunk_size, weight_grad_fp32=weight_grad_fp32,
                  return_logits=return_logits, aux_loss_fn=aux_loss_fn)
@@ -87,7 +95,33 @@ def disable_fused_loss(model):
     del model.forward
     if state["previous_forward"] is not None:
         model.forward = state["previous_forward"]
+    head = model.lm_head
+    del head.forward
+    previous = head.__dict__.pop(_HEAD_PREVIOUS_FORWARD, None)
+    if previous is not None:
+        head.forward = previous
     return model
+
+
+def _lm_head_forward(self, hidden_states, shift_labels=None, *, return_logits: bool = False, **loss_options):
+    """lm_head's forward while the fused loss is on. Without labels: the logits (its previous forward). With the
+    shifted labels: (loss, z_loss, logits or None) of `linear_cross_entropy` over this module's weight."""
+    if shift_labels is None:
+        return _logits(self, hidden_states)
+    loss, z_loss = linear_cross_entropy(
+        hidden_states.reshape(-1, hidden_states.shape[-1]), self.weight, shift_labels.reshape(-1), self.bias,
+        reduction="mean", return_z_loss=True, **loss_options)
+    logits = None
+    if return_logits:
+        with torch.no_grad():
+            logits = _logits(self, hidden_states)
+    return loss, z_loss, logits
+
+
+def _logits(head, hidden_states):
+    previous = head.__dict__.get(_HEAD_PREVIOUS_FORWARD)
+    return previous(hidden_states) if previous is not None else \
+        torch.nn.functional.linear(hidden_states, head.weight, head.bias)
 
 
 def _fused_causal_lm_forward(
@@ -122,15 +156,11 @@ def _fused_causal_lm_forward(
         padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = padded[..., 1:]
     shift_labels = shift_labels.to(hidden_states.device)
-    loss, z_loss = linear_cross_entropy(
-        hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight, shift_labels.reshape(-1),
-        self.lm_head.bias, ignore_index=ignore_index, reduction="mean", label_smoothing=state["label_smoothing"],
-        z_loss_weight=state["z_loss_weight"], softcap=state["softcap"], num_items_in_batch=num_items_in_batch,
-        chunk_size=state["chunk_size"], weight_grad_fp32=state["weight_grad_fp32"], return_z_loss=True)
-    logits = None
-    if state["return_logits"]:
-        with torch.no_grad():
-            logits = self.lm_head(hidden_states)
+    loss, z_loss, logits = self.lm_head(  # through the module: its (FSDP) hooks run
+        hidden_states, shift_labels, return_logits=state["return_logits"], ignore_index=ignore_index,
+        label_smoothing=state["label_smoothing"], z_loss_weight=state["z_loss_weight"], softcap=state["softcap"],
+        num_items_in_batch=num_items_in_batch, chunk_size=state["chunk_size"],
+        weight_grad_fp32=state["weight_grad_fp32"])
 
     if not is_moe:
         out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
