@@ -160,7 +160,8 @@ def _loss_kernel(org, repo, revision, version, trust_remote_code):
 def enable_losses(model, family: str, org: str = ORG, revision: str | None = None, version: int | None = None,
                   trust_remote_code: bool = False, aux_loss_group=None, **ce_options):
     """Switch this model instance to the fused losses: the linear cross-entropy (loss from the last hidden
-    states, no logits when labels are given) and, for MoE families, the fused router aux loss plugged into it.
+    states, no logits when labels are given) and, for MoE families, the fused router aux loss given to it as its
+    `aux_loss_fn`.
 
     Per instance: the class and other instances keep HF's forward. `ce_options` go to the cross-entropy
     kernel's `enable_fused_loss` (e.g. `z_loss_weight`, `return_logits=True`). `aux_loss_group` (MoE, data
@@ -168,20 +169,20 @@ def enable_losses(model, family: str, org: str = ORG, revision: str | None = Non
     that process group (global-batch balancing, see docs/distributed.md); None: per rank, as transformers does.
     Returns the model.
     """
-    fam = _family(family)
     kernel = dict(org=org, revision=revision, version=version, trust_remote_code=trust_remote_code)
+    if _family(family) in MOE_FAMILIES:
+        lbl = _loss_kernel(repo="load-balancing-loss", **kernel)
+        ce_options.setdefault("aux_loss_fn", lbl.load_balancing_loss_func if aux_loss_group is None
+                              else lbl.group_load_balancing_loss_func(aux_loss_group))
     _loss_kernel(repo="cross-entropy", **kernel).enable_fused_loss(model, **ce_options)
-    if fam in MOE_FAMILIES:  # after enable_fused_loss: it fills that hook's aux_loss_fn slot
-        _loss_kernel(repo="load-balancing-loss", **kernel).enable_fused_aux_loss(model, group=aux_loss_group)
     return model
 
 
 def disable_losses(model, family: str, org: str = ORG, revision: str | None = None, version: int | None = None,
                    trust_remote_code: bool = False):
     """Undo `enable_losses` on this instance. Returns the model."""
+    _family(family)
     kernel = dict(org=org, revision=revision, version=version, trust_remote_code=trust_remote_code)
-    if _family(family) in MOE_FAMILIES:
-        _loss_kernel(repo="load-balancing-loss", **kernel).disable_fused_aux_loss(model)
     _loss_kernel(repo="cross-entropy", **kernel).disable_fused_loss(model)
     return model
 
@@ -219,9 +220,9 @@ def eager_to_kernelized(eager: dict, kernelized_names) -> dict:
 
 def bound_kernels(model) -> dict[str, int]:
     """What runs hubfuse kernels in `model`: "<module class>-><kernel layer>" -> the number of submodules whose
-    forward kernelize bound to that layer, the process-wide RoPE function of Llama / Qwen2 if bound, and the
-    per-instance fused losses (`enable_losses`)."""
-    import importlib
+    forward kernelize bound to that layer, and the per-instance fused losses (`enable_losses`, read through the
+    cross-entropy kernel's `fused_loss_options`)."""
+    import sys
 
     counts: dict[str, int] = {}
     for name, module in model.named_modules():
@@ -229,16 +230,14 @@ def bound_kernels(model) -> dict[str, int]:
         if name and func is not None and func is not type(module).forward:
             key = f"{type(module).__name__}->{func.__qualname__.split('.')[0]}"
             counts[key] = counts.get(key, 0) + 1
-    family = model.config.model_type
-    if family in ("llama", "qwen2"):  # their preset binds the `rotary_pos_emb` hub function
-        rope = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
-        forward = rope.__dict__.get("forward")
-        if forward is not None:
-            counts[f"apply_rotary_pos_emb->{forward.__func__.__qualname__.split('.')[0]} (process-wide)"] = 1
-    for attr, key in (("_hubfuse_fused_loss", "loss->linear_cross_entropy"),
-                      ("_hubfuse_fused_aux_loss", "aux loss->load_balancing_loss")):
-        if attr in model.__dict__:
-            counts[key] = 1
+    # the instance forward's module is the cross-entropy kernel's integration module when the fused loss is on
+    loss_hook = sys.modules.get(getattr(getattr(model.__dict__.get("forward"), "__func__", None), "__module__", ""))
+    options = getattr(loss_hook, "fused_loss_options", lambda _: None)(model)
+    if options is not None:
+        counts["loss->linear_cross_entropy"] = 1
+        if getattr(options["aux_loss_fn"], "__name__", None) == "load_balancing_loss_func" and \
+                "load_balancing_loss" in options["aux_loss_fn"].__module__:
+            counts["aux loss->load_balancing_loss"] = 1
     return counts
 
 
