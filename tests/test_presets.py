@@ -160,6 +160,36 @@ def test_later_plain_load_is_untouched(model_dirs):
         assert bound_layers(model) == EXPECTED_BOUND[family]
 
 
+def _stock_step(model, batch):
+    """Logits, loss and every gradient of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return [out.logits.detach(), out.loss.detach()] + [p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_models_beside_a_kernelized_one_run_stock_code(family, model_dirs):
+    """Every preset binds per instance: plain models of the same class, loaded before and after a kernelized one in
+    the same process, in float64 and float32, run stock transformers code: logits, loss and gradients bitwise equal
+    to those of the plain model run before anything was kernelized. (The Llama / Qwen2 presets used to bind the
+    RoPE kernel to the family's module-global `apply_rotary_pos_emb`: a later plain Llama in float64 raised.)"""
+    path, dtypes = model_dirs[family], (torch.float64, torch.float32)
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    before = {dtype: load(path, dtype=dtype) for dtype in dtypes}
+    reference = {dtype: _stock_step(before[dtype], batch) for dtype in dtypes}
+    ours = _kernelized(path, family)
+    ours(**batch).loss.backward()
+    assert bound_layers(ours) == EXPECTED_BOUND[family]
+    after = {dtype: load(path, dtype=dtype) for dtype in dtypes}
+    for dtype in dtypes:
+        for when, plain in (("before", before[dtype]), ("after", after[dtype])):
+            assert not any("forward" in m.__dict__ for m in plain.modules()), (when, dtype)
+            assert not any(type(m).__name__.endswith("Layout") for m in plain.modules()), (when, dtype)
+            for got, want in zip(_stock_step(plain, batch), reference[dtype], strict=True):
+                torch.testing.assert_close(got, want, atol=0, rtol=0, msg=lambda m: f"{when} {dtype}: {m}")
+
+
 def test_preset_names_and_options(monkeypatch):
     # local builds (LOCAL_KERNELS, set by the module fixture) get revision "v1", the hub version 1
     assert presets.kernel_mapping("qwen3")["^Qwen3Attention$"] == \

@@ -67,8 +67,9 @@ def _all_modes():
     return (Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE)
 
 
-# States captured at the start of a hubfuse-kernelized load and not yet restored: a load that failed after the
-# registration returned (while reading the checkpoint). The next kernelized load restores them before starting.
+# States captured at the start of a hubfuse-kernelized load and not yet restored: the load in progress, or one that
+# failed after the registration returned (while reading the checkpoint). The next kernelized load restores those
+# before starting.
 _UNFINISHED: list[private.GlobalState] = []
 
 
