@@ -278,6 +278,7 @@ class KernelConfig(transformers.KernelConfig):
         """The start of a kernelized `from_pretrained` of `cls` (from the registration hook, before transformers
         registers anything): resolve and check the mapping for this model, capture the global state."""
         self.kernel_mapping = self._start_load(cls, config)  # raises before anything global is touched
+        self.registered_layer_names = {}
         self._pending_state = private.GlobalState()  # restored on failure, and on success if clean_global_state
         _UNFINISHED.append(self._pending_state)
 
@@ -296,7 +297,7 @@ class KernelConfig(transformers.KernelConfig):
                 raise ValueError("hubfuse.KernelConfig: cannot tell which model is being loaded (no config.model_type);"
                                  " pass KernelConfig(family=...) or an explicit mapping")
             family = presets.family_of(self._family or model_type, None if self._family else model_name)
-        mapping = self.kernel_mapping
+        mapping = self._user_mapping  # not `kernel_mapping`: a load that failed late left transformers' rewrite there
         if self._preset:
             mapping = presets.kernel_mapping(family, **self._source)
         elif not self.use_local_kernel:
