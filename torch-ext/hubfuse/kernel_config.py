@@ -246,7 +246,7 @@ class KernelConfig(transformers.KernelConfig):
       clone's builds: `local=True` (or `hubfuse.use_local_builds()` once) builds every repo and points
       LOCAL_KERNELS at them; presets then ask for `revision="v1"`.
     - `clean_global_state=False` keeps transformers' stock behaviour of leaving the patch and conversion
-      mappings registered after the load. `inherit_mapping` defaults to False (stock: True): only the kernels
+      mappings registered after a load that succeeds (one that raises is still undone, see the module docstring). `inherit_mapping` defaults to False (stock: True): only the kernels
       you list are bound, instead of also pulling transformers' default hub kernels for every other hooked
       layer on CUDA (a network fetch at load time, and numerics you did not ask for).
     """
@@ -290,7 +290,7 @@ class KernelConfig(transformers.KernelConfig):
 
         model_type = getattr(config, "model_type", None) or getattr(getattr(cls, "config_class", None),
                                                                     "model_type", None)
-        model_name = cls.__name__ if cls is not None else "the model"
+        model_name = cls.__name__
         family = None
         if self._preset or self._losses:
             if self._family is None and model_type is None:
@@ -314,7 +314,7 @@ class KernelConfig(transformers.KernelConfig):
         anchored = anchor_hub_name_keys(mapping, self.use_local_kernel, {k: layout for k, (_, layout) in loaded.items()})
         entries = [_Entry(user_key, key, value, *loaded[user_key])
                    for (user_key, value), key in zip(mapping.items(), anchored)]
-        if cls is not None and entries:
+        if entries:
             namespace = _model_namespace(cls)
             if not any(e.matches_statically(namespace) for e in entries):
                 raise ValueError(self._binds_nothing(model_name, model_type, entries, family))
