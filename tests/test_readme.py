@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 
 import hubfuse
-from tests.utils import restore_rope_functions, rope_function, save_tiny_model
+from tests.utils import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "CARD.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("kernel_repos/*/CARD.md"))]
 MARKER = re.compile(r"<!--\s*(not run|ckpt):\s*(.*?)\s*-->")
 TINY = {"qwen3_moe": dict(output_router_logits=True, mlp_only_layers=[1]),
         "qwen3_5_moe_text": dict(output_router_logits=True)}
-ROPE_FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")
 
 
 def blocks(text: str):
@@ -66,9 +65,6 @@ def checkpoints(tmp_path_factory):
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # outputs of the examples (trainer dirs) land here
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the documented CPU path: torch reference
-    saved = {f: rope_function(f).__dict__.get("forward") for f in ROPE_FAMILIES}
-    yield
-    restore_rope_functions(saved)  # a Llama / Qwen2 example binds the RoPE hub function process-wide
 
 
 def test_every_document_has_runnable_blocks():

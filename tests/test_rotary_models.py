@@ -1,8 +1,10 @@
-"""Rotary kernels through transformers: tiny Qwen3 / Qwen3-MoE / Qwen3.5-MoE loaded with hubfuse.KernelConfig.
+"""Rotary kernels through transformers: tiny Qwen3 / Qwen3-MoE / Qwen3.5-MoE / Llama / Qwen2 loaded with
+hubfuse.KernelConfig.
 
 - hub function name `rotary_pos_emb` (stateless `RotaryPosEmb`) for Qwen3 / Qwen3-MoE / Llama / Qwen2;
-- attention Layouts (`QKNormRopeAttention` for Qwen3 / Qwen3-MoE, `GatedQKNormRopeAttention` for Qwen3.5-MoE)
-  that fuse q_norm + k_norm + RoPE into one kernel.
+- attention Layouts: `QKNormRopeAttention` for Qwen3 / Qwen3-MoE and `GatedQKNormRopeAttention` for Qwen3.5-MoE
+  (q_norm + k_norm + RoPE in one kernel), `RopeAttention` for Llama / Qwen2 (RoPE on q and k in one launch;
+  Qwen2's biased q/k/v projections).
 Logits and every gradient against a plain eager load (eval and train), greedy generation with the KV cache
 equal to eager for 16 new tokens, save_pretrained round trip, torch.compile(fullgraph=True).
 On CPU the kernels run under the Triton interpreter (root conftest sets TRITON_INTERPRET=1).
@@ -19,10 +21,13 @@ LAYOUT_MAPPINGS = {
     "qwen3": {"^Qwen3Attention$": hub("rotary", "QKNormRopeAttention")},
     "qwen3_moe": {"^Qwen3MoeAttention$": hub("rotary", "QKNormRopeAttention")},
     "qwen3_5_moe_text": {"^Qwen3_5MoeAttention$": hub("rotary", "GatedQKNormRopeAttention")},
+    "llama": {"^LlamaAttention$": hub("rotary", "RopeAttention")},
+    "qwen2": {"^Qwen2Attention$": hub("rotary", "RopeAttention")},
 }
 LAYOUT_LAYER = {"qwen3": "QKNormRopeAttention", "qwen3_moe": "QKNormRopeAttention",
-                "qwen3_5_moe_text": "GatedQKNormRopeAttention"}
-EXPECTED_ATTENTION = {"qwen3": 2, "qwen3_moe": 2, "qwen3_5_moe_text": 1}  # tiny models: 2 layers (3.5: 1 full-attn)
+                "qwen3_5_moe_text": "GatedQKNormRopeAttention", "llama": "RopeAttention", "qwen2": "RopeAttention"}
+# tiny models: 2 layers (3.5: 1 full-attention layer)
+EXPECTED_ATTENTION = {"qwen3": 2, "qwen3_moe": 2, "qwen3_5_moe_text": 1, "llama": 2, "qwen2": 2}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,7 +118,7 @@ def test_layout_reference_forward_matches_eager(family, model_dirs):
 
 
 @pytest.mark.parametrize("style", ["hub_name", "layout"])
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5_moe_text", "qwen2"])
 def test_greedy_generation_with_kv_cache_matches_eager(family, style, model_dirs):
     if style == "hub_name" and family not in ROPE_FAMILIES:
         pytest.skip("Qwen3.5-MoE's apply_rotary_pos_emb has no hub name: only the Layout reaches it")
@@ -182,7 +187,8 @@ def test_umbrella_kernel_serves_the_same_layers(model_dirs):
     assert_parity(load(path).train(), ours, make_batch(tiny_config("qwen3_5_moe_text").vocab_size))
 
 
-@pytest.mark.parametrize("family, style", [("qwen3", "layout"), ("qwen3_5_moe_text", "layout"), ("qwen3", "hub_name")])
+@pytest.mark.parametrize("family, style", [("qwen3", "layout"), ("qwen3_5_moe_text", "layout"), ("qwen2", "layout"),
+                                           ("qwen3", "hub_name")])
 def test_torch_compile_fullgraph_over_kernelized_model(family, style, model_dirs):
     torch._dynamo.reset()
     path = model_dirs[family]

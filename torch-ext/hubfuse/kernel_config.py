@@ -20,10 +20,26 @@ This subclass takes the same mapping forms and fixes all four (hub-name keys sel
 transformers registered under that name): it registers every kernel for every mode
 (inference, training, and their torch.compile forms), accepts cpu, binds a private copy of the compiled
 mapping to the model (so the user's object can be reused), and restores the global state it found once the
-model is built. A load that raises restores it before the exception reaches the caller: creating a
-hubfuse.KernelConfig wraps `PreTrainedModel.from_pretrained` once per process (`_guard_from_pretrained`; loads
-without a hubfuse.KernelConfig run unchanged through it). `restore_global_state()` / `kernel_state_snapshot()`
-are also exported for manual use.
+model is built.
+
+How a load is seen. transformers calls no `KernelConfig` method with the model class or config, and has no hook on
+failure. The one call that carries them, `register_kernel_replacements_and_fusions(cls, config, kernel_config)`,
+is hooked (`_transformers_private.install_kernel_registration_hook`, installed once per process when a
+hubfuse.KernelConfig is created; `PreTrainedModel.from_pretrained` stays the stock object, and a load with another
+kernel config runs the stock registration). There the mapping is resolved for the model (the preset of
+`config.model_type`), the global state is captured, transformers registers the entries, and the model is built
+once on the meta device with the patches applied (as transformers does for fusion keys), so that a Layout that
+cannot be built raises there.
+
+A load that fails (trade-off of having no failure hook):
+- while resolving, registering or building the model (a bad mapping, a missing layer, a Layout that cannot be
+  built from the class it replaces, a 1-to-1 Layout combined with a fusion): the global state is restored before
+  the exception reaches the caller;
+- later, while reading the checkpoint (a size mismatch): transformers gives no control back, so its
+  registrations stay until the next kernelized load starts (which restores them first) or until
+  `restore_global_state()` exits. Wrap a load that may fail that way in `with hubfuse.restore_global_state():`
+  when a plain load of the same architecture follows in the process.
+`restore_global_state()` / `kernel_state_snapshot()` are also exported for manual use.
 
 On top of that, for the user: `KernelConfig()` with no mapping is the preset of the family being loaded
 (`config.model_type`, read when the load starts) with the fused losses switched on once the model is built; every
@@ -34,7 +50,6 @@ a mapping that binds nothing raises; hub layers the mapping leaves out are regis
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import re
 import sys
@@ -43,6 +58,8 @@ from contextlib import contextmanager
 import transformers
 from transformers.utils.kernel_config import infer_device
 
+from . import _transformers_private as private
+
 
 def _all_modes():
     from kernels import Mode
@@ -50,52 +67,10 @@ def _all_modes():
     return (Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE)
 
 
-class _GlobalState:
-    """What a kernelized `from_pretrained` mutates in transformers, captured so it can be put back."""
-
-    def __init__(self):
-        from transformers import conversion_mapping, monkey_patching
-
-        conversion_mapping.get_checkpoint_conversion_mapping("llama")  # make sure the cache exists
-        self.patch_mapping = monkey_patching.get_patch_mapping()
-        self.conversions = dict(conversion_mapping._checkpoint_conversion_mapping_cache)
-        self.user_registered = set(conversion_mapping.USER_REGISTERED_MAPPINGS)
-        self.recorders = _snapshot_output_recorders()
-        # `apply_patches` swaps classes in transformers' modules and has no try/finally: a load that fails
-        # while building the model leaves them swapped. Keep the originals to put back.
-        self.module_classes = {name: {k: v for k, v in vars(module).items() if isinstance(v, type)}
-                               for name, module in list(sys.modules.items())
-                               if name.startswith("transformers") and module is not None}
-
-    def restore(self):
-        from transformers import conversion_mapping, monkey_patching
-
-        with monkey_patching._monkey_patch_lock:
-            monkey_patching._monkey_patch_mapping_cache.clear()
-            monkey_patching._monkey_patch_mapping_cache.update(self.patch_mapping)
-        conversion_mapping._checkpoint_conversion_mapping_cache = dict(self.conversions)
-        conversion_mapping.USER_REGISTERED_MAPPINGS.clear()
-        conversion_mapping.USER_REGISTERED_MAPPINGS.update(self.user_registered)
-        for cls, entries in self.recorders:
-            recorders = cls.__dict__["_can_record_outputs"]
-            recorders.clear()
-            for key, (value, targets) in entries.items():
-                for recorder, target in targets:
-                    recorder.target_class = target
-                recorders[key] = value
-        for name, classes in self.module_classes.items():
-            module = sys.modules.get(name)
-            if module is None:
-                continue
-            for attr, cls in classes.items():
-                if vars(module).get(attr) is not cls:
-                    setattr(module, attr, cls)
-
-
-# States captured at the start of a kernelized load and not yet restored. The `from_pretrained` guard restores
-# them when a load raises; the next load (through any hubfuse.KernelConfig) also restores any left before
-# starting (a load that did not go through the guard).
-_UNFINISHED: list[_GlobalState] = []
+# States captured at the start of a hubfuse-kernelized load and not yet restored: the load in progress, or one that
+# failed after the registration returned (while reading the checkpoint). The next kernelized load restores those
+# before starting.
+_UNFINISHED: list[private.GlobalState] = []
 
 
 def _recover_from_failed_loads():
@@ -103,56 +78,30 @@ def _recover_from_failed_loads():
         _UNFINISHED.pop().restore()  # the oldest is restored last: it holds the state before all of them
 
 
-def _guard_from_pretrained():
-    """Wrap `PreTrainedModel.from_pretrained` (once per process): a load given a hubfuse.KernelConfig that raises
-    restores transformers' global state, and the config's own mapping, before the exception propagates.
+def _build_on_meta(cls, config) -> None:
+    """Build the model on the meta device with the registered patches applied: a Layout that cannot be built
+    raises here, inside the registration hook, where the global state can still be put back."""
+    import torch
+    from transformers.monkey_patching import apply_patches
 
-    transformers registers the class patches and conversion mappings before it builds the model and has no
-    try/finally around the build or the checkpoint load, so there is no hook inside the load to do it from.
-    Loads without a hubfuse.KernelConfig call the stock function unchanged."""
-    from transformers import PreTrainedModel
-
-    stock = PreTrainedModel.__dict__["from_pretrained"].__func__
-    if getattr(stock, "_hubfuse_guard", False):
-        return
-
-    @functools.wraps(stock)
-    def from_pretrained(cls, *args, **kwargs):
-        kernel_config = kwargs.get("kernel_config")
-        if not isinstance(kernel_config, KernelConfig):
-            return stock(cls, *args, **kwargs)
-        try:
-            return stock(cls, *args, **kwargs)
-        except BaseException:
-            kernel_config._abort_load()
-            raise
-
-    from_pretrained._hubfuse_guard = True
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    with apply_patches(), torch.device("meta"):
+        cls(copy.deepcopy(config))
 
 
-def _snapshot_output_recorders():
-    """(class, {output: (recorder value, [(OutputRecorder, target_class)])}) for every loaded HF model class.
-
-    `patch_output_recorders` edits these class-level dicts (and the OutputRecorder objects in them) in place.
-    """
-    from transformers.utils.output_capturing import OutputRecorder
-
-    snapshot = []
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("transformers.models.") or module is None:
-            continue
-        for obj in list(vars(module).values()):
-            recorders = obj.__dict__.get("_can_record_outputs") if isinstance(obj, type) else None
-            if not isinstance(recorders, dict):
-                continue
-            entries = {}
-            for key, value in recorders.items():
-                items = value if isinstance(value, list) else [value]
-                targets = [(r, r.target_class) for r in items if isinstance(r, OutputRecorder)]
-                entries[key] = (list(value) if isinstance(value, list) else value, targets)
-            snapshot.append((obj, entries))
-    return snapshot
+def _registration_hook(register, cls, config, kernel_config):
+    """Called by `from_pretrained` in place of `register_kernel_replacements_and_fusions` (see
+    `_transformers_private`): leftovers of a failed load are restored first; a hubfuse.KernelConfig resolves its
+    mapping for `cls` / `config`, and a failure while registering or building the model restores the state."""
+    _recover_from_failed_loads()
+    if not isinstance(kernel_config, KernelConfig):
+        return register(cls, config, kernel_config)
+    kernel_config._begin_load(cls, config)  # raises before anything global is touched
+    try:
+        register(cls, config, kernel_config)
+        _build_on_meta(cls, config)
+    except BaseException:
+        kernel_config._abort_load()
+        raise
 
 
 def _hub_name_classes(hub_name: str) -> list[str]:
@@ -246,19 +195,6 @@ class _Entry:
         return any(isinstance(m, self.layout) for m in model.modules())
 
 
-def _loading_model(frame):
-    """(model class, config) of the `from_pretrained` that is reading the mapping: the caller's locals
-    (`register_kernel_replacements_and_fusions(cls, config, kernel_config)` in transformers 5.22)."""
-    for _ in range(4):
-        if frame is None:
-            break
-        cls, config = frame.f_locals.get("cls"), frame.f_locals.get("config")
-        if isinstance(cls, type) and hasattr(cls, "config_class") and config is not None:
-            return cls, config
-        frame = frame.f_back
-    return None, None
-
-
 def _model_namespace(cls) -> dict:
     """The module that defines the model class: its classes (what the class-name keys can patch) and hub
     functions. Wrappers made at run time (FSDP2's `FSDP<Model>`) are skipped for the class they wrap."""
@@ -273,13 +209,14 @@ def _model_namespace(cls) -> dict:
 
 def kernel_state_snapshot():
     """Capture transformers' global kernel/patch/conversion state; call `.restore()` to put it back."""
-    return _GlobalState()
+    return private.GlobalState()
 
 
 @contextmanager
 def restore_global_state():
-    """Context manager: whatever a kernelized load registers inside is undone on exit."""
-    state = _GlobalState()
+    """Context manager: whatever a kernelized load registers inside is undone on exit, also when the load raises
+    while reading the checkpoint (see the module docstring)."""
+    state = private.GlobalState()
     try:
         yield
     finally:
@@ -309,7 +246,7 @@ class KernelConfig(transformers.KernelConfig):
       clone's builds: `local=True` (or `hubfuse.use_local_builds()` once) builds every repo and points
       LOCAL_KERNELS at them; presets then ask for `revision="v1"`.
     - `clean_global_state=False` keeps transformers' stock behaviour of leaving the patch and conversion
-      mappings registered after the load. `inherit_mapping` defaults to False (stock: True): only the kernels
+      mappings registered after a load that succeeds (one that raises is still undone, see the module docstring). `inherit_mapping` defaults to False (stock: True): only the kernels
       you list are bound, instead of also pulling transformers' default hub kernels for every other hooked
       layer on CUDA (a network fetch at load time, and numerics you did not ask for).
     """
@@ -335,31 +272,15 @@ class KernelConfig(transformers.KernelConfig):
         self._clean_global_state = clean_global_state
         self._load = None  # what the load in progress resolved (entries, family, losses)
         super().__init__(copy.deepcopy(self._user_mapping), use_local_kernel, inherit_mapping)
-        _guard_from_pretrained()
+        private.install_kernel_registration_hook(_registration_hook)
 
-    # transformers reads `kernel_mapping` first thing in `from_pretrained` (before it registers patches and
-    # builds the model): that read is our hook to resolve the mapping for the model being loaded, check it,
-    # capture the global state the load is about to change, and anchor hub-name keys.
-    @property
-    def kernel_mapping(self):
-        # Only transformers' own first read of a fresh mapping starts a load; a user inspecting the mapping
-        # sees it unchanged.
-        frame = sys._getframe(1)
-        if self.__dict__.get("_fresh", False) and frame.f_globals.get("__name__", "").startswith("transformers."):
-            mapping = self._start_load(*_loading_model(frame))  # raises before anything global is touched
-            self._fresh = False
-            if self._clean_global_state and self._pending_state is None:
-                _recover_from_failed_loads()
-                self._pending_state = _GlobalState()
-                _UNFINISHED.append(self._pending_state)
-            self.__dict__["_kernel_mapping"] = mapping
-        return self.__dict__["_kernel_mapping"]
-
-    @kernel_mapping.setter
-    def kernel_mapping(self, value):
-        self.__dict__["_kernel_mapping"] = value
-        if value == self.__dict__.get("_user_mapping"):
-            self._fresh = True
+    def _begin_load(self, cls, config):
+        """The start of a kernelized `from_pretrained` of `cls` (from the registration hook, before transformers
+        registers anything): resolve and check the mapping for this model, capture the global state."""
+        self.kernel_mapping = self._start_load(cls, config)  # raises before anything global is touched
+        self.registered_layer_names = {}
+        self._pending_state = private.GlobalState()  # restored on failure, and on success if clean_global_state
+        _UNFINISHED.append(self._pending_state)
 
     def _start_load(self, cls, config) -> dict:
         """Resolve and check the mapping for the model about to be built (nothing global is touched yet): the
@@ -369,14 +290,14 @@ class KernelConfig(transformers.KernelConfig):
 
         model_type = getattr(config, "model_type", None) or getattr(getattr(cls, "config_class", None),
                                                                     "model_type", None)
-        model_name = cls.__name__ if cls is not None else "the model"
+        model_name = cls.__name__
         family = None
         if self._preset or self._losses:
             if self._family is None and model_type is None:
                 raise ValueError("hubfuse.KernelConfig: cannot tell which model is being loaded (no config.model_type);"
                                  " pass KernelConfig(family=...) or an explicit mapping")
             family = presets.family_of(self._family or model_type, None if self._family else model_name)
-        mapping = self.__dict__["_kernel_mapping"]
+        mapping = self._user_mapping  # not `kernel_mapping`: a load that failed late left transformers' rewrite there
         if self._preset:
             mapping = presets.kernel_mapping(family, **self._source)
         elif not self.use_local_kernel:
@@ -393,7 +314,7 @@ class KernelConfig(transformers.KernelConfig):
         anchored = anchor_hub_name_keys(mapping, self.use_local_kernel, {k: layout for k, (_, layout) in loaded.items()})
         entries = [_Entry(user_key, key, value, *loaded[user_key])
                    for (user_key, value), key in zip(mapping.items(), anchored)]
-        if cls is not None and entries:
+        if entries:
             namespace = _model_namespace(cls)
             if not any(e.matches_statically(namespace) for e in entries):
                 raise ValueError(self._binds_nothing(model_name, model_type, entries, family))
@@ -422,8 +343,7 @@ class KernelConfig(transformers.KernelConfig):
         from . import presets
 
         if self._load is None:  # set_use_kernels(True, config) on a built model: no load start was seen
-            self._fresh = False
-            self.__dict__["_kernel_mapping"] = self._start_load(type(model), model.config)
+            self.kernel_mapping = self._start_load(type(model), model.config)
         self.store_registered_layer_names(model)
         registered = set(self.registered_layer_names.values())
         entries, namespace = self._load["entries"], _model_namespace(type(model))
@@ -481,17 +401,16 @@ class KernelConfig(transformers.KernelConfig):
         # The model keeps its own compiled copy (used again on every train()/eval()); this object goes back
         # to the user's mapping so it can serve another load.
         bound = copy.copy(self)
-        bound.__dict__["_kernel_mapping"] = compatible
-        bound._fresh = False
+        bound.kernel_mapping = compatible
         bound._pending_state = None
         bound._load = None
         model.kernel_config = bound
         self._finish_load(model)
 
     def _abort_load(self):
-        """After a load that raised, or one this config refused once the model was built: the global state as it
-        was before (with any other load's left behind), and the user's mapping back (so this object can serve
-        another load)."""
+        """After a load that raised while registering or building, or one this config refused once the model was
+        built: the global state as it was before (with any other load's left behind), and the user's mapping back
+        (so this object can serve another load)."""
         self._pending_state = None
         self._load = None
         self.registered_layer_names = {}
@@ -506,13 +425,11 @@ class KernelConfig(transformers.KernelConfig):
         if state is not None:
             if state in _UNFINISHED:
                 _UNFINISHED.remove(state)
-            # Output-capturing hooks read the (patched) class-level recorders when first installed: install them
-            # on this model now, then give the classes their original recorders back.
-            from transformers.utils.output_capturing import install_all_output_capturing_hooks
-
-            if not getattr(model, "_output_capturing_hooks_installed", False):
-                install_all_output_capturing_hooks(model)
-            state.restore()
+            if self._clean_global_state:
+                # Output-capturing hooks read the (patched) class-level recorders when first installed: install
+                # them on this model now, then give the classes their original recorders back.
+                private.install_output_capturing_hooks(model)
+                state.restore()
         if load is not None and load["losses"] and (self._losses or _has_lm_head(model)):
             from . import presets
 

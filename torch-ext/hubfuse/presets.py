@@ -24,23 +24,24 @@ hidden 4096, intermediate 12288):
   checkpoint keys). The other norms (input_layernorm, final norm) keep the `RMSNorm` hub kernel.
 - MoE families: the fusion needs a dense MLP under every decoder layer, so sparse models use the 1-to-1
   `SwiGLUMLP` Layout on their dense MLP class (Qwen3-MoE `mlp_only_layers`, Qwen3.5-MoE's shared expert).
-- Qwen3 / Qwen3-MoE / Qwen3.5-MoE attention: the attention Layouts (`QKNormRopeAttention`,
-  `GatedQKNormRopeAttention`) read each q/k head once for q_norm + k_norm + RoPE, instead of three passes
-  (two `RMSNorm` launches and a `rotary_pos_emb` launch). With them the `rotary_pos_emb` hub kernel would
-  never be called, so it is left out: it is also a process-wide binding (it patches the model family's
-  module-global `apply_rotary_pos_emb`, see kernel_repos/rotary/CARD.md), while a Layout is per instance.
+- Attention: Layouts, bound per model instance. Qwen3 / Qwen3-MoE / Qwen3.5-MoE (`QKNormRopeAttention`,
+  `GatedQKNormRopeAttention`) read each q/k head once for q_norm + k_norm + RoPE, instead of three passes (two
+  `RMSNorm` launches and a RoPE launch). Llama / Qwen2 (no q/k norm: `RopeAttention`) run RoPE on q and k in one
+  launch. The `rotary_pos_emb` hub name is never used by a preset: it binds the kernel to the family's
+  module-global `apply_rotary_pos_emb`, so every later model of that family in the process would run it too (see
+  kernel_repos/rotary/CARD.md); a Layout changes only the model it is loaded into.
 - Qwen3.5-MoE linear attention: the `GatedDeltaNet` Layout (conv, gates, l2norm and the chunked rule fused,
   gated norm included) rather than the process-wide function hub names (`chunk_gated_delta_rule`,
   `causal_conv1d_fn`, ...). Its gated norm runs inside it, so the `RMSNormGated` entry binds no module there
   (kept for models without the Layout).
 
+Every preset therefore binds per model instance: a plain model of the same class, loaded before or after a
+kernelized one in the same process, runs stock transformers code.
+
 Keys are anchored class-name regexes wherever the kernel ships a Layout: transformers treats a string key whose
 kernel has a Layout as a regex over class names (`re.search`), so a bare "RMSNorm" would also swap every other
-class whose name contains it. Only `SoftmaxTopKRouter` (no Layout) and `rotary_pos_emb` (a function) are hub
-names.
-- Llama / Qwen2 have no q/k norm, so no attention Layout applies: their RoPE goes through the hub name
-  `rotary_pos_emb`, which is process-wide (every later Llama/Qwen2 model in the process runs it too; the
-  kernel is HF-exact, so only speed changes). `kernel_mapping(..., rope=False)` leaves it out.
+class whose name contains it. Only `SoftmaxTopKRouter` (no Layout) is a hub name: it binds to the classes
+transformers registered under it, which only Qwen3.5-MoE has.
 
 This module imports nothing beyond the standard library at import time (the umbrella hub kernel ships it).
 """
@@ -76,16 +77,13 @@ def family_of(model_type: str, model: str | None = None) -> str:
     return _family(model_type, model)
 
 
-def _layers(family: str, rope: bool, fuse_norm_mlp: bool = True) -> dict:
+def _layers(family: str, fuse_norm_mlp: bool = True) -> dict:
     """KernelConfig key -> (kernel repo, layer) for one family."""
     fam = _family(family)
     if fam in ("qwen3", "llama", "qwen2"):
         prefix = {"qwen3": "Qwen3", "llama": "Llama", "qwen2": "Qwen2"}[fam]
         layers = {f"^{prefix}RMSNorm$": ("rmsnorm", "RMSNorm")}
-        if fam == "qwen3":
-            layers["^Qwen3Attention$"] = ("rotary", "QKNormRopeAttention")
-        elif rope:
-            layers["rotary_pos_emb"] = ("rotary", "RotaryPosEmb")  # process-wide (see the module docstring)
+        layers[f"^{prefix}Attention$"] = ("rotary", "QKNormRopeAttention" if fam == "qwen3" else "RopeAttention")
         if fuse_norm_mlp:
             layers[FUSION_KEY] = ("swiglu", "RMSNormSwiGLUMLP")
         else:  # keeps the decoder layer class (FSDP wrap policies by class name), slightly slower
@@ -123,24 +121,23 @@ def _meta(repo_id: str, revision, version, trust_remote_code: bool = False) -> d
 
 
 def kernel_mapping(family: str, org: str = ORG, revision: str | None = None, version: int | None = None, *,
-                   rope: bool = True, fuse_norm_mlp: bool = True, trust_remote_code: bool = False) -> dict:
+                   fuse_norm_mlp: bool = True, trust_remote_code: bool = False) -> dict:
     """The `KernelConfig` mapping that turns on every hubfuse kernel applying to `family`.
 
     `revision` wins over `version`; with neither, each repo gets `revision="v1"` if it is a local build
-    (LOCAL_KERNELS, `hubfuse.use_local_builds()`) and `version=1` otherwise. `rope=False` leaves out
-    the process-wide `rotary_pos_emb` hub kernel of Llama / Qwen2 (the other families never use it).
+    (LOCAL_KERNELS, `hubfuse.use_local_builds()`) and `version=1` otherwise.
     `fuse_norm_mlp=False` (dense families) uses the 1-to-1 `SwiGLUMLP` Layout instead of the RMSNorm+MLP
     fusion: the fusion subclasses the decoder layer (`FusedQwen3DecoderLayer`), which wrap policies that look
     layers up by class name (accelerate's FSDP `transformer_cls_names_to_wrap` from `_no_split_modules`) miss.
     Pass the result to `hubfuse.KernelConfig` (training, CPU) or transformers' own (CUDA inference).
     """
     return {key: (f"{org}/{repo}:{layer}", _meta(f"{org}/{repo}", revision, version, trust_remote_code))
-            for key, (repo, layer) in _layers(family, rope, fuse_norm_mlp).items()}
+            for key, (repo, layer) in _layers(family, fuse_norm_mlp).items()}
 
 
-def kernel_repos(family: str, rope: bool = True) -> tuple[str, ...]:
+def kernel_repos(family: str) -> tuple[str, ...]:
     """The kernel repos (names under the org) a family's preset and loss hooks use."""
-    repos = {repo for repo, _ in _layers(family, rope).values()} | {"cross-entropy"}
+    repos = {repo for repo, _ in _layers(family).values()} | {"cross-entropy"}
     if _family(family) in MOE_FAMILIES:
         repos.add("load-balancing-loss")
     return tuple(sorted(repos))
@@ -163,7 +160,8 @@ def _loss_kernel(org, repo, revision, version, trust_remote_code):
 def enable_losses(model, family: str, org: str = ORG, revision: str | None = None, version: int | None = None,
                   trust_remote_code: bool = False, aux_loss_group=None, **ce_options):
     """Switch this model instance to the fused losses: the linear cross-entropy (loss from the last hidden
-    states, no logits when labels are given) and, for MoE families, the fused router aux loss plugged into it.
+    states, no logits when labels are given) and, for MoE families, the fused router aux loss given to it as its
+    `aux_loss_fn`.
 
     Per instance: the class and other instances keep HF's forward. `ce_options` go to the cross-entropy
     kernel's `enable_fused_loss` (e.g. `z_loss_weight`, `return_logits=True`). `aux_loss_group` (MoE, data
@@ -171,20 +169,20 @@ def enable_losses(model, family: str, org: str = ORG, revision: str | None = Non
     that process group (global-batch balancing, see docs/distributed.md); None: per rank, as transformers does.
     Returns the model.
     """
-    fam = _family(family)
     kernel = dict(org=org, revision=revision, version=version, trust_remote_code=trust_remote_code)
+    if _family(family) in MOE_FAMILIES:
+        lbl = _loss_kernel(repo="load-balancing-loss", **kernel)
+        ce_options.setdefault("aux_loss_fn", lbl.load_balancing_loss_func if aux_loss_group is None
+                              else lbl.group_load_balancing_loss_func(aux_loss_group))
     _loss_kernel(repo="cross-entropy", **kernel).enable_fused_loss(model, **ce_options)
-    if fam in MOE_FAMILIES:  # after enable_fused_loss: it fills that hook's aux_loss_fn slot
-        _loss_kernel(repo="load-balancing-loss", **kernel).enable_fused_aux_loss(model, group=aux_loss_group)
     return model
 
 
 def disable_losses(model, family: str, org: str = ORG, revision: str | None = None, version: int | None = None,
                    trust_remote_code: bool = False):
     """Undo `enable_losses` on this instance. Returns the model."""
+    _family(family)
     kernel = dict(org=org, revision=revision, version=version, trust_remote_code=trust_remote_code)
-    if _family(family) in MOE_FAMILIES:
-        _loss_kernel(repo="load-balancing-loss", **kernel).disable_fused_aux_loss(model)
     _loss_kernel(repo="cross-entropy", **kernel).disable_fused_loss(model)
     return model
 
@@ -222,9 +220,9 @@ def eager_to_kernelized(eager: dict, kernelized_names) -> dict:
 
 def bound_kernels(model) -> dict[str, int]:
     """What runs hubfuse kernels in `model`: "<module class>-><kernel layer>" -> the number of submodules whose
-    forward kernelize bound to that layer, the process-wide RoPE function of Llama / Qwen2 if bound, and the
-    per-instance fused losses (`enable_losses`)."""
-    import importlib
+    forward kernelize bound to that layer, and the per-instance fused losses (`enable_losses`, read through the
+    cross-entropy kernel's `fused_loss_options`)."""
+    import sys
 
     counts: dict[str, int] = {}
     for name, module in model.named_modules():
@@ -232,16 +230,14 @@ def bound_kernels(model) -> dict[str, int]:
         if name and func is not None and func is not type(module).forward:
             key = f"{type(module).__name__}->{func.__qualname__.split('.')[0]}"
             counts[key] = counts.get(key, 0) + 1
-    family = model.config.model_type
-    if family in ("llama", "qwen2"):  # their preset binds the `rotary_pos_emb` hub function
-        rope = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
-        forward = rope.__dict__.get("forward")
-        if forward is not None:
-            counts[f"apply_rotary_pos_emb->{forward.__func__.__qualname__.split('.')[0]} (process-wide)"] = 1
-    for attr, key in (("_hubfuse_fused_loss", "loss->linear_cross_entropy"),
-                      ("_hubfuse_fused_aux_loss", "aux loss->load_balancing_loss")):
-        if attr in model.__dict__:
-            counts[key] = 1
+    # the instance forward's module is the cross-entropy kernel's integration module when the fused loss is on
+    loss_hook = sys.modules.get(getattr(getattr(model.__dict__.get("forward"), "__func__", None), "__module__", ""))
+    options = getattr(loss_hook, "fused_loss_options", lambda _: None)(model)
+    if options is not None:
+        counts["loss->linear_cross_entropy"] = 1
+        if getattr(options["aux_loss_fn"], "__name__", None) == "load_balancing_loss_func" and \
+                "load_balancing_loss" in options["aux_loss_fn"].__module__:
+            counts["aux loss->load_balancing_loss"] = 1
     return counts
 
 

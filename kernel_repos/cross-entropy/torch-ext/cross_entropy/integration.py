@@ -6,10 +6,12 @@ the new forward computes the loss from the last hidden states through `linear_cr
 `outputs.logits` is None unless `return_logits=True`), honouring HF's label shift, `shift_labels`,
 `logits_to_keep`, `num_items_in_batch`, and -- for MoE models with `output_router_logits` -- still adding
 `router_aux_loss_coef * aux_loss`. The aux loss comes from `state["aux_loss_fn"]`, by default the model
-module's own `load_balancing_loss_func`, so a fused aux-loss kernel can be plugged in:
-`enable_fused_loss(model, aux_loss_fn=my_fn)` or `model._hubfuse_fused_loss["aux_loss_fn"] = my_fn`
-(signature `(router_logits, num_experts, top_k, attention_mask) -> scalar`). Without labels the forward is
-HF's own. `disable_fused_loss(model)` restores the previous forward.
+module's own `load_balancing_loss_func`; a fused aux-loss kernel is plugged in explicitly,
+`enable_fused_loss(model, aux_loss_fn=my_fn)` (signature `(router_logits, num_experts, top_k, attention_mask) ->
+scalar`; calling it again updates the options). Without labels the forward is HF's own (HF's aux loss).
+`fused_loss_options(model)` reads the options of an instance; `disable_fused_loss(model)` restores the previous
+forward. The state lives in the instance (`_STATE_ATTR`, private to this module: other packages go through these
+functions).
 
 The loss is computed by calling the `lm_head` module (its instance forward takes the shifted labels and returns
 the loss): the module's hooks run as for the logits, so FSDP2 all-gathers, reshards and reduces `lm_head` like
@@ -25,7 +27,7 @@ import torch
 
 from .ops import cross_entropy, linear_cross_entropy
 
-STATE_ATTR = "_hubfuse_fused_loss"
+_STATE_ATTR = "_hubfuse_fused_loss"
 _HEAD_PREVIOUS_FORWARD = "_hubfuse_previous_forward"  # on lm_head: its instance forward before the switch, or None
 _LOSS_ONLY_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 _OPTION_NAMES = ("ignore_index", "label_smoothing", "z_loss_weight", "softcap", "chunk_size", "weight_grad_fp32",
@@ -45,7 +47,13 @@ def _is_moe(model) -> bool:
 
 
 def fused_loss_enabled(model) -> bool:
-    return STATE_ATTR in model.__dict__
+    return _STATE_ATTR in model.__dict__
+
+
+def fused_loss_options(model) -> Optional[dict]:
+    """The options `enable_fused_loss` gave this instance (`aux_loss_fn` included), or None if it is not on."""
+    state = model.__dict__.get(_STATE_ATTR)
+    return None if state is None else {name: state[name] for name in _OPTION_NAMES}
 
 
 def enable_fused_loss(
@@ -73,10 +81,10 @@ def enable_fused_loss(
                             f"pass aux_loss_fn=")
     from transformers.utils.generic import can_return_tuple
 
-    state = model.__dict__.get(STATE_ATTR)
+    state = model.__dict__.get(_STATE_ATTR)
     if state is None:
         state = {"previous_forward": model.__dict__.get("forward")}
-        model.__dict__[STATE_ATTR] = state  # plain dict: not a submodule, not a parameter
+        model.__dict__[_STATE_ATTR] = state  # plain dict: not a submodule, not a parameter
         model.forward = types.MethodType(can_return_tuple(_fused_causal_lm_forward), model)
         head = model.lm_head
         head.__dict__[_HEAD_PREVIOUS_FORWARD] = head.__dict__.get("forward")
@@ -89,7 +97,7 @@ def enable_fused_loss(
 
 def disable_fused_loss(model):
     """Give this instance its previous forward back (HF's). Returns the model."""
-    state = model.__dict__.pop(STATE_ATTR, None)
+    state = model.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return model
     del model.forward
@@ -128,7 +136,7 @@ def _fused_causal_lm_forward(
     self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
     labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0, **kwargs,
 ):
-    state = self.__dict__[STATE_ATTR]
+    state = self.__dict__[_STATE_ATTR]
     is_moe = _is_moe(self)
     if labels is None:  # inference / no loss: HF's forward, unchanged
         extra = {"output_router_logits": output_router_logits} if is_moe else {}

@@ -2,11 +2,16 @@
 
 - `RotaryPosEmb`: the hub function name `rotary_pos_emb` (`apply_rotary_pos_emb` of Qwen3, Qwen3-MoE, Llama,
   Qwen2): `forward(self, q, k, cos, sin, unsqueeze_dim=1)`, full or partial RoPE, q and k in one launch.
+- `RopeAttention` (+ `Layout`) for `^LlamaAttention$` / `^Qwen2Attention$`: the attention with RoPE on q and k
+  in one launch (the `rotary_pos_emb` kernel), bound per instance. (The hub name `rotary_pos_emb` binds the same
+  kernel to the family's module-global `apply_rotary_pos_emb`: every later model of that family in the process
+  would run it; the Layout does not.)
 - `QKNormRopeAttention` (+ `Layout`) for `^Qwen3Attention$` / `^Qwen3MoeAttention$`, and
   `GatedQKNormRopeAttention` (+ `Layout`) for `^Qwen3_5MoeAttention$`: n-to-1 in effect — `q_norm`, `k_norm`
-  and RoPE run as one fused kernel. The Layouts own the parameters with the HF names (`q_proj`, `k_proj`,
-  `v_proj`, `o_proj`, `q_norm.weight`, `k_norm.weight`), so checkpoints load and save unchanged
-  (`conversion_mapping` is empty: no re-layout pays here), and their `forward` is the HF reference path.
+  and RoPE run as one fused kernel.
+- The attention Layouts own the parameters with the HF names (`q_proj`, `k_proj`, `v_proj`, `o_proj`, and
+  `q_norm.weight`, `k_norm.weight` where HF has them), so checkpoints load and save unchanged (`conversion_mapping`
+  is empty: no re-layout pays here), and their `forward` is the HF reference path.
   Attention itself goes through transformers' `ALL_ATTENTION_FUNCTIONS` (sdpa / flash / eager all work) and
   the KV cache is updated as in HF.
 
@@ -72,8 +77,9 @@ def _attention_interface(attn_implementation):
     return ALL_ATTENTION_FUNCTIONS.get_interface(attn_implementation, eager_attention_forward)
 
 
-def _init_attention(module: nn.Module, config, layer_idx: int, gated: bool) -> None:
-    """The HF `__init__` of Qwen3Attention / Qwen3MoeAttention (gated=False) or Qwen3_5MoeAttention (True)."""
+def _init_attention(module: nn.Module, config, layer_idx: int, gated: bool, qk_norm: bool = True) -> None:
+    """The HF `__init__` of Qwen3Attention / Qwen3MoeAttention (gated=False), Qwen3_5MoeAttention (gated=True), or
+    LlamaAttention / Qwen2Attention (qk_norm=False)."""
     module.config = config
     module.layer_idx = layer_idx
     module.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
@@ -81,42 +87,51 @@ def _init_attention(module: nn.Module, config, layer_idx: int, gated: bool) -> N
     module.scaling = module.head_dim**-0.5
     module.attention_dropout = config.attention_dropout
     module.is_causal = True
+    # Qwen2's config has no `attention_bias`: its q/k/v projections are biased, o_proj is not
+    qkv_bias = getattr(config, "attention_bias", True)
+    o_bias = getattr(config, "attention_bias", False)
     q_out = config.num_attention_heads * module.head_dim * (2 if gated else 1)  # gated: query and output gate
-    module.q_proj = nn.Linear(config.hidden_size, q_out, bias=config.attention_bias)
-    module.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * module.head_dim,
-                              bias=config.attention_bias)
-    module.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * module.head_dim,
-                              bias=config.attention_bias)
-    module.o_proj = nn.Linear(config.num_attention_heads * module.head_dim, config.hidden_size,
-                              bias=config.attention_bias)
+    module.q_proj = nn.Linear(config.hidden_size, q_out, bias=qkv_bias)
+    module.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * module.head_dim, bias=qkv_bias)
+    module.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * module.head_dim, bias=qkv_bias)
+    module.o_proj = nn.Linear(config.num_attention_heads * module.head_dim, config.hidden_size, bias=o_bias)
     if gated:
         module.q_norm = HeadRMSNormZeroCentered(module.head_dim, eps=config.rms_norm_eps)
         module.k_norm = HeadRMSNormZeroCentered(module.head_dim, eps=config.rms_norm_eps)
-    else:
+        return
+    if qk_norm:
         module.q_norm = HeadRMSNorm(module.head_dim, eps=config.rms_norm_eps)
         module.k_norm = HeadRMSNorm(module.head_dim, eps=config.rms_norm_eps)
-        if hasattr(config, "layer_types"):  # Qwen3: per-layer sliding window
-            module.layer_type = config.layer_types[layer_idx]
-            module.sliding_window = config.sliding_window if module.layer_type == "sliding_attention" else None
-        else:  # Qwen3-MoE
-            module.layer_type = None
-            module.sliding_window = getattr(config, "sliding_window", None)
+    if hasattr(config, "layer_types"):  # Qwen3, Qwen2: per-layer sliding window
+        module.layer_type = config.layer_types[layer_idx]
+        module.sliding_window = config.sliding_window if module.layer_type == "sliding_attention" else None
+    elif qk_norm:  # Qwen3-MoE
+        module.layer_type = None
+        module.sliding_window = getattr(config, "sliding_window", None)
+    # Llama: no sliding window, none passed to the attention function
 
 
 def _attention_forward(module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
-                       gated: bool, fused: bool):
+                       gated: bool, fused: bool, qk_norm: bool = True):
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
-    if gated:
+    if not qk_norm:  # Llama / Qwen2: RoPE on the (B, H, S, D) projections, as HF
+        query_states = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    elif gated:
         q_raw, gate = torch.chunk(module.q_proj(hidden_states).view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
         gate = gate.reshape(*input_shape, -1)
     else:
         q_raw = module.q_proj(hidden_states).view(hidden_shape)
-    k_raw = module.k_proj(hidden_states).view(hidden_shape)
+    if qk_norm:
+        k_raw = module.k_proj(hidden_states).view(hidden_shape)
     value_states = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
 
-    if fused:  # q_norm, k_norm, transpose and RoPE in one kernel, q and k in one launch
+    if not qk_norm:
+        rope = apply_rotary_pos_emb if fused else apply_rotary_pos_emb_hf  # q and k in one launch
+        query_states, key_states = rope(query_states, key_states, cos, sin)
+    elif fused:  # q_norm, k_norm, transpose and RoPE in one kernel, q and k in one launch
         if gated:
             query_states, key_states = qk_norm_rope_zero_centered(
                 q_raw, k_raw, module.q_norm.weight, module.k_norm.weight, cos, sin, module.q_norm.eps)
@@ -132,7 +147,7 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
         key_states, value_states = past_key_values.update(key_states, value_states, module.layer_idx)
 
     attention_interface = _attention_interface(module.config._attn_implementation)
-    if not gated:
+    if hasattr(module, "sliding_window"):  # Qwen3, Qwen3-MoE, Qwen2 (not Llama, not Qwen3.5)
         kwargs = {"sliding_window": module.sliding_window, **kwargs}
     attn_output, attn_weights = attention_interface(
         module, query_states, key_states, value_states, attention_mask,
@@ -143,6 +158,36 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
         attn_output = attn_output * torch.sigmoid(gate)
     attn_output = module.o_proj(attn_output)
     return attn_output, attn_weights
+
+
+# ------------------------------------------------------------------ Llama / Qwen2 attention
+
+
+class RopeAttention(nn.Module):
+    """Llama / Qwen2 attention with RoPE on q and k in one kernel launch (for `RopeAttentionLayout`)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        return _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+                                  gated=False, fused=True, qk_norm=False)
+
+
+class RopeAttentionLayout(nn.Module):
+    """Replaces `^LlamaAttention$` / `^Qwen2Attention$`: same `__init__(config, layer_idx)` and parameters (Llama:
+    `config.attention_bias` on every projection; Qwen2: biased q/k/v, unbiased o_proj; Qwen2's sliding window)."""
+
+    conversion_mapping = []  # same parameter names and shapes as the HF class: nothing to re-lay
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        _init_attention(self, config, layer_idx, gated=False, qk_norm=False)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: Optional[torch.Tensor], past_key_values=None, **kwargs):
+        return _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+                                  gated=False, fused=False, qk_norm=False)
 
 
 # ------------------------------------------------------------------ Qwen3 / Qwen3-MoE attention
@@ -195,6 +240,7 @@ class GatedQKNormRopeAttentionLayout(QKNormRopeAttentionLayout):
 
 __all__ = [
     "RotaryPosEmb",
+    "RopeAttention", "RopeAttentionLayout",
     "QKNormRopeAttention", "QKNormRopeAttentionLayout",
     "GatedQKNormRopeAttention", "GatedQKNormRopeAttentionLayout",
 ]

@@ -13,18 +13,16 @@ takes `gate_up_proj` / `down_proj`: the conversion mapping moves `mlp.{gate,up}_
 `mlp.down_proj` under `post_attention_layernorm`, and back on save.
 
 The two cannot be combined over the same modules (the fusion would receive the already-swapped MLP, and the two
-conversion mappings claim the same checkpoint keys). A ValueError saying so is raised while transformers registers
-the entries, before the model is built (from the `conversion_mapping` access), and again, as a second line, by
-`RMSNormSwiGLUMLPLayout.__init__` if it receives a swapped MLP. The fusion needs a gate/up/down MLP under every
-matched layer: in MoE layers (`*SparseMoeBlock`) its `__init__` raises and points at the 1-to-1 Layout. (An
-exception inside model construction leaves transformers' module classes patched: transformers' `apply_patches`
-has no try/finally. `hubfuse.KernelConfig` puts them back before the exception reaches the caller; with stock
-transformers' `KernelConfig`, start a fresh process after such a failure.)
+conversion mappings claim the same checkpoint keys): `RMSNormSwiGLUMLPLayout.__init__` raises a ValueError saying
+so when it receives a swapped MLP. The fusion needs a gate/up/down MLP under every matched layer: in MoE layers
+(`*SparseMoeBlock`) its `__init__` raises and points at the 1-to-1 Layout. (An exception inside model
+construction leaves transformers' module classes patched: transformers' `apply_patches` has no try/finally.
+`hubfuse.KernelConfig` builds the model once on the meta device while registering and puts them back before the
+exception reaches the caller; with stock transformers' `KernelConfig`, start a fresh process after such a
+failure.)
 
 A Layer has no `__init__` and no state: `kernelize` binds its `forward` to the Layout instance.
 """
-import sys
-
 import torch
 from torch import nn
 
@@ -47,51 +45,14 @@ _COMBINED_MESSAGE = (
     "KernelConfig.")
 
 
-def _fusion_layout_in(patched_cls):
-    """The fusion Layout class a transformers `Fused<Parent>` class builds (found in its `__init__` closure)."""
-    init = getattr(patched_cls, "__dict__", {}).get("__init__")
-    for cell in getattr(init, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if isinstance(value, type) and value.__name__ == "RMSNormSwiGLUMLPLayout":
-            return value
-    return None
-
-
-def _check_no_mlp_layout_under_fusion() -> None:
-    """Raise before the model is built if a registered MLP Layout would replace the MLP class of a decoder layer
-    that a registered fusion takes apart. transformers reads `conversion_mapping` right after registering each
-    entry's class patches and before building the model; failing there, rather than in the fused module's
-    `__init__` (inside transformers' `apply_patches`, which does not undo its patches on an exception), leaves the
-    transformers modules unpatched."""
-    try:
-        from transformers.monkey_patching import _find_replacement_class, get_patch_mapping
-    except ImportError:
-        return
-    mapping = get_patch_mapping()
-    for key, patched in mapping.items():
-        if _fusion_layout_in(patched) is None or not patched.__bases__:
-            continue
-        module = sys.modules.get(patched.__bases__[0].__module__)
-        for name in dir(module) if module is not None else ():
-            replacement = _find_replacement_class(name, mapping)
-            if isinstance(replacement, type) and replacement.__name__ == "SwiGLUMLPLayout":
-                raise ValueError(f"{name} is mapped to SwiGLUMLPLayout while {key} is fused by "
-                                 f"RMSNormSwiGLUMLPLayout. {_COMBINED_MESSAGE}")
-
-
 class _ConversionMapping:
     """Class attribute built on access: transformers' transform objects are imported lazily (the kernel has no
-    dependency on transformers) and are fresh on every load (they carry per-load state). Access also checks that
-    the MLP Layout and the fusion are not registered together."""
+    dependency on transformers) and are fresh on every load (they carry per-load state)."""
 
     def __init__(self, build):
         self.build = build
 
     def __get__(self, obj, owner=None):
-        _check_no_mlp_layout_under_fusion()
         return self.build()
 
 
