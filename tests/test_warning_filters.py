@@ -21,6 +21,13 @@ def _sub(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, (x - x) / x * 1e38 * 1e38, mask=offs < n)
 
 
+@triton.jit
+def _reduce(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, BLOCK))
+    tl.store(y_ptr, tl.sum(x, 0))
+    tl.store(y_ptr + 1, tl.max(x, 0))
+
+
 def test_inductor_import():
     import torch._inductor.compile_fx  # noqa: F401
 
@@ -30,6 +37,9 @@ def test_nan_inf_under_the_interpreter():
     y = torch.empty_like(x)
     _sub[(1,)](x, y, x.numel(), BLOCK=4)
     assert y.isnan()[:3].all()
+    for x in (torch.tensor([float("inf"), -float("inf")] * 2), torch.full((4,), float("nan"))):
+        _reduce[(1,)](x, y, BLOCK=4)
+        assert y[0].isnan()
 '''
 
 
