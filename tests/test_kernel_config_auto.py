@@ -227,3 +227,31 @@ def test_kernelized_load_and_training_are_quiet(family, model_dirs, caplog, capf
     assert warnings == []
     out, err = capfd.readouterr()
     assert "WARNING" not in out + err and "No kernel mapping found" not in out + err
+
+
+def test_qwen3_5_load_gives_no_advice_to_install_what_hubfuse_replaces(model_dirs):
+    """transformers advises installing flash-linear-attention / causal-conv1d when its own Gated DeltaNet torch
+    path runs; with hubfuse's GatedDeltaNet Layout bound that path does not run: no such advice on load, train,
+    eval or generation. The plain load shows the advice, so the check can see it."""
+    from transformers.utils import logging as hf_logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_root = logging.getLogger("transformers")
+    hf_root.addHandler(handler)
+    batch = make_batch(tiny_config("qwen3_5_moe_text").vocab_size, seq=5)
+
+    def advice(model):
+        hf_logging.get_logger("transformers").warning_once.cache_clear()  # shown once per process otherwise
+        records.clear()
+        model.train()
+        model(**batch).loss.backward()
+        model.eval().generate(batch["input_ids"][:1, :3], max_new_tokens=2, do_sample=False)
+        return [r.getMessage() for r in records if "is not installed" in r.getMessage()]
+
+    try:
+        assert any("flash-linear-attention" in m for m in advice(load(model_dirs["qwen3_5_moe_text"])))
+        assert advice(one_argument(model_dirs["qwen3_5_moe_text"])) == []
+    finally:
+        hf_root.removeHandler(handler)
