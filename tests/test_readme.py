@@ -145,3 +145,32 @@ def test_numbers_are_the_current_ones_of_docs_benchmarks():
         assert tables, f"{doc}: no numbers table"
         for table in tables:
             assert table in bench, f"{doc}: a table that docs/benchmarks.md does not have:\n{table}"
+
+
+def _k(cell: str) -> float:
+    """'82.5k' (bold or with a note after it) -> 82500."""
+    return float(re.search(r"([\d.]+)k", cell).group(1)) * 1000
+
+
+def test_training_table_ratios_are_the_rows_numbers():
+    """'hubfuse / best peer' is the row's hubfuse tokens/s over the named peer's, rounded to two decimals."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Training benchmark"):]
+    table = _tables(section[:section.index("\n## ", 1)])[0].splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    for row in table[2:]:
+        cells = dict(zip(header, (c.strip() for c in row.strip("|").split("|"))))
+        ratio, peer = re.fullmatch(r"([\d.]+)x \((\w+)\)", cells["hubfuse / best peer"]).groups()
+        column = {"compile": "torch.compile", "Liger": "Liger"}[peer]
+        ours = max(_k(c) for c in cells["**hubfuse**"].split(";"))  # the faster hubfuse mode where two are given
+        assert f"{ours / _k(cells[column]):.2f}" == ratio, row
+
+
+def test_readme_names_every_script_and_leaves_no_run_diary():
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout of this repository"):]
+    for path in [*sorted((ROOT / "scripts").iterdir())]:
+        if path.suffix in (".py", ".sh") or path.is_dir():
+            assert f"`{path.name}" in layout, path.name
+    for phrase in ("earlier call", "in the same call", "where hubfuse read", "(issue "):
+        assert phrase not in text, phrase
