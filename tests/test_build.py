@@ -139,11 +139,13 @@ def test_rejects_package_file_clashing_with_a_shared_module(tmp_path):
 
 
 _SELF_CONTAINED = """
+import site
 import sys
 from pathlib import Path
 root, variant = Path(sys.argv[1]), Path(sys.argv[2])
 # The interpreter's own environment (a venv may live inside the clone) stays; the source tree goes.
-environment = [Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()]
+environment = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix, *site.getsitepackages(),
+                                           site.getusersitepackages())]
 
 
 def in_source_tree(path):
