@@ -33,19 +33,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Print the bad-input matrix report when its cells ran (tests/test_bad_input_matrix.py); with
-    HUBFUSE_BAD_INPUT_REPORT=<path> also write it there (docs/bad_input_matrix.md)."""
+    """When the bad-input matrix cells ran (tests/test_bad_input_matrix.py), write its report to
+    HUBFUSE_BAD_INPUT_REPORT (default out/bad_input_matrix.md) and print one line pointing at it."""
     import sys
+    from pathlib import Path
 
     matrix = sys.modules.get("tests.bad_input_matrix")
     if matrix is None or not matrix.RESULTS:
         return
     text = matrix.report(matrix.RESULTS, seconds=sum(o.seconds for o in matrix.RESULTS))
-    terminalreporter.write_sep("=", "bad-input matrix")
-    for line in text.splitlines():
-        terminalreporter.write_line(line)
-    path = os.environ.get("HUBFUSE_BAD_INPUT_REPORT")
-    if path:
-        with open(path, "w") as f:
-            f.write(text)
-        terminalreporter.write_line(f"bad-input matrix report written to {path}")
+    path = Path(os.environ.get("HUBFUSE_BAD_INPUT_REPORT") or Path(__file__).parent / "out/bad_input_matrix.md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    terminalreporter.write_line(f"bad-input matrix report ({len(matrix.RESULTS)} cells): {path}")

@@ -143,10 +143,19 @@ def memory(family, path, rows):
     rows.append(dict(family=family, eager_mib=eager / 2**20, ours_mib=ours / 2**20))
 
 
+def cpu_path() -> str:
+    """Which implementation of the kernels the demo's CPU models run (each op picks it from the tensor's device)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "the Triton kernels, under the Triton interpreter (TRITON_INTERPRET=1)"
+    return ("the kernels' torch reference path (HF-exact numerics), not the Triton kernels: those run on a GPU, "
+            "or on CPU under TRITON_INTERPRET=1")
+
+
 def print_parity(rows):
     head = (f"{'model':12s} {'loss eager':>10s} {'loss ours':>10s} {'max|Δloss|':>10s} {'max|Δgrad|':>10s} "
             f"{'grads':>5s}")
     log("\nParity: plain load vs hubfuse.KernelConfig() (3 AdamW steps, fp32, CPU; loss includes the MoE aux loss)")
+    log(f"On CPU hubfuse ran {cpu_path()}.")
     log(head + "\n" + "-" * len(head))
     for r in rows:
         log(f"{r['family']:12s} {r['loss_eager']:10.4f} {r['loss_ours']:10.4f} {r['max_loss_diff']:10.2e} "
@@ -216,9 +225,9 @@ def main(argv=None) -> int:
         f"({time.time() - t0:.0f} s).")
     if torch.cuda.is_available() and not args.no_bench:
         return bench(Path(args.out) / "demo_bench")
-    log("Speed and memory on a GPU (HF eager, torch.compile, Liger and hubfuse, bf16 training steps of 4-layer slices "
-        "with the full vocabulary, H200) are in docs/benchmarks.md; on a CUDA machine this demo measures HF eager, "
-        "torch.compile and hubfuse itself and plots them.")
+    log("GPU numbers (the Triton kernels: HF eager, torch.compile, Liger and hubfuse, bf16 training steps of 4-layer "
+        "slices with the full vocabulary, H200) are in docs/benchmarks.md; on a CUDA machine this demo measures HF "
+        "eager, torch.compile and hubfuse itself and plots them.")
     return 0
 
 

@@ -1,10 +1,11 @@
 """The bad-input matrix (tests/bad_input_matrix.py): every sampled cell gives torch's float64 result, forward and
 backward, or a clear error; silent wrong = 0. CPU: the torch path and the Triton kernels under the interpreter;
 the `gpu` variant runs the same cells on CUDA, and the value checks (device-side asserts, which poison the CUDA
-context) in subprocesses. The run prints the report (root conftest); `HUBFUSE_BAD_INPUT_REPORT=<path>` also
-writes it (docs/bad_input_matrix.md is that file).
+context) in subprocesses. The run writes the report to out/bad_input_matrix.md or `HUBFUSE_BAD_INPUT_REPORT=<path>`
+(root conftest; docs/bad_input_matrix.md is that file) and prints one line pointing at it.
 """
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -128,3 +129,20 @@ def test_gpu_value_checks_do_not_sync_the_host():
             moe.moe_experts(hm, idx, wm, gu, d).sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_run_ends_with_pytest_summary_and_writes_the_report(tmp_path):
+    """The report goes to a file (HUBFUSE_BAD_INPUT_REPORT, default out/bad_input_matrix.md); the terminal gets
+    one line pointing at it, then pytest's own summary. The report has no references outside the repository."""
+    report = tmp_path / "matrix.md"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q",
+                          "tests/test_bad_input_matrix.py::test_cell[rms_norm-ref-eager]"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "HUBFUSE_BAD_INPUT_REPORT": str(report)})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert f"bad-input matrix report (1 cells): {report}" in lines
+    assert "| target |" not in run.stdout and "1 passed" in lines[-1]
+    text = report.read_text()
+    assert text.startswith("# Bad-input matrix") and "`rms_norm`" in text
+    assert not re.search(r"issue \d|machine that wrote", text)

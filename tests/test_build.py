@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -185,21 +186,39 @@ def test_rejects_package_dir_clashing_with_a_vendored_package(tmp_path):
 
 
 _SELF_CONTAINED = """
+import site
 import sys
 from pathlib import Path
 root, variant = Path(sys.argv[1]), Path(sys.argv[2])
-sys.path[:] = [p for p in sys.path if p and not Path(p).resolve().is_relative_to(root)]
+# The interpreter's own environment (a venv may live inside the clone) stays; the source tree goes.
+environment = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix, *site.getsitepackages(),
+                                           site.getusersitepackages())]
+
+
+def in_source_tree(path):
+    path = Path(path).resolve()
+    return path.is_relative_to(root) and not any(path.is_relative_to(env) for env in environment)
+
+
+sys.path[:] = [p for p in sys.path if p and not in_source_tree(p)]
 before = set(sys.modules)
 import kernels
 module = kernels.get_local_kernel(variant)
 assert hasattr(module, "layers"), "no layers"
 for name in set(sys.modules) - before:
     path = getattr(sys.modules[name], "__file__", None) or ""
-    if Path(path).resolve().is_relative_to(root):
+    if path and in_source_tree(path):
         assert Path(path).resolve().is_relative_to(variant.resolve()), (name, path)
 assert not [n for n in sys.modules if n.split(".")[0] == "hubfuse"], "imported the source package"
 print("ok", module.__name__)
 """
+
+
+def _import_on_its_own(variant, root, cwd):
+    proc = subprocess.run([sys.executable, "-c", _SELF_CONTAINED, str(root), str(variant)], cwd=cwd,
+                          capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                               if k != "PYTHONPATH"})
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), (variant, proc.stderr[-2000:])
 
 
 @pytest.mark.parametrize("name", sorted(build_tool.discover_repos()))
@@ -208,7 +227,12 @@ def test_every_built_variant_imports_on_its_own(name, tmp_path):
     imports from this repository comes from inside the variant."""
     build(name)
     for variant in sorted((repo_dir(name) / "build").glob("torch-*")):
-        proc = subprocess.run([sys.executable, "-c", _SELF_CONTAINED, str(ROOT), str(variant)], cwd=tmp_path,
-                              capture_output=True, text=True, env={k: v for k, v in os.environ.items()
-                                                                   if k != "PYTHONPATH"})
-        assert proc.returncode == 0 and proc.stdout.startswith("ok"), (variant, proc.stderr[-2000:])
+        _import_on_its_own(variant, ROOT, tmp_path)
+
+
+def test_variant_import_check_keeps_an_environment_inside_the_clone(tmp_path):
+    """A venv inside the clone (`python -m venv .venv`) holds torch and kernels: the check strips the source
+    tree from sys.path, not the interpreter's site-packages. Simulated by a clone root that contains this
+    interpreter's prefix."""
+    build("rmsnorm")
+    _import_on_its_own(repo_dir("rmsnorm") / "build/torch-cpu", Path(sys.prefix).resolve().parent, tmp_path)

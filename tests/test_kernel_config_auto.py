@@ -128,7 +128,8 @@ def test_repo_not_found_names_the_existing_repos(model_dirs):
     msg = str(e.value)
     assert "kernel repo 'hubfuse/rmsnom' not found (did you mean 'hubfuse/rmsnorm'?)" in msg
     assert "local builds (LOCAL_KERNELS): hubfuse/cross-entropy, hubfuse/gated-delta-net, hubfuse/hubfuse" in msg
-    assert "repos of the hubfuse org: hubfuse/cross-entropy, hubfuse/gated-delta-net, hubfuse/hubfuse" in msg
+    assert "hubfuse repos known here (the presets and this clone): hubfuse/cross-entropy, hubfuse/gated-delta-net, " \
+           "hubfuse/hubfuse" in msg
     assert "trust_remote_code" not in msg
 
 
@@ -145,6 +146,23 @@ def test_hub_load_without_local_builds_says_so(model_dirs, monkeypatch):
     assert "It is not a local build; local builds (LOCAL_KERNELS): none" in msg
     assert msg.endswith("For this clone's builds call hubfuse.use_local_builds() first, or use "
                         "hubfuse.KernelConfig(local=True)")
+
+
+def test_unreachable_hub_says_so_and_what_to_do_offline(model_dirs, monkeypatch):
+    """Without a network kernels cannot check the publisher and advises trust_remote_code=True, which does not
+    help offline: the message says the hub could not be reached and points at the local builds."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("LOCAL_KERNELS")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: connection refused
+    with pytest.raises(ValueError) as e:
+        one_argument(model_dirs["qwen3"])
+    msg = str(e.value)
+    assert "kernel repo 'hubfuse/rmsnorm' could not be loaded from the hub: the hub could not be reached (or has " \
+           "no org 'hubfuse') to check the publisher. It is not a local build; local builds (LOCAL_KERNELS): none" in msg
+    assert msg.endswith("Offline, use this clone's builds: call hubfuse.use_local_builds() first, or use "
+                        "hubfuse.KernelConfig(local=True); a kernel already in the hub cache loads with HF_HUB_OFFLINE=1")
+    assert "trust_remote_code" not in msg
 
 
 def test_local_argument_builds_and_registers_every_repo(model_dirs, monkeypatch):
@@ -209,3 +227,31 @@ def test_kernelized_load_and_training_are_quiet(family, model_dirs, caplog, capf
     assert warnings == []
     out, err = capfd.readouterr()
     assert "WARNING" not in out + err and "No kernel mapping found" not in out + err
+
+
+def test_qwen3_5_load_gives_no_advice_to_install_what_hubfuse_replaces(model_dirs):
+    """transformers advises installing flash-linear-attention / causal-conv1d when its own Gated DeltaNet torch
+    path runs; with hubfuse's GatedDeltaNet Layout bound that path does not run: no such advice on load, train,
+    eval or generation. The plain load shows the advice, so the check can see it."""
+    from transformers.utils import logging as hf_logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_root = logging.getLogger("transformers")
+    hf_root.addHandler(handler)
+    batch = make_batch(tiny_config("qwen3_5_moe_text").vocab_size, seq=5)
+
+    def advice(model):
+        hf_logging.get_logger("transformers").warning_once.cache_clear()  # shown once per process otherwise
+        records.clear()
+        model.train()
+        model(**batch).loss.backward()
+        model.eval().generate(batch["input_ids"][:1, :3], max_new_tokens=2, do_sample=False)
+        return [r.getMessage() for r in records if "is not installed" in r.getMessage()]
+
+    try:
+        assert any("flash-linear-attention" in m for m in advice(load(model_dirs["qwen3_5_moe_text"])))
+        assert advice(one_argument(model_dirs["qwen3_5_moe_text"])) == []
+    finally:
+        hf_root.removeHandler(handler)

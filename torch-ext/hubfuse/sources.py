@@ -129,7 +129,7 @@ def _available(org: str) -> str:
     published = [f"{org}/{name}" for name in org_repos()] if org == ORG else []
     parts = [f"local builds (LOCAL_KERNELS): {', '.join(local) if local else 'none'}"]
     if published:
-        parts.append(f"repos of the {ORG} org: {', '.join(published)}")
+        parts.append(f"{ORG} repos known here (the presets and this clone): {', '.join(published)}")
     return "; ".join(parts)
 
 
@@ -159,14 +159,18 @@ def load_kernel(repo_id: str, meta: dict, *, where: str = "hubfuse"):
     except Exception as e:
         if is_local(repo_id):
             raise
+        local_builds_hint = "call hubfuse.use_local_builds() first, or use hubfuse.KernelConfig(local=True)"
         if "not from a trusted publisher" in str(e):
-            reason, hint = "", (f"To load {org}'s kernels from the hub pass trust_remote_code=True "
-                                f"(hubfuse.KernelConfig(trust_remote_code=True))")
+            cause, hint = _first_line(e), (f"To load {org}'s kernels from the hub pass trust_remote_code=True "
+                                           f"(hubfuse.KernelConfig(trust_remote_code=True))")
+        elif "could not verify publisher trust status" in str(e):
+            # kernels asks the hub for the publisher first; its advice (trust_remote_code) does not help offline
+            cause = f"the hub could not be reached (or has no org {org!r}) to check the publisher"
+            hint = (f"Offline, use this clone's builds: {local_builds_hint}; a kernel already in the hub cache "
+                    f"loads with HF_HUB_OFFLINE=1")
         else:
-            reason = (f" (the hub could not be reached, or has no org {org!r})"
-                      if "could not verify publisher trust status" in str(e) else "")
-            hint = "For this clone's builds call hubfuse.use_local_builds() first, or use hubfuse.KernelConfig(local=True)"
-        raise ValueError(f"{where}: kernel repo {repo_id!r} could not be loaded from the hub{reason}: {_first_line(e)}. "
+            cause, hint = _first_line(e), f"For this clone's builds {local_builds_hint}"
+        raise ValueError(f"{where}: kernel repo {repo_id!r} could not be loaded from the hub: {cause}. "
                          f"It is not a local build; {_available(org)}. {hint}") from e
 
 

@@ -150,6 +150,49 @@ def test_cross_entropy_inplace_writes_grad_into_logits_buffer():
     assert torch.equal(logits2.detach(), before)
 
 
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("label_dtype", [torch.int8, torch.int16, torch.uint8])
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_small_integer_labels(use_kernel_path, path, label_dtype, op):
+    """int8 / int16 / uint8 labels give the int64 result on both paths; a uint8 label of 156 is a class, not
+    ignore_index=-100 wrapped around."""
+    use_kernel_path(path)
+    torch.manual_seed(3)
+    V, H = 173, 16
+    y = _labels((7,), 127, seed=3)
+    if label_dtype == torch.uint8:
+        y[y < 0] = 156
+    h = torch.randn(7, H, device=DEV, dtype=torch.float64)
+    w = torch.randn(V, H, device=DEV, dtype=torch.float64) / 4
+    h32, w32 = h.float().requires_grad_(), w.float().requires_grad_()
+    if op == "cross_entropy":
+        loss = fused_ce(h32 @ w32.t(), y.to(label_dtype))
+    else:
+        loss = linear_cross_entropy(h32, w32, y.to(label_dtype))
+    h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref, _ = _ref(h64 @ w64.t(), y)
+    (loss * 1.7).backward()
+    (ref * 1.7).backward()
+    _close(loss, ref, torch.float32, "loss")
+    _close(h32.grad, h64.grad, torch.float32, "dh")
+    _close(w32.grad, w64.grad, torch.float32, "dw")
+
+
+def test_inplace_on_logits_another_op_saved_names_the_argument():
+    torch.manual_seed(4)
+    x = torch.randn(6, 37, device=DEV, requires_grad=True)
+    y = _labels((6,), 37, seed=4)
+    logits = x * 1
+    penalty = logits.pow(2).mean()  # saves the logits for its backward
+    with pytest.raises(ValueError, match=r"^cross_entropy: inplace=True \(the default\) writes the gradient into "
+                                         r"the logits, but another op saved them .*; pass inplace=False$"):
+        fused_ce(logits, y)
+    (fused_ce(logits, y, inplace=False) + penalty).backward()
+    x64 = x.detach().double().requires_grad_()
+    (F.cross_entropy(x64, y) + x64.pow(2).mean()).backward()
+    _close(x.grad, x64.grad, torch.float32, "dx")
+
+
 def test_all_labels_ignored_follows_torch():
     torch.manual_seed(3)
     h = torch.randn(6, 8, device=DEV, requires_grad=True)

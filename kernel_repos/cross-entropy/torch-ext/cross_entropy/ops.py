@@ -356,6 +356,12 @@ def _nib_tensor(num_items_in_batch, device):
     return torch.tensor(float(num_items_in_batch), device=device)
 
 
+def _flat_labels(labels):
+    # int64, torch's index dtype: the torch path gathers with them, and an ignore_index below 0 keeps its value
+    # (uint8 labels would compare it wrapped around)
+    return labels.reshape(-1).to(torch.int64).contiguous()
+
+
 def _check_labels(name, labels, lead_shape, device, input_name):
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{name}: labels must be a tensor")
@@ -413,7 +419,7 @@ def linear_cross_entropy(
 
     lead_shape = labels.shape
     h2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    l2 = labels.reshape(-1).contiguous()
+    l2 = _flat_labels(labels)
     chunk = int(chunk_size) if chunk_size else default_chunk_size(h2.shape[0], weight.shape[0], h2.element_size())
     grad_flags = 0
     if torch.is_grad_enabled():
@@ -448,6 +454,12 @@ def cross_entropy(
         raise ValueError(f"{name}: expected non-empty logits (..., V), got {tuple(logits.shape)}")
     _check_labels(name, labels, logits.shape[:-1], logits.device, "logits")
     _check_options(name, reduction, label_smoothing, softcap, num_items_in_batch, ignore_index)
+    if (inplace and logits.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and logits._use_count() > 1):
+        # another reference to the logits' storage object: an op that saved them for its backward (which would
+        # fail in backward, "modified by an inplace operation") or a view the caller still holds
+        raise ValueError(f"{name}: inplace=True (the default) writes the gradient into the logits, but another "
+                         f"op saved them for its backward or a view of them is alive; pass inplace=False")
     V = logits.shape[-1]
     if logits.is_contiguous():
         flat = logits.view(-1, V)
@@ -461,7 +473,7 @@ def cross_entropy(
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
     loss, z = _CrossEntropyFunction.apply(
-        flat, labels.reshape(-1).contiguous(), _nib_tensor(num_items_in_batch, logits.device), ignore_index,
+        flat, _flat_labels(labels), _nib_tensor(num_items_in_batch, logits.device), ignore_index,
         REDUCTIONS[reduction], float(label_smoothing), float(z_loss_weight), float(softcap or 0.0), bool(inplace))
     if reduction == "none":
         loss, z = loss.view(labels.shape), z.view(labels.shape)
