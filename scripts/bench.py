@@ -23,9 +23,14 @@ Configurations:
   eager          HF eager (sdpa attention; MoE experts with experts_implementation="grouped_mm")
   compile        the same + torch.compile of the whole model (fwd+bwd; the optimizer step stays eager)
   compile_ro     the same with mode="reduce-overhead" (CUDA graphs of the compiled graphs)
-  liger          the same as eager + liger_kernel's apply_liger_kernel_to_qwen3 / _qwen3_moe (patched before the
-                 load); Liger has no Qwen3.5-MoE entry point: those rows are "unsupported"
+  liger          the same as eager + liger_kernel's apply_liger_kernel_to_qwen3 / _qwen3_moe / _qwen3_5_moe
+                 (patched before the load)
   liger_compile  liger + torch.compile
+  fla            Gated DeltaNet models: HF eager with flash-linear-attention installed (transformers then runs
+                 FLA's chunk_gated_delta_rule); FLA comes from its own site dir ($HUBFUSE_FLA_SITE, kept out of the
+                 common one) and its Hopper guard (gated backward refused on Triton >= 3.4, < 3.7.1, FLA issue
+                 #640) is bypassed: a timing anchor for a user on a newer Triton, where the guard is lifted
+  liger_fla      fla + Liger
   ours           hubfuse.KernelConfig(presets.kernel_mapping(family, revision="v1")) + presets.enable_losses
                  (local builds through LOCAL_KERNELS, as tests/utils.py)
   ours_compile   ours + torch.compile of the whole kernelized model
@@ -83,10 +88,11 @@ sys.path.insert(0, str(ROOT / "torch-ext"))  # hubfuse without `pip install -e .
 
 REVISION = "v1"
 # also the run order: eager first, compiled last (slowest to start)
-CONFIGS = ("eager", "ours", "ours_graph", "compile", "compile_ro", "liger", "ours_ro", "ours_compile",
-           "liger_compile")
+CONFIGS = ("eager", "ours", "ours_graph", "compile", "compile_ro", "liger", "fla", "liger_fla", "ours_ro",
+           "ours_compile", "liger_compile")
 OURS = ("ours", "ours_compile", "ours_ro", "ours_graph")
-LIGER = ("liger", "liger_compile")
+LIGER = ("liger", "liger_compile", "liger_fla")
+FLA = ("fla", "liger_fla")  # Gated DeltaNet models: transformers runs flash-linear-attention's kernels when installed
 COMPILED = ("compile", "compile_ro", "liger_compile", "ours_compile", "ours_ro")
 REDUCE_OVERHEAD = ("compile_ro", "ours_ro")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text")
@@ -94,7 +100,8 @@ MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text")
 # the whole run, the CUDA-graph capture included
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}
-LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
+LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe",
+               "qwen3_5_moe_text": "apply_liger_kernel_to_qwen3_5_moe"}
 COMMON = dict(vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=40960,
               attention_bias=False)
 QWEN3_0_6B = dict(COMMON, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
@@ -137,7 +144,7 @@ SMOKE_SLICES = ("qwen3_small", "qwen3_moe_small", "qwen3_5_moe")  # one per fami
 # Per-run timeouts (s): subprocess start, load, compile / autotuning, the steps. Liger's fused MoE autotunes for
 # ~3.5 min on its first call (235 s for the Qwen3-30B-A3B slice on an H200).
 TIMEOUT_S = {"eager": 150, "ours": 180, "ours_graph": 180, "liger": 300, "compile": 300, "compile_ro": 360,
-             "ours_compile": 300, "ours_ro": 360, "liger_compile": 360}
+             "ours_compile": 300, "ours_ro": 360, "liger_compile": 360, "fla": 300, "liger_fla": 360}
 
 
 def log(msg: str) -> None:
@@ -231,6 +238,15 @@ def ensure_model(name: str, path: Path, args, device: str) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
     log(f"  built {name}: {n / 1e9:.3f} B parameters, saved in {time.time() - t0:.1f} s")
+
+
+def enable_fla() -> None:
+    """Put flash-linear-attention ($HUBFUSE_FLA_SITE) on sys.path, with the Hopper guard of its gated backward
+    bypassed (the guard's condition only; the kernels are unchanged), as scripts/bench_cases/gated_delta_net.py."""
+    sys.path.insert(0, os.environ["HUBFUSE_FLA_SITE"])
+    import fla.ops.common.chunk_o as chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
 
 
 def load_model(name: str, config: str, path: Path, device: str):
@@ -383,6 +399,8 @@ def child(args) -> int:
     def save():
         out.write_text(json.dumps(results, indent=1))
 
+    if any(split_config(c)[0] in FLA for c in args.child_configs):
+        enable_fla()  # before transformers imports the modeling module (it picks FLA's kernels at import)
     try:
         ensure_model(name, path, args, device)
     except Exception as e:
@@ -797,6 +815,12 @@ def main(argv=None) -> int:
             if args.smoke and base not in ("eager", "ours"):
                 put(dict(slice=name, config=config, status="skipped",
                          note="CPU smoke: compile, CUDA graphs and Liger run on the GPU only"))
+            elif base in FLA and family != "qwen3_5_moe_text":
+                put(dict(slice=name, config=config, status="unsupported",
+                         note="flash-linear-attention: Gated DeltaNet models only"))
+            elif base in FLA and not os.environ.get("HUBFUSE_FLA_SITE"):
+                put(dict(slice=name, config=config, status="skipped",
+                         note="flash-linear-attention: HUBFUSE_FLA_SITE (its site dir) not set"))
             elif base in LIGER and family not in LIGER_APPLY:
                 put(dict(slice=name, config=config, status="unsupported",
                          note=f"liger-kernel has no apply_liger_kernel_to_* for {family}"))
