@@ -51,7 +51,8 @@ def bound_layers(model) -> dict:
     counts = {}
     for name, module in model.named_modules():
         func = getattr(module.__dict__.get("forward"), "__func__", None)
-        if name and func is not None and func is not type(module).forward:
+        # kernelize binds a Layer's `forward` method; a plain function is a per-instance hook (lm_head's fused loss)
+        if name and func is not None and func is not type(module).forward and "." in func.__qualname__:
             layer = func.__qualname__.split(".")[0]
             counts[layer] = counts.get(layer, 0) + 1
     return counts

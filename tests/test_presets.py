@@ -55,7 +55,8 @@ def bound_layers(model) -> dict:
         if not name:
             continue
         func = getattr(module.__dict__.get("forward"), "__func__", None)
-        if func is not None and func is not type(module).forward:
+        # kernelize binds a Layer's `forward` method; a plain function is a per-instance hook (lm_head's fused loss)
+        if func is not None and func is not type(module).forward and "." in func.__qualname__:
             name = func.__qualname__.split(".")[0]
             counts[name] = counts.get(name, 0) + 1
     return counts

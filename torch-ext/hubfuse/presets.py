@@ -227,7 +227,8 @@ def bound_kernels(model) -> dict[str, int]:
     counts: dict[str, int] = {}
     for name, module in model.named_modules():
         func = getattr(module.__dict__.get("forward"), "__func__", None)
-        if name and func is not None and func is not type(module).forward:
+        # kernelize binds a Layer's `forward` method; a plain function is a per-instance hook (lm_head's fused loss)
+        if name and func is not None and func is not type(module).forward and "." in func.__qualname__:
             key = f"{type(module).__name__}->{func.__qualname__.split('.')[0]}"
             counts[key] = counts.get(key, 0) + 1
     # the instance forward's module is the cross-entropy kernel's integration module when the fused loss is on
