@@ -132,8 +132,9 @@ def fingerprint(fn, make_inputs) -> dict:
     import hashlib
 
     def digest(t):
-        raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
-        return hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()[:16]
+        # 2-D on the CPU before the byte view: torch 2.11 refused the view of a scalar loss on CUDA
+        raw = t.detach().reshape(1, -1).cpu().contiguous().view(torch.uint8)
+        return hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
 
     torch.manual_seed(0)
     inputs = make_inputs()
