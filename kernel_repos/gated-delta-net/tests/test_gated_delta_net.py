@@ -109,6 +109,34 @@ def test_rule_vs_float64(case, dtype, path):
         _close(a, b, tol, name)
 
 
+@pytest.mark.parametrize("B, S", [(3, 1), (2, 2), (2, 5)])
+@pytest.mark.parametrize("grad", [True, False])
+def test_rule_on_views_of_one_buffer(B, S, grad, path):
+    """q, k, v as the model makes them: views of one (B, S, C) buffer (stride(1) = H * K, not C, when S = 1);
+    with a gradient the chunked kernels, without (decode) the token-by-token one."""
+    H, HV, K, V = 1, 2, 16, 8
+    gen = torch.Generator().manual_seed(B * 10 + S)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    mixed, gate, beta = rnd(B, S, 2 * H * K + HV * V), F.logsigmoid(rnd(B, S, HV) + 2), torch.sigmoid(rnd(B, S, HV))
+    h0 = rnd(B, HV, K, V)
+
+    def views(x):
+        q, k, v = torch.split(x, [H * K, H * K, HV * V], dim=-1)
+        return q.view(B, S, H, K), k.view(B, S, H, K), v.view(B, S, HV, V)
+
+    leaf = mixed.clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        o, ht = gdn.chunk_gated_delta_rule(*views(leaf), gate, beta, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+    ref = mixed.double().requires_grad_()
+    o_ref, ht_ref = _float64_rule(*views(ref), gate.double(), beta.double(), h0.double(), None, True)
+    _close(o, o_ref, TOL[torch.float32], "o")
+    _close(ht, ht_ref, TOL[torch.float32], "final state")
+    if grad:
+        do = rnd(*o.shape)
+        _close(_grads([o], [do], [leaf])[0], _grads([o_ref], [do], [ref])[0], TOL[torch.float32], "dmixed")
+
+
 def test_packed_sequences_equal_separate_runs(path):
     """cu_seqlens keeps sequences apart: one packed call = each sequence on its own (outputs, states, grads)."""
     lengths = [70, 1, 5]
@@ -243,6 +271,21 @@ def test_conv_vs_float64(bias, activation, packed, dtype, path):
         _close(a, r, tol if name == "dx" else REDUCTION_TOL[dtype], name)
 
 
+@pytest.mark.parametrize("S", [1, 2, 3])
+def test_conv_shorter_than_its_width(S, path):
+    """Sequences of 1 to W - 1 tokens (W = 4), batch 2, forward and backward."""
+    gen = torch.Generator().manual_seed(S)
+    x, weight, bias = (torch.randn(*s, generator=gen).to(DEV) for s in ((2, S, 12), (12, 4), (12,)))
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    y = gdn.causal_conv1d(*leaves, activation="silu")
+    ref = [t.double().requires_grad_() for t in (x, weight, bias)]
+    y_ref = _float64_conv(*ref, "silu")
+    _close(y, y_ref, TOL[torch.float32], "out")
+    dy = torch.randn(y.shape, generator=gen).to(DEV)
+    for name, a, r in zip(["dx", "dweight", "dbias"], _grads([y], [dy], leaves), _grads([y_ref], [dy], ref)):
+        _close(a, r, TOL[torch.float32], name)
+
+
 def test_conv_fn_layout_and_update(path):
     """The transformers layouts: causal_conv1d_fn (B, C, S) and the in-place causal_conv1d_update, 1 and 3 tokens."""
     x = torch.randn(2, 40, 33, device=DEV)
@@ -268,17 +311,26 @@ def test_conv_fn_layout_and_update(path):
 # ------------------------------------------------------------------ the fused GatedDeltaNet core
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_fused_core_vs_float64(packed, path):
+# (B, S, H, HV, cu_seqlens): the q/k/v views of the conv output have stride(1) = H * K when S = 1, which the
+# kernels must not take for the batch stride
+CORE_CASES = [(1, 70, 1, 2, None), (1, 90, 1, 2, [0, 20, 90]), (1, 90, 1, 2, [0, 20, 20, 90]),
+              (2, 1, 2, 4, None), (3, 1, 1, 2, None), (2, 2, 1, 2, None), (3, 5, 2, 4, None)]
+
+
+@pytest.mark.parametrize("case", CORE_CASES, ids=str)
+def test_fused_core_vs_float64(case, path):
     """conv + SiLU + split + l2norm + gates + rule in one op against transformers' steps in float64."""
-    H, K, HV, V, W = 1, 16, 2, 16, 4
-    B, S = (1, 90) if packed else (1, 70)
+    B, S, H, HV, cu = case
+    K, V, W = 16, 16, 4
     C = 2 * H * K + HV * V
-    mixed = torch.randn(B, S, C, device=DEV)
-    weight = torch.randn(C, W, device=DEV) * 0.5
-    a, b = torch.randn(B, S, HV, device=DEV), torch.randn(B, S, HV, device=DEV)
-    A_log, dt_bias = torch.randn(HV, device=DEV) * 0.5, torch.randn(HV, device=DEV)
-    cu = torch.tensor([0, 20, 90], device=DEV, dtype=torch.int32) if packed else None
+    gen = torch.Generator().manual_seed(S + B)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    mixed = rnd(B, S, C)
+    weight = rnd(C, W) * 0.5
+    a, b = rnd(B, S, HV), rnd(B, S, HV)
+    A_log, dt_bias = rnd(HV) * 0.5, rnd(HV)
+    packed = cu is not None
+    cu = torch.tensor(cu, device=DEV, dtype=torch.int32) if packed else None
     inputs = [mixed, weight, a, b, A_log, dt_bias]
     leaves = [t.clone().requires_grad_() for t in inputs]
     out = gdn.gated_delta_net_core(leaves[0], leaves[1], None, *leaves[2:], H, K, V, cu_seqlens=cu)
@@ -289,7 +341,7 @@ def test_fused_core_vs_float64(packed, path):
     out_ref, _ = _float64_rule(q.reshape(B, S, H, K), k.reshape(B, S, H, K), v.reshape(B, S, HV, V), g, beta, None,
                                cu, True)
     _close(out, out_ref, TOL[torch.float32], "core_attn_out")
-    do = torch.randn_like(out)
+    do = rnd(*out.shape)
     for name, x, y in zip(["dmixed_qkv", "dconv_weight", "da", "db", "dA_log", "ddt_bias"],
                           _grads([out], [do], leaves), _grads([out_ref], [do], ref)):
         _close(x, y, REDUCTION_TOL[torch.float32] if name in ("dconv_weight", "dA_log", "ddt_bias")

@@ -237,14 +237,6 @@ def _check_device(name, what, t, ref):
         raise ValueError(f"{name}: {what} is on {t.device} but query on {ref.device}")
 
 
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """t (B, T, H, D) with unit stride in D and the tokens of all batches on one stride, else a contiguous copy."""
-    B, T = t.shape[:2]
-    if t.stride(-1) != 1 or (B > 1 and t.stride(0) != T * t.stride(1)):
-        return t.contiguous()
-    return t
-
-
 def _check_cu_seqlens(name, cu_seqlens, q, initial_state):
     if cu_seqlens is None:
         return
@@ -299,7 +291,6 @@ def _check_gdn(name, q, k, v, g, beta, initial_state, cu_seqlens, gate_params=()
 
 
 def _apply_gdn(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, l2norm, output_final_state):
-    q, k, v = _rows_view(q), _rows_view(k), _rows_view(v)
     g, beta = g.contiguous(), beta.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
     cu = cu_seqlens.contiguous() if cu_seqlens is not None else None

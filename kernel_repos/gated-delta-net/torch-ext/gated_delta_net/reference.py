@@ -322,6 +322,8 @@ def _shift(x, d, seq_idx):
     if d == 0:
         return x
     out = torch.zeros_like(x)
+    if abs(d) >= S:  # every source position is outside the sequence (the conv is wider than it)
+        return out
     if d > 0:
         out[:, d:] = x[:, :S - d]
     else:
