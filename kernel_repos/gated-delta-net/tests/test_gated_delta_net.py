@@ -186,6 +186,30 @@ def test_qwen3_5_gates_in_kernel_vs_float64(dtype, path):
         _close(x, y, REDUCTION_TOL[dtype] if name in ("dA_log", "ddt_bias") else tol, name)
 
 
+def test_gate_softplus_at_large_arguments_vs_float64(path):
+    """g = -exp(A_log) softplus(a + dt_bias) at a + dt_bias around -15, -17, -30 (softplus ~ e^x: log(1 + e^x)
+    in fp32 loses it) and +30 (above torch's threshold), one value head each. dA_log = sum(dg g) over the tokens
+    carries g's relative error, per head."""
+    B, T, H, HV, K, V = 1, 20, 1, 4, 16, 16
+    q, k, v, _, _, _ = _inputs(B, T, H, HV, K, V, torch.float32, n_states=0, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    dt_bias = torch.randn(HV, generator=gen).to(DEV)
+    centre = torch.tensor([-15.0, -17.0, -30.0, 30.0], device=DEV)
+    a = (centre - dt_bias + 0.5 * torch.randn(B, T, HV, generator=gen).to(DEV))
+    b = torch.randn(B, T, HV, generator=gen).to(DEV)
+    A_log = torch.tensor([0.3, -0.2, 0.1, -4.0], device=DEV)  # g ~ -0.5 per token at x ~ 30
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias)]
+    o, _ = gdn.gated_delta_rule_qwen3_5(*leaves)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias)]
+    g_ref, beta_ref = R.gdn_gate_hf(*ref[3:])
+    o_ref, _ = _float64_rule(*ref[:3], g_ref, beta_ref, None, None, True)
+    do = torch.randn(o.shape, generator=gen).to(DEV)
+    dA_log = _grads([o], [do], leaves)[5]
+    dA_log_ref = _grads([o_ref], [do], ref)[5]
+    err = ((dA_log.double() - dA_log_ref).abs() / dA_log_ref.abs()).tolist()
+    assert max(err) <= 1e-5, f"dA_log relative error per head (x ~ -15, -17, -30, 30): {err}"
+
+
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("gates_in_kernel", [False, True])
 def test_decode_without_grad_vs_float64(T, gates_in_kernel, path):

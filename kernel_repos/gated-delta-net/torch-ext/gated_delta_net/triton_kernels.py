@@ -82,6 +82,17 @@ def _load_qk(base, o_r, row_mask, stride_t, o_k, K, L2NORM: tl.constexpr):
 
 
 @triton.jit
+def _softplus(x):
+    """torch's softplus (threshold 20: x above it), stably: max(x, 0) + log1p(exp(-|x|)), log1p(y) as
+    y log(1 + y) / ((1 + y) - 1) (exact to fp32 rounding where 1 + y rounds; y itself where 1 + y == 1)."""
+    y = tl.exp(-tl.abs(x))
+    u = 1.0 + y
+    d = u - 1.0
+    log1p = tl.where(d == 0.0, y, tl.log(u) * (y / tl.where(d == 0.0, 1.0, d)))
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
+
+
+@triton.jit
 def _gate(G_IN, B_IN, A_LOG, DT_BIAS, offs, row_mask, hv, GATE: tl.constexpr, ROUND_BETA: tl.constexpr):
     """(log decay g, beta) in fp32 at element offsets `offs` of the (rows, HV) gate inputs, value head hv.
     GATE: g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) rounded to b's dtype (transformers
@@ -89,8 +100,7 @@ def _gate(G_IN, B_IN, A_LOG, DT_BIAS, offs, row_mask, hv, GATE: tl.constexpr, RO
     if GATE:
         a = tl.load(G_IN + offs, mask=row_mask, other=0.0).to(tl.float32)
         x = a + tl.load(DT_BIAS + hv).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = -tl.exp(tl.load(A_LOG + hv).to(tl.float32)) * softplus
+        g = -tl.exp(tl.load(A_LOG + hv).to(tl.float32)) * _softplus(x)
         beta = tl.sigmoid(tl.load(B_IN + offs, mask=row_mask, other=0.0).to(tl.float32))
         if ROUND_BETA:
             beta = beta.to(B_IN.dtype.element_ty).to(tl.float32)
