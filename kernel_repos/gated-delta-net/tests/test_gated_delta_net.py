@@ -138,8 +138,9 @@ def test_rule_on_views_of_one_buffer(B, S, grad, path):
 
 
 def test_packed_sequences_equal_separate_runs(path):
-    """cu_seqlens keeps sequences apart: one packed call = each sequence on its own (outputs, states, grads)."""
-    lengths = [70, 1, 5]
+    """cu_seqlens keeps sequences apart: one packed call = each sequence on its own (outputs, states, grads); an
+    empty sequence passes its initial state through."""
+    lengths = [70, 1, 0, 5]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=DEV)
     q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 1, 2, 16, 16, torch.float32, len(lengths), seed=5)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
@@ -149,6 +150,10 @@ def test_packed_sequences_equal_separate_runs(path):
     got = _grads([o, ht], [do, dht], leaves)
     bounds = cu.tolist()
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if s == e:
+            _close(ht[i], h0[i], 0, f"state of the empty sequence {i}")
+            _close(got[5][i], dht[i], 0, f"dh0 of the empty sequence {i}")
+            continue
         part = [t[:, s:e].detach().clone().requires_grad_() for t in (q, k, v, g, beta)]
         part.append(h0[i:i + 1].clone().requires_grad_())
         oi, hi = gdn.chunk_gated_delta_rule(*part[:5], initial_state=part[5], output_final_state=True,
@@ -282,7 +287,7 @@ def test_conv_vs_float64(bias, activation, packed, dtype, path):
     x = torch.randn(B, S, C, device=DEV).to(dtype)
     weight = (torch.randn(C, W, device=DEV) * 0.5).to(dtype)
     b = (torch.randn(C, device=DEV) * 0.5).to(dtype) if bias else None
-    cu = torch.tensor([0, 3, 40, 75], device=DEV) if packed else None
+    cu = torch.tensor([0, 3, 3, 40, 75], device=DEV) if packed else None  # an empty sequence too
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, weight, b)]
     y = gdn.causal_conv1d(*leaves, activation=activation, cu_seqlens=cu)
     ref = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, b)]
@@ -412,6 +417,29 @@ def test_bad_inputs_raise():
             rule(q, k.cpu(), v, g, beta)
         with pytest.raises(ValueError, match="cu_seqlens is on cpu"):
             rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8]))
+
+
+INVALID_CU_SEQLENS = [[0, 30, 80], [10, 50, 100], [0, 60, 30, 100], [-5, 50, 100], [0, 50, 120]]
+
+
+@pytest.mark.parametrize("cu", INVALID_CU_SEQLENS, ids=str)
+def test_invalid_cu_seqlens_values_raise(cu, path):
+    """cu_seqlens must start at 0, never decrease and end at the token count (100): a ValueError on CPU (a
+    device-side assert on GPUs), on the rule, the conv and the fused core, before any kernel runs."""
+    T, H, K = 100, 1, 16
+    q, k, v, g, beta, _ = _inputs(1, T, H, 2, K, K, torch.float32, n_states=0, seed=6)
+    mixed, weight = torch.randn(1, T, 4 * K, device=DEV), torch.randn(4 * K, 4, device=DEV)
+    gates = [torch.randn(1, T, 2, device=DEV), torch.randn(1, T, 2, device=DEV), torch.zeros(2, device=DEV),
+             torch.zeros(2, device=DEV)]
+    for dtype in (torch.int32, torch.int64):
+        cu_t = torch.tensor(cu, dtype=dtype, device=DEV)
+        calls = {"chunk_gated_delta_rule": lambda: gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_t),
+                 "causal_conv1d": lambda: gdn.causal_conv1d(mixed, weight, None, "silu", cu_seqlens=cu_t),
+                 "gated_delta_net_core": lambda: gdn.gated_delta_net_core(mixed, weight, None, *gates, H, K, K,
+                                                                          cu_seqlens=cu_t)}
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease and end at"):
+                call()
 
 
 # ------------------------------------------------------------------ torch.compile

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ._checks import check_offsets
 from ._device import use_triton
 from ._ops import add_op_namespace_prefix
 from .reference import (causal_conv1d_bwd_reference, causal_conv1d_fwd_reference, gdn_bwd_reference,
@@ -33,12 +34,20 @@ def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t if t is not None and t.numel() > 0 else None
 
 
-def _meta(cu_seqlens, total):
+def _meta(cu_seqlens, total: int, check: bool):
+    """Metadata of packed sequences (None without): (chunk slots, first chunk of each sequence, each token's
+    sequence) on the Triton path, (None, None, each token's sequence) on the torch path. `check` (the forwards):
+    cu_seqlens' values are checked first, on the device (no host sync; on CPU a ValueError)."""
     if cu_seqlens is None:
         return None
-    from .triton_kernels import varlen_meta
+    if check:
+        check_offsets(cu_seqlens, total, f"cu_seqlens must start at 0, never decrease and end at the number of "
+                                         f"tokens ({total})")
+    if use_triton(cu_seqlens):
+        from .triton_kernels import varlen_meta
 
-    return varlen_meta(cu_seqlens, total)
+        return varlen_meta(cu_seqlens, total)
+    return None, None, seq_idx_reference(cu_seqlens, total)[0]
 
 
 # ------------------------------------------------------------------ gate (Qwen3.5): torch path backward
@@ -60,10 +69,10 @@ def _gate_bwd_reference(dg, dbeta, a, b, A_log, dt_bias):
 
 
 def _gdn_fwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm, output_final_state, meta=None):
+    meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1], check=True)
     if use_triton(q):
         from .triton_kernels import chunk_fwd
 
-        meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1])
         o, ht, A, gc = chunk_fwd(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta, scale, l2norm,
                                  output_final_state)
         return o, (ht if output_final_state else _empty(q)), A, gc
@@ -80,7 +89,7 @@ def _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, sca
     if use_triton(q):
         from .triton_kernels import chunk_bwd
 
-        meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1])
+        meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1], check=False)
         return chunk_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta, scale, l2norm, dq, dk, dv,
                          _opt(A), _opt(gc))
     gate = A_log is not None
@@ -238,6 +247,7 @@ def _check_device(name, what, t, ref):
 
 
 def _check_cu_seqlens(name, cu_seqlens, q, initial_state):
+    """cu_seqlens' type, shape and device, on the host (its values: `_meta`, in the ops, on the device)."""
     if cu_seqlens is None:
         return
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -341,16 +351,14 @@ def gated_delta_rule_qwen3_5(q, k, v, a, b, A_log, dt_bias, initial_state=None, 
 # ------------------------------------------------------------------ causal depthwise conv1d (+ SiLU)
 
 
-def _seq_idx(cu_seqlens, total, meta=None):
-    if cu_seqlens is None:
-        return None
-    if use_triton(cu_seqlens):
-        return (meta if meta is not None else _meta(cu_seqlens, total))[2][None]
-    return seq_idx_reference(cu_seqlens, total)
+def _seq_idx(cu_seqlens, total, meta, check: bool):
+    """(1, total) int32: each token's sequence (None without cu_seqlens)."""
+    meta = meta if meta is not None else _meta(cu_seqlens, total, check)
+    return meta[2][None] if meta is not None else None
 
 
 def _conv_fwd_impl(x, weight, bias, cu_seqlens, activation, meta=None):
-    seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta)
+    seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta, check=True)
     if use_triton(x):
         from .triton_kernels import conv_fwd
 
@@ -359,7 +367,7 @@ def _conv_fwd_impl(x, weight, bias, cu_seqlens, activation, meta=None):
 
 
 def _conv_bwd_impl(dout, x, weight, bias, cu_seqlens, activation, meta=None):
-    seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta)
+    seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta, check=False)
     if use_triton(x):
         from .triton_kernels import conv_bwd
 
@@ -456,6 +464,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
     act = _activation_flag(name, activation)
     if cu_seqlens is not None:
         _check_cu_seqlens(name, cu_seqlens, x, None)
+        cu_seqlens = cu_seqlens.contiguous()
     weight = weight.contiguous()
     args = (x, weight, bias, cu_seqlens, act)
     if torch.compiler.is_compiling():
@@ -520,12 +529,8 @@ def _split(conv_out, num_k_heads, head_k_dim, head_v_dim):
     return q, k, v
 
 
-def _layer_meta(mixed, cu_seqlens):
-    return _meta(cu_seqlens, mixed.shape[1]) if cu_seqlens is not None and use_triton(mixed) else None
-
-
 def _layer_fwd_impl(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim, head_v_dim):
-    meta = _layer_meta(mixed, cu_seqlens)
+    meta = _meta(cu_seqlens, mixed.shape[1], check=True)
     conv_out = _conv_fwd_impl(mixed, conv_w, conv_b, cu_seqlens, True, meta)
     q, k, v = _split(conv_out, num_k_heads, head_k_dim, head_v_dim)
     o, _, A, gc = _gdn_fwd_impl(q, k, v, a, b, A_log, dt_bias, None, cu_seqlens, head_k_dim ** -0.5, True, False,
@@ -535,7 +540,7 @@ def _layer_fwd_impl(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num
 
 def _layer_bwd_impl(do, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim,
                     head_v_dim, A=None, gc=None):
-    meta = _layer_meta(mixed, cu_seqlens)
+    meta = _meta(cu_seqlens, mixed.shape[1], check=False)
     conv_out = _conv_fwd_impl(mixed, conv_w, conv_b, cu_seqlens, True, meta)   # recomputed, not saved
     q, k, v = _split(conv_out, num_k_heads, head_k_dim, head_v_dim)
     dconv = torch.empty_like(conv_out)
@@ -645,7 +650,7 @@ decays; the conv output is recomputed."""
     _check_cu_seqlens(name, cu_seqlens, mixed_qkv, None)
     mixed_qkv = mixed_qkv if mixed_qkv.stride(-1) == 1 else mixed_qkv.contiguous()
     args = (mixed_qkv, conv_weight.contiguous(), conv_bias, a.contiguous(), b.contiguous(), A_log.contiguous(),
-            dt_bias.contiguous(), cu_seqlens, int(num_k_heads), int(head_k_dim), int(head_v_dim))
+            dt_bias.contiguous(), cu_seqlens.contiguous() if cu_seqlens is not None else None, int(num_k_heads), int(head_k_dim), int(head_v_dim))
     if torch.compiler.is_compiling():
         return _gdn_layer_fwd(*args)[0]
     return _LayerFunction.apply(*args)[0]
