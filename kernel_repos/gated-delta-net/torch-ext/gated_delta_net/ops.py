@@ -241,9 +241,9 @@ def _check_tensor(name, what, t, dtypes=_DTYPES):
         raise TypeError(f"{name}: {what} must be one of {', '.join(str(d) for d in dtypes)}, got {t.dtype}")
 
 
-def _check_device(name, what, t, ref):
+def _check_device(name, what, t, ref, ref_name="query"):
     if t.device != ref.device:
-        raise ValueError(f"{name}: {what} is on {t.device} but query on {ref.device}")
+        raise ValueError(f"{name}: {what} is on {t.device} but {ref_name} on {ref.device}")
 
 
 def _check_cu_seqlens(name, cu_seqlens, q, initial_state):
@@ -437,21 +437,22 @@ def _activation_flag(name, activation) -> bool:
     raise ValueError(f"{name}: activation must be None, 'silu' or 'swish', got {activation!r}")
 
 
-def _check_conv(name, x, weight, bias, channel_dim):
-    _check_tensor(name, "hidden_states", x)
-    _check_tensor(name, "weight", weight)
+def _check_conv(name, x, weight, bias, channel_dim, x_name="hidden_states", weight_name="weight"):
+    _check_tensor(name, x_name, x)
+    _check_tensor(name, weight_name, weight)
     if x.dim() != 3:
-        raise ValueError(f"{name}: hidden_states must be 3-D, got {tuple(x.shape)}")
+        raise ValueError(f"{name}: {x_name} must be 3-D, got {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[0] != x.shape[channel_dim]:
-        raise ValueError(f"{name}: weight must be (channels={x.shape[channel_dim]}, width), got {tuple(weight.shape)}")
+        raise ValueError(f"{name}: {weight_name} must be (channels={x.shape[channel_dim]}, width), got "
+                         f"{tuple(weight.shape)}")
     if x.numel() == 0:
-        raise ValueError(f"{name}: empty input {tuple(x.shape)}")
-    _check_device(name, "weight", weight, x)
+        raise ValueError(f"{name}: {x_name} is empty, got {tuple(x.shape)}")
+    _check_device(name, weight_name, weight, x, x_name)
     if bias is not None:
         _check_tensor(name, "bias", bias)
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"{name}: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
-        _check_device(name, "bias", bias, x)
+        _check_device(name, "bias", bias, x, x_name)
 
 
 def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
@@ -509,7 +510,9 @@ def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activatio
     if conv_state.dim() != 3 or conv_state.shape[:2] != (B, C) or conv_state.shape[2] < weight.shape[1] - 1:
         raise ValueError(f"{name}: conv_state must be ({B}, {C}, >= {weight.shape[1] - 1}), got "
                          f"{tuple(conv_state.shape)}")
-    _check_device(name, "conv_state", conv_state, hidden_states)
+    _check_device(name, "conv_state", conv_state, hidden_states, "hidden_states")
+    if any(stride == 0 and size > 1 for stride, size in zip(conv_state.stride(), conv_state.shape)):
+        raise ValueError(f"{name}: conv_state is updated in place: it cannot be an expanded (stride 0) view")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden_states, weight, bias)):
         from .reference import causal_conv1d_update_hf
 
@@ -630,7 +633,7 @@ def gated_delta_net_core(mixed_qkv, conv_weight, conv_bias, a, b, A_log, dt_bias
     state). Returns core_attn_out (B, S, HV, V). Saved for the backward: the inputs and the rule's WY matrices and
 decays; the conv output is recomputed."""
     name = "gated_delta_net_core"
-    _check_conv(name, mixed_qkv, conv_weight, conv_bias, 2)
+    _check_conv(name, mixed_qkv, conv_weight, conv_bias, 2, "mixed_qkv", "conv_weight")
     B, S, C = mixed_qkv.shape
     key_dim = num_k_heads * head_k_dim
     HV = (C - 2 * key_dim) // head_v_dim
@@ -640,13 +643,14 @@ decays; the conv output is recomputed."""
     if HV % num_k_heads:
         raise ValueError(f"{name}: value heads ({HV}) must be a multiple of key heads ({num_k_heads})")
     if max(head_k_dim, head_v_dim) > _MAX_HEAD_DIM:
-        raise ValueError(f"{name}: head dims up to {_MAX_HEAD_DIM} are supported")
+        raise ValueError(f"{name}: head dims up to {_MAX_HEAD_DIM} are supported, got head_k_dim {head_k_dim}, "
+                         f"head_v_dim {head_v_dim} (the heads of mixed_qkv)")
     for what, t, shape in (("a", a, (B, S, HV)), ("b", b, (B, S, HV)), ("A_log", A_log, (HV,)),
                            ("dt_bias", dt_bias, (HV,))):
         _check_tensor(name, what, t)
         if t.shape != shape:
             raise ValueError(f"{name}: {what} must be {shape}, got {tuple(t.shape)}")
-        _check_device(name, what, t, mixed_qkv)
+        _check_device(name, what, t, mixed_qkv, "mixed_qkv")
     _check_cu_seqlens(name, cu_seqlens, mixed_qkv, None)
     mixed_qkv = mixed_qkv if mixed_qkv.stride(-1) == 1 else mixed_qkv.contiguous()
     args = (mixed_qkv, conv_weight.contiguous(), conv_bias, a.contiguous(), b.contiguous(), A_log.contiguous(),

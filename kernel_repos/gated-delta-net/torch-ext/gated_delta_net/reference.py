@@ -334,7 +334,7 @@ def _shift(x, d, seq_idx):
             same[:, d:] = seq_idx[:, d:] == seq_idx[:, :S - d]
         else:
             same[:, :S + d] = seq_idx[:, :S + d] == seq_idx[:, -d:]
-        out = out * same[..., None]
+        out = torch.where(same[..., None], out, 0.0)  # not a product: a NaN / inf stays in its sequence
     return out
 
 
