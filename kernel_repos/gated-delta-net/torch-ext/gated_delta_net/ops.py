@@ -466,7 +466,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
     if cu_seqlens is not None:
         _check_cu_seqlens(name, cu_seqlens, x, None)
         cu_seqlens = cu_seqlens.contiguous()
-    weight = weight.contiguous()
+    weight, bias = weight.contiguous(), (bias.contiguous() if bias is not None else None)
     args = (x, weight, bias, cu_seqlens, act)
     if torch.compiler.is_compiling():
         return _conv_fwd(*args)
@@ -517,7 +517,8 @@ def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activatio
         from .reference import causal_conv1d_update_hf
 
         return causal_conv1d_update_hf(hidden_states, conv_state, weight, bias, activation)
-    return _conv_update(hidden_states, conv_state, weight.contiguous(), bias, _activation_flag(name, activation))
+    return _conv_update(hidden_states, conv_state, weight.contiguous(), bias.contiguous() if bias is not None else None,
+                        _activation_flag(name, activation))
 
 
 # ------------------------------------------------------------------ the fused Qwen3.5 GatedDeltaNet core
@@ -653,6 +654,7 @@ decays; the conv output is recomputed."""
         _check_device(name, what, t, mixed_qkv, "mixed_qkv")
     _check_cu_seqlens(name, cu_seqlens, mixed_qkv, None)
     mixed_qkv = mixed_qkv if mixed_qkv.stride(-1) == 1 else mixed_qkv.contiguous()
+    conv_bias = conv_bias.contiguous() if conv_bias is not None else None
     args = (mixed_qkv, conv_weight.contiguous(), conv_bias, a.contiguous(), b.contiguous(), A_log.contiguous(),
             dt_bias.contiguous(), cu_seqlens.contiguous() if cu_seqlens is not None else None, int(num_k_heads), int(head_k_dim), int(head_v_dim))
     if torch.compiler.is_compiling():
