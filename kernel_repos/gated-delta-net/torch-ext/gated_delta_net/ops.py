@@ -655,8 +655,9 @@ decays; the conv output is recomputed."""
     _check_cu_seqlens(name, cu_seqlens, mixed_qkv, None)
     mixed_qkv = mixed_qkv if mixed_qkv.stride(-1) == 1 else mixed_qkv.contiguous()
     conv_bias = conv_bias.contiguous() if conv_bias is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     args = (mixed_qkv, conv_weight.contiguous(), conv_bias, a.contiguous(), b.contiguous(), A_log.contiguous(),
-            dt_bias.contiguous(), cu_seqlens.contiguous() if cu_seqlens is not None else None, int(num_k_heads), int(head_k_dim), int(head_v_dim))
+            dt_bias.contiguous(), cu_seqlens, int(num_k_heads), int(head_k_dim), int(head_v_dim))
     if torch.compiler.is_compiling():
         return _gdn_layer_fwd(*args)[0]
     return _LayerFunction.apply(*args)[0]
