@@ -938,7 +938,8 @@ def _gdn_module_args(shape):
     return {"hidden_states": Arg(dims + (hidden,)),
             "in_proj_qkv": Arg((2 * key + value, hidden), "param", scale=0.3),
             "in_proj_z": Arg((value, hidden), "param", scale=0.3),
-            "in_proj_b": Arg((GDN_HV, hidden), "param", scale=0.3), "in_proj_a": Arg((GDN_HV, hidden), "param", scale=0.3),
+            "in_proj_b": Arg((GDN_HV, hidden), "param", scale=0.3),
+            "in_proj_a": Arg((GDN_HV, hidden), "param", scale=0.3),
             "conv1d": Arg((2 * key + value, 1, GDN_W), "param", scale=0.5), "dt_bias": Arg((GDN_HV,), "param"),
             "A_log": Arg((GDN_HV,), "param", scale=0.5), "norm": Arg((GDN_V,), "param"),
             "out_proj": Arg((32, value), "param", scale=0.3)}
