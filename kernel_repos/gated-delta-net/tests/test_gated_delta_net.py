@@ -377,9 +377,10 @@ def test_fused_core_vs_float64(case, path):
                else TOL[torch.float32], name)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32 item 3, open: ratios ~1.3. dg, dA_log and ddt_bias are already summed "
-                   "in fp32 (per-program fp32 partials, one cast at the end); the gap is the per-token dg the backward "
-                   "computes from 16-bit operands (the same backward with fp32 operands passes)")
+@pytest.mark.xfail(not torch.cuda.is_available(), strict=True,
+                   reason="issue 32 item 3, open: ratios ~1.3 under the interpreter. dg, dA_log and ddt_bias are "
+                   "already summed in fp32 (per-program fp32 partials, one cast at the end); the gap is the per-token "
+                   "dg the backward computes from 16-bit operands (the same backward with fp32 operands passes)")
 def test_gate_parameter_gradients_as_accurate_as_eager_fp16(use_kernel_path):
     """fp16 activations, fp32 gate parameters (their gradients are sums over every token, rounded once): the fused
     core's dA_log and ddt_bias are no further from float64 than transformers' fp16 eager steps (which run the rule
@@ -389,7 +390,7 @@ def test_gate_parameter_gradients_as_accurate_as_eager_fp16(use_kernel_path):
     C = 2 * H * K + HV * V
 
     def grads(inputs, dtype, fused, do):
-        leaves = [t.to(dtype if i < 4 else torch.promote_types(dtype, torch.float32)).requires_grad_()
+        leaves = [t.to(DEV, dtype if i < 4 else torch.promote_types(dtype, torch.float32)).requires_grad_()
                   for i, t in enumerate(inputs)]
         mixed, w, a, b, A_log, dt_bias = leaves
         if fused:
@@ -401,7 +402,7 @@ def test_gate_parameter_gradients_as_accurate_as_eager_fp16(use_kernel_path):
             q, k = (x.reshape(B, S, H, K).repeat_interleave(HV // H, 2) for x in (q, k))
             o, _ = R.chunk_gated_delta_rule_hf(q, k, v.reshape(B, S, HV, V), g, beta, use_qk_l2norm_in_kernel=True,
                                                compute_dtype=torch.promote_types(dtype, torch.float32))
-        return torch.autograd.grad((o.double() * do).sum(), [A_log, dt_bias])
+        return [x.cpu() for x in torch.autograd.grad((o.double() * do.to(DEV)).sum(), [A_log, dt_bias])]
 
     err = {"ours": torch.zeros(2, dtype=torch.float64), "eager": torch.zeros(2, dtype=torch.float64)}
     for seed in range(2):
@@ -465,8 +466,11 @@ INVALID_CU_SEQLENS = [[0, 30, 80], [10, 50, 100], [0, 60, 30, 100], [-5, 50, 100
 
 @pytest.mark.parametrize("cu", INVALID_CU_SEQLENS, ids=str)
 def test_invalid_cu_seqlens_values_raise(cu, path):
-    """cu_seqlens must start at 0, never decrease and end at the token count (100): a ValueError on CPU (a
-    device-side assert on GPUs), on the rule, the conv and the fused core, before any kernel runs."""
+    """cu_seqlens must start at 0, never decrease and end at the token count (100): a ValueError on CPU, on the
+    rule, the conv and the fused core, before any kernel runs (on GPUs a device-side assert:
+    tests/test_bad_input_matrix.py::test_gpu_value_checks, in subprocesses)."""
+    if DEV == "cuda":
+        pytest.skip("a device-side assert on CUDA (it poisons the context): test_gpu_value_checks")
     T, H, K = 100, 1, 16
     q, k, v, g, beta, _ = _inputs(1, T, H, 2, K, K, torch.float32, n_states=0, seed=6)
     mixed, weight = torch.randn(1, T, 4 * K, device=DEV), torch.randn(4 * K, 4, device=DEV)
