@@ -935,7 +935,8 @@ def _gdn_module_args(shape):
     if dims is None:
         return None
     hidden, key, value = 32, GDN_H * GDN_K, GDN_HV * GDN_V
-    return {"hidden_states": Arg(dims + (hidden,)),
+    # the fused op names its input mixed_qkv: the projection of hidden_states
+    return {"hidden_states": Arg(dims + (hidden,), aliases=("mixed_qkv",)),
             "in_proj_qkv": Arg((2 * key + value, hidden), "param", scale=0.3),
             "in_proj_z": Arg((value, hidden), "param", scale=0.3),
             "in_proj_b": Arg((GDN_HV, hidden), "param", scale=0.3),
