@@ -73,6 +73,7 @@ class Arg:
     ignore_frac: float = 0.0  # index: fraction set to IGNORE (never the first)
     scale: float = 1.0
     aliases: tuple = ()  # other names an error message may use for this argument
+    values: Optional[tuple] = None  # index: fixed values (sequence offsets) instead of random ids
 
 
 @dataclass
@@ -777,6 +778,293 @@ def _load_balancing_targets():
                      "fixed order; the kernels take the lower index)")
 
 
+# ----------------------------------------------------------------------------------------------- gated delta net
+
+GDN_H, GDN_HV, GDN_K, GDN_V, GDN_W = 1, 2, 16, 8, 4
+GDN_NOTE = ("g and beta enter as logsigmoid / sigmoid of the cell's values (a log decay <= 0, beta in (0, 1)); "
+            "bf16 is not run under the Triton interpreter (its bf16 tl.dot is wrong; the GPU variant runs it)")
+
+
+def _gdn_dims(shape):
+    """(B, S, K, V): sequence lengths 1, 2 and 67 (odd, past one 64-token chunk) with batch > 1, head dims past
+    the kernels' 256 limit ("big")."""
+    return {"base": (2, 5, GDN_K, GDN_V), "one_row": (3, 1, GDN_K, GDN_V), "odd": (2, 67, 13, 7),
+            "big": (1, 3, 257, GDN_V), "batch1": (1, 5, GDN_K, GDN_V), "batch2": (2, 2, GDN_K, GDN_V),
+            "empty": (2, 0, GDN_K, GDN_V)}.get(shape)
+
+
+# packed sequences: total tokens, offsets (an empty sequence in the base case)
+GDN_PACKED = {"base": (9, (0, 2, 2, 9)), "one_row": (1, (0, 1)), "odd": (67, (0, 1, 66, 67)), "batch1": (5, (0, 5))}
+
+
+def _gdn_rule_args(packed, gates):
+    def args(shape):
+        if packed:
+            if shape not in GDN_PACKED:
+                return None
+            T, offsets = GDN_PACKED[shape]
+            B, S, N, K, V = 1, T, len(offsets) - 1, GDN_K, GDN_V
+        else:
+            if _gdn_dims(shape) is None:
+                return None
+            B, S, K, V = _gdn_dims(shape)
+            N = B
+        H, HV = GDN_H, GDN_HV
+        out = {"q": Arg((B, S, H, K), aliases=("query",)), "k": Arg((B, S, H, K), aliases=("key",)),
+               "v": Arg((B, S, HV, V), aliases=("value",))}
+        if gates:
+            out.update({"a": Arg((B, S, HV)), "b": Arg((B, S, HV)), "A_log": Arg((HV,), "param", scale=0.5),
+                        "dt_bias": Arg((HV,), "param")})
+        else:
+            out.update({"g": Arg((B, S, HV)), "beta": Arg((B, S, HV))})
+        out["initial_state"] = Arg((N, HV, K, V), scale=0.5)
+        if packed:
+            out["cu_seqlens"] = Arg((N + 1,), "index", high=S + 1, bad_high=S + 1, values=offsets)
+        return out
+    return args
+
+
+def _check_offsets64(cu, total):
+    """What the ops require of cu_seqlens (the float64 oracle refuses the rest as they do)."""
+    if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.numel() < 2:
+        raise TypeError("cu_seqlens must be a 1-D int32 / int64 tensor of at least 2 offsets")
+    c = cu.tolist()
+    if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at {total}")
+    return c
+
+
+def _gdn_rule64(q, k, v, g, beta, h0, cu=None):
+    """transformers' chunked rule in float64, key heads repeated, per packed sequence (an empty one passes its
+    state through); returns (o, final state)."""
+    from hubfuse.gated_delta_net import reference as R
+
+    rep = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+    bounds = [0, q.shape[1]] if cu is None else _check_offsets64(cu, q.shape[1])
+    outs, states = [], []
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        h = h0 if cu is None else h0[i:i + 1]
+        if s == e:
+            states.append(h)
+            continue
+        o, ht = R.chunk_gated_delta_rule_hf(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                            initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            compute_dtype=torch.float64)
+        outs.append(o)
+        states.append(ht)
+    return torch.cat(outs, 1), torch.cat(states, 0)
+
+
+def _gdn_gates64(a):
+    if "a" in a:
+        return (-a["A_log"].exp() * F.softplus(a["a"] + a["dt_bias"]), torch.sigmoid(a["b"]))
+    return F.logsigmoid(a["g"]), torch.sigmoid(a["beta"])
+
+
+def _gdn_conv_args(layout, packed=False):
+    """layout "bsc": (B, S, C) channels-last; "bcs": transformers' (B, C, S); "update": (B, C, L) new tokens and
+    the (B, C, W - 1) state."""
+    def args(shape):
+        if packed:
+            if shape not in GDN_PACKED:
+                return None
+            T, offsets = GDN_PACKED[shape]
+            B, S, C = 1, T, 12
+        else:
+            dims = {"base": (2, 5, 12), "one_row": (2, 1, 12), "odd": (3, 7, 13), "batch1": (1, 6, 12),
+                    "batch2": (2, 2, 12), "empty": (2, 0, 12)}.get(shape)
+            if dims is None:
+                return None
+            B, S, C = dims
+        x = {"bsc": (B, S, C), "bcs": (B, C, S), "update": (B, C, min(S, 3))}[layout]
+        out = {"hidden_states": Arg(x, aliases=("x",))}
+        if layout == "update":
+            out["conv_state"] = Arg((B, C, GDN_W - 1))
+        out.update({"weight": Arg((C, GDN_W), "param", scale=0.5), "bias": Arg((C,), "param", scale=0.5)})
+        if packed:
+            out["cu_seqlens"] = Arg((len(offsets),), "index", high=S + 1, bad_high=S + 1, values=offsets)
+        return out
+    return args
+
+
+def _conv64(x, weight, bias, cu=None):
+    """transformers' causal_conv1d_fn + SiLU in float64 over channels-last x, per packed sequence."""
+    from hubfuse.gated_delta_net import reference as R
+
+    bounds = [0, x.shape[1]] if cu is None else _check_offsets64(cu, x.shape[1])
+    return torch.cat([R.causal_conv1d_fn_hf(x[:, s:e].transpose(1, 2), weight, bias, "silu").transpose(1, 2)
+                      for s, e in zip(bounds[:-1], bounds[1:]) if e > s], 1)
+
+
+def _gdn_core_args(packed):
+    def args(shape):
+        if packed:
+            if shape not in GDN_PACKED:
+                return None
+            T, offsets = GDN_PACKED[shape]
+            B, S, K, V = 1, T, GDN_K, GDN_V
+        else:
+            if _gdn_dims(shape) is None:
+                return None
+            B, S, K, _ = _gdn_dims(shape)
+            K = K if K > 256 else GDN_K  # one value head dim: the build reads the key head dim off the width
+        C = 2 * GDN_H * K + GDN_HV * GDN_V
+        out = {"mixed_qkv": Arg((B, S, C)), "conv_weight": Arg((C, GDN_W), "param", scale=0.5),
+               "a": Arg((B, S, GDN_HV)), "b": Arg((B, S, GDN_HV)), "A_log": Arg((GDN_HV,), "param", scale=0.5),
+               "dt_bias": Arg((GDN_HV,), "param")}
+        if packed:
+            out["cu_seqlens"] = Arg((len(offsets),), "index", high=S + 1, bad_high=S + 1, values=offsets)
+        return out
+    return args
+
+
+def _gdn_core64(a, lp):
+    cu = a.get("cu_seqlens")
+    mixed = a["mixed_qkv"]
+    B, S, C = mixed.shape
+    HV, V = a["a"].shape[-1], GDN_V
+    K = (C - HV * V) // (2 * GDN_H)
+    conv = _conv64(mixed, a["conv_weight"], None, cu)
+    q, k, v = torch.split(conv, [GDN_H * K, GDN_H * K, HV * V], dim=-1)
+    g, beta = _gdn_gates64(a)
+    return _gdn_rule64(q.reshape(B, S, GDN_H, K), k.reshape(B, S, GDN_H, K), v.reshape(B, S, HV, V), g, beta,
+                       torch.zeros(B if cu is None else cu.numel() - 1, HV, K, V, dtype=torch.float64), cu)[0]
+
+
+def _gdn_module_config():
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(hidden_size=32, linear_num_key_heads=GDN_H, linear_num_value_heads=GDN_HV,
+                                linear_key_head_dim=GDN_K, linear_value_head_dim=GDN_V, linear_conv_kernel_dim=GDN_W,
+                                rms_norm_eps=EPS, num_hidden_layers=1, layer_types=["linear_attention"],
+                                vocab_size=16, hidden_act="silu")
+
+
+GDN_PARAMS = {"in_proj_qkv.weight": "in_proj_qkv", "in_proj_z.weight": "in_proj_z", "in_proj_b.weight": "in_proj_b",
+              "in_proj_a.weight": "in_proj_a", "conv1d.weight": "conv1d", "dt_bias": "dt_bias", "A_log": "A_log",
+              "norm.weight": "norm", "out_proj.weight": "out_proj"}
+
+
+def _gdn_module_args(shape):
+    dims = {"base": (2, 5), "one_row": (2, 1), "odd": (3, 7), "batch1": (1, 5), "batch2": (2, 2)}.get(shape)
+    if dims is None:
+        return None
+    hidden, key, value = 32, GDN_H * GDN_K, GDN_HV * GDN_V
+    # the fused op names its input mixed_qkv: the projection of hidden_states
+    return {"hidden_states": Arg(dims + (hidden,), aliases=("mixed_qkv",)),
+            "in_proj_qkv": Arg((2 * key + value, hidden), "param", scale=0.3),
+            "in_proj_z": Arg((value, hidden), "param", scale=0.3),
+            "in_proj_b": Arg((GDN_HV, hidden), "param", scale=0.3),
+            "in_proj_a": Arg((GDN_HV, hidden), "param", scale=0.3),
+            "conv1d": Arg((2 * key + value, 1, GDN_W), "param", scale=0.5), "dt_bias": Arg((GDN_HV,), "param"),
+            "A_log": Arg((GDN_HV,), "param", scale=0.5), "norm": Arg((GDN_V,), "param"),
+            "out_proj": Arg((32, value), "param", scale=0.3)}
+
+
+def _gdn_module(forward=None):
+    from hubfuse.gated_delta_net import layers as L
+
+    module = L.GatedDeltaNetLayout(_gdn_module_config(), 0)
+    if forward is not None:
+        module.forward = types.MethodType(forward, module)
+    return lambda a: torch.func.functional_call(module, {p: a[n] for p, n in GDN_PARAMS.items()},
+                                                (a["hidden_states"],))
+
+
+def _gdn_module64(a, lp):
+    """The Layout's forward (transformers' torch code) on the float64 inputs (its rule computes in fp32, as
+    transformers' does: the oracle is good to fp32 rounding)."""
+    return _gdn_module()(a)
+
+
+def _gated_delta_net_targets():
+    import hubfuse.gated_delta_net as gdn
+    from hubfuse.gated_delta_net import layers as L
+
+    # the rule's kernels take ~10 s a cell under the interpreter: there, sequence lengths / batch (shape) and the
+    # bad values (NaN / inf, cu_seqlens out of range or unsorted); views of the conv output: the core's
+    # one-token shape; every axis on the torch path and for the conv
+    kw = dict(interp_skip_dtypes=("bf16",), note=GDN_NOTE, kernel_axes=("shape", "values"))
+    conv_kw = dict(kw, kernel_axes=None)
+    shapes = ("base", "one_row", "odd", "batch1", "batch2")
+    rule_names = ("q", "k", "v", "g", "beta")
+
+    def rule_inputs(a):
+        g, beta = _gdn_gates64(a)
+        return (a["q"], a["k"], a["v"], g, beta)
+
+    for packed in (False, True):
+        suffix = "(cu_seqlens)" if packed else ""
+        p = Problem(f"gdn_rule{suffix}", _gdn_rule_args(packed, False), primary="q",
+                    index="cu_seqlens" if packed else None, extra_values=("id_unsorted",) if packed else (),
+                    oracle=lambda a, lp: _gdn_rule64(*rule_inputs(a), a["initial_state"], a.get("cu_seqlens")))
+
+        def call(a, fn=gdn.chunk_gated_delta_rule):
+            return fn(*rule_inputs(a), initial_state=a["initial_state"], output_final_state=True,
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=a.get("cu_seqlens"))
+
+        _target(f"chunk_gated_delta_rule{suffix}", "op", p, lambda s, call=call: call, shapes=shapes, **kw)
+        for layer in (L.ChunkGatedDeltaRule, L.FusedRecurrentGatedDeltaRule) if not packed else ():
+            _target(f"{layer.__name__} (Layer)", "layer", p,
+                    lambda s, layer=layer: lambda a: layer()(
+                        *rule_inputs(a), initial_state=a["initial_state"], output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, cu_seqlens=a.get("cu_seqlens")), shapes=shapes, **kw)
+        pq = Problem(f"gdn_rule_qwen3_5{suffix}", _gdn_rule_args(packed, True), primary="q",
+                     index="cu_seqlens" if packed else None, extra_values=("id_unsorted",) if packed else (),
+                     oracle=lambda a, lp: _gdn_rule64(a["q"], a["k"], a["v"], *_gdn_gates64(a), a["initial_state"],
+                                                      a.get("cu_seqlens")))
+        _target(f"gated_delta_rule_qwen3_5{suffix}", "op", pq, lambda s: lambda a: gdn.gated_delta_rule_qwen3_5(
+            a["q"], a["k"], a["v"], a["a"], a["b"], a["A_log"], a["dt_bias"], initial_state=a["initial_state"],
+            output_final_state=True, cu_seqlens=a.get("cu_seqlens")), shapes=shapes, **kw)
+
+        pc = Problem(f"causal_conv1d{suffix}", _gdn_conv_args("bsc", packed), primary="hidden_states",
+                     index="cu_seqlens" if packed else None, extra_values=("id_unsorted",) if packed else (),
+                     oracle=lambda a, lp: _conv64(a["hidden_states"], a["weight"], a["bias"], a.get("cu_seqlens")))
+        _target(f"causal_conv1d{suffix}", "op", pc, lambda s: lambda a: gdn.causal_conv1d(
+            a["hidden_states"], a["weight"], a["bias"], "silu", a.get("cu_seqlens")), shapes=shapes, **conv_kw)
+
+        pk = Problem(f"gated_delta_net_core{suffix}", _gdn_core_args(packed), primary="mixed_qkv",
+                     index="cu_seqlens" if packed else None, extra_values=("id_unsorted",) if packed else (),
+                     oracle=_gdn_core64)
+        _target(f"gated_delta_net_core{suffix}", "op", pk, lambda s: lambda a: gdn.gated_delta_net_core(
+            a["mixed_qkv"], a["conv_weight"], None, a["a"], a["b"], a["A_log"], a["dt_bias"], GDN_H,
+            (s["mixed_qkv"].shape[-1] - GDN_HV * GDN_V) // (2 * GDN_H), GDN_V, cu_seqlens=a.get("cu_seqlens")),
+            shapes=shapes, **kw)
+
+    pf = Problem("causal_conv1d_fn", _gdn_conv_args("bcs"), primary="hidden_states",
+                 oracle=lambda a, lp: _conv64(a["hidden_states"].transpose(1, 2), a["weight"], a["bias"]
+                                              ).transpose(1, 2))
+    _target("causal_conv1d_fn", "op", pf, lambda s: lambda a: gdn.causal_conv1d_fn(
+        a["hidden_states"], a["weight"], a["bias"], "silu"), shapes=shapes, **conv_kw)
+    _target("CausalConv1dFn (Layer)", "layer", pf, lambda s: lambda a: L.CausalConv1dFn()(
+        a["hidden_states"], a["weight"], a["bias"], "silu"), shapes=shapes, **kw)
+
+    def update64(a, lp):
+        from hubfuse.gated_delta_net import reference as R
+
+        state = a["conv_state"].clone()
+        out = R.causal_conv1d_update_hf(a["hidden_states"], state, a["weight"], a["bias"], "silu")
+        return out, state
+
+    pu = Problem("causal_conv1d_update", _gdn_conv_args("update"), primary="hidden_states", oracle=update64)
+    for name, fn in (("causal_conv1d_update", gdn.causal_conv1d_update),
+                     ("CausalConv1dUpdate (Layer)", lambda *x: L.CausalConv1dUpdate()(*x))):
+        _target(name, "op" if name == "causal_conv1d_update" else "layer", pu,
+                lambda s, fn=fn: lambda a: (fn(a["hidden_states"], a["conv_state"], a["weight"], a["bias"], "silu"),
+                                            a["conv_state"]),
+                shapes=shapes, inplace=("conv_state",), layouts_ok=False, **conv_kw)
+
+    pm = Problem("GatedDeltaNetLayout", _gdn_module_args, primary="hidden_states", oracle=_gdn_module64)
+    module_axes = ("dtype", "shape", "layout", "values", "grad")
+    _target("GatedDeltaNet (Layer)", "layer", pm, lambda s: _gdn_module(L.GatedDeltaNet.forward), shapes=shapes,
+            axes=module_axes, layout_roles=("input",), dtype_values=("fp16", "bf16", "fp64"), **kw)
+    _target("GatedDeltaNetLayout", "layout", pm, lambda s: _gdn_module(), shapes=shapes, dtypes=HALF + ("fp64",),
+            axes=module_axes, layout_roles=("input",), paths=("ref",), compile=False,
+            note="transformers' torch code: not compiled, as HF's Qwen3_5MoeGatedDeltaNet, whose backward under "
+                 "torch.compile (aot_eager) raises a view-stride RuntimeError in torch")
+
+
 def _register():
     if TARGETS:
         return
@@ -786,6 +1074,7 @@ def _register():
     _moe_targets()
     _rotary_targets()
     _load_balancing_targets()
+    _gated_delta_net_targets()
     EXCLUDED.update({
         "*_hf, *_reference": "the torch reference functions: the oracle side (HF's own code)",
         "default_chunk_size": "an int policy function (no tensor input)",
@@ -802,11 +1091,6 @@ def _register():
         "group_load_balancing_loss_func": "load_balancing_loss_func with its statistics all-reduced over a process "
             "group (tests/test_distributed.py)",
         "layers": "the module of the Layers and Layouts (each in the matrix)",
-        "chunk_gated_delta_rule, gated_delta_rule_qwen3_5, causal_conv1d, causal_conv1d_fn, causal_conv1d_update, "
-        "gated_delta_net_core, ChunkGatedDeltaRule, FusedRecurrentGatedDeltaRule, CausalConv1dFn, CausalConv1dUpdate, "
-        "GatedDeltaNet, GatedDeltaNetLayout": "NOT YET IN THE MATRIX (the package list here missed gated_delta_net "
-            "until public_names read hubfuse.build.families()); their bad inputs are tested in "
-            "kernel_repos/gated-delta-net/tests (test_bad_inputs_raise)",
     })
 
 
@@ -854,11 +1138,12 @@ def _applicable(target: Target, cell: Cell) -> bool:
         shape = args[name].shape
         if 0 in shape or (kind == "transposed" and len(shape) < 2):
             return False
-    if cell.values in ("id_low", "id_high", "id_sentinel") and (p.index is None or 0 in args[p.index].shape):
+    if cell.values in ("id_low", "id_high", "id_sentinel", "id_unsorted") and (p.index is None
+                                                                                 or 0 in args[p.index].shape):
         return False
     if cell.values in ("nan", "inf") and 0 in args[p.primary].shape:
         return False
-    if cell.values == "id_sentinel" and "id_sentinel" not in p.extra_values:
+    if cell.values in ("id_sentinel", "id_unsorted") and cell.values not in p.extra_values:
         return False
     if cell.grad != "default":
         roles = {n: args[n].role for n in floats}
@@ -970,7 +1255,8 @@ def _master(cell, name, arg, dtype, gen, problem):
     """The argument's values in float64 (index / mask: int64), rounded to its dtype, with the cell's bad values."""
     shape = arg.shape
     if arg.role == "index":
-        t = torch.randint(0, max(arg.high, 1), shape, generator=gen)
+        t = (torch.tensor(arg.values, dtype=torch.int64) if arg.values is not None
+             else torch.randint(0, max(arg.high, 1), shape, generator=gen))
         if arg.ignore_frac and t.numel() > 1:
             drop = torch.rand(shape, generator=gen) < arg.ignore_frac
             drop.view(-1)[0] = False
@@ -980,6 +1266,8 @@ def _master(cell, name, arg, dtype, gen, problem):
                    "id_sentinel": arg.high}.get(cell.values)
             if bad is not None:
                 t.view(-1)[-1 if t.numel() > 1 else 0] = bad
+            if cell.values == "id_unsorted" and t.numel() > 2:  # offsets: the second one past the third
+                t.view(-1)[1] = t.view(-1)[2] + 1
         return t
     if arg.role == "mask":
         t = (torch.rand(shape, generator=gen) < 0.7).to(torch.int64)

@@ -56,6 +56,7 @@ _VALUE_CHECK = textwrap.dedent("""
     import torch
     sys.path.insert(0, {torch_ext!r})
     import hubfuse.cross_entropy as cross_entropy
+    import hubfuse.gated_delta_net as gated_delta_net
     import hubfuse.moe as moe
     case, mode = sys.argv[1], sys.argv[2]
     dev = "cuda"
@@ -72,6 +73,14 @@ _VALUE_CHECK = textwrap.dedent("""
         bad = y.clone()
         bad[3] = 37 if case != "ce_low" else -1
         args_ok, args_bad = (x, y), (x, bad)
+    elif case.startswith("cu_seqlens"):  # packed sequences: T = 100 tokens
+        q, k = torch.randn(1, 100, 1, 16, device=dev), torch.randn(1, 100, 1, 16, device=dev)
+        v = torch.randn(1, 100, 2, 16, device=dev)
+        g, beta = -torch.rand(1, 100, 2, device=dev), torch.rand(1, 100, 2, device=dev)
+        fn = lambda cu: gated_delta_net.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+        bad = {"cu_seqlens_unsorted": [0, 60, 30, 100], "cu_seqlens_high": [0, 50, 120],
+               "cu_seqlens_low": [-5, 50, 100]}[case]
+        args_ok, args_bad = (torch.tensor([0, 30, 30, 100], device=dev),), (torch.tensor(bad, device=dev),)
     else:
         E = 4
         h, w = torch.randn(5, 16, device=dev), torch.rand(5, 2, device=dev)
@@ -96,7 +105,8 @@ _VALUE_CHECK = textwrap.dedent("""
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["eager", "compile"])
-@pytest.mark.parametrize("case", ["ce_low", "ce_high", "ce_linear", "moe_low", "moe_high"])
+@pytest.mark.parametrize("case", ["ce_low", "ce_high", "ce_linear", "moe_low", "moe_high", "cu_seqlens_unsorted",
+                                  "cu_seqlens_high", "cu_seqlens_low"])
 def test_gpu_value_checks(case, mode, tmp_path):
     script = tmp_path / "value_check.py"
     script.write_text(_VALUE_CHECK.format(torch_ext=str(ROOT / "torch-ext")))

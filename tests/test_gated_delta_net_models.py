@@ -123,6 +123,33 @@ def test_function_hub_names_parity(model_dir):
     torch.testing.assert_close(ours(**batch).loss, loss_e, atol=2e-5, rtol=2e-5)
 
 
+def _rel_l2(a, exact):
+    return float((a.double() - exact).norm() / exact.norm())
+
+
+@pytest.mark.parametrize("seq", [1, 2, 3])
+@pytest.mark.parametrize("kernels", [True, False], ids=["triton", "torch"])
+def test_short_batched_inputs_without_cache_vs_float64(seq, kernels, model_dir, monkeypatch):
+    """Batch 2 of 1-3 tokens, no cache (the fused core's training path): logits and every parameter gradient at
+    fp32 rounding of a float64 run (one token per row: the q/k/v views of the conv output have stride(1) = H * K;
+    two tokens: the conv is wider than the sequence)."""
+    if kernels and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    if not kernels:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    batch = {**make_batch(tiny_config(FAMILY).vocab_size, batch=2, seq=seq, seed=seq), "use_cache": False}
+    _, logits64, exact = forward_backward(load(model_dir, dtype=torch.float64, experts_implementation="eager"), batch)
+    ours = load(model_dir, LAYOUT).train()
+    assert _bound(ours) == 1
+    _, logits, grads = forward_backward(ours, batch)
+    assert _rel_l2(logits, logits64) <= 1e-5, _rel_l2(logits, logits64)
+    assert set(grads) == set(exact)
+    # relative 1e-4, absolute 1e-6 in L2 (gradients that are 0 in exact arithmetic: keys with one query)
+    worst = {n: float((grads[n].double() - g).norm()) for n, g in exact.items()
+             if (grads[n].double() - g).norm() > 1e-4 * g.norm() + 1e-6}
+    assert not worst, worst
+
+
 def test_save_pretrained_round_trip(model_dir, tmp_path):
     ours = load(model_dir, LAYOUT)
     ours.save_pretrained(tmp_path / "resaved")
@@ -198,10 +225,10 @@ def test_umbrella_kernel_serves_the_layer(model_dir):
 def test_low_precision_gradients_as_accurate_as_eager_against_float64(device, dtype, kernels, model_dir,
                                                                       monkeypatch):
     """A bf16 / fp16 training step of the whole model: the kernelized gradients are no further from a float64 run
-    than HF eager's in the same dtype (relative L2 error, ratio <= 1.2), over the linear-attention layer's
-    parameters and over the model. The Triton kernels run on CUDA (bf16) and on CPU under the interpreter (fp16:
-    the interpreter's bf16 is not a faithful bf16, so the kernels' bf16 runs are the GPU's); the CPU bf16 case
-    is the torch path a CPU user gets."""
+    than HF eager's in the same dtype (relative L2 error, ratio <= 1.2): every parameter on CUDA (the gate
+    parameters A_log and dt_bias are sums over every token), per scope on CPU. The Triton kernels run on CUDA
+    (bf16) and on CPU under the interpreter (fp16: the interpreter's bf16 is not a faithful bf16, so the kernels'
+    bf16 runs are the GPU's); the CPU bf16 case is the torch path a CPU user gets. A failure lists every ratio."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     if device == "cpu":
@@ -222,7 +249,14 @@ def test_low_precision_gradients_as_accurate_as_eager_against_float64(device, dt
         diff = sum(float((grads[n].double() - exact[n]).pow(2).sum()) for n in names)
         return (diff / sum(float(exact[n].pow(2).sum()) for n in names)) ** 0.5
 
-    for scope, names in (("linear attention", [n for n in exact if ".linear_attn." in n]), ("model", list(exact))):
-        assert names
+    # per parameter on CUDA; on CPU (tiny model: a 2-element fp16 / bf16 gradient's error is its final rounding,
+    # which ours and eager's hit by chance) over the linear-attention layer's parameters and over the model
+    scopes = ({n: [n] for n in exact} if device == "cuda" else
+              {"linear attention": [n for n in exact if ".linear_attn." in n], "model": list(exact)})
+    ratios = {}
+    for scope, names in scopes.items():
         e_eager, e_ours = rel_error(eager, names), rel_error(ours, names)
-        assert 0 < e_ours <= 1.2 * e_eager, f"{scope}: ours {e_ours:.3e} vs eager {e_eager:.3e} against float64"
+        ratios[scope] = (e_ours / e_eager if e_eager > 0 else float("inf") if e_ours > 0 else 1.0, e_ours, e_eager)
+    table = "\n".join(f"  {n}: ratio {r:.3f} (ours {o:.3e}, eager {e:.3e})"
+                       for n, (r, o, e) in sorted(ratios.items(), key=lambda kv: -kv[1][0]))
+    assert all(r <= 1.2 for r, _, _ in ratios.values()), f"gradient error ratios against float64:\n{table}"

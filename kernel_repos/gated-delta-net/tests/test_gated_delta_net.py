@@ -109,9 +109,38 @@ def test_rule_vs_float64(case, dtype, path):
         _close(a, b, tol, name)
 
 
+@pytest.mark.parametrize("B, S", [(3, 1), (2, 2), (2, 5)])
+@pytest.mark.parametrize("grad", [True, False])
+def test_rule_on_views_of_one_buffer(B, S, grad, path):
+    """q, k, v as the model makes them: views of one (B, S, C) buffer (stride(1) = H * K, not C, when S = 1);
+    with a gradient the chunked kernels, without (decode) the token-by-token one."""
+    H, HV, K, V = 1, 2, 16, 8
+    gen = torch.Generator().manual_seed(B * 10 + S)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    mixed, gate, beta = rnd(B, S, 2 * H * K + HV * V), F.logsigmoid(rnd(B, S, HV) + 2), torch.sigmoid(rnd(B, S, HV))
+    h0 = rnd(B, HV, K, V)
+
+    def views(x):
+        q, k, v = torch.split(x, [H * K, H * K, HV * V], dim=-1)
+        return q.view(B, S, H, K), k.view(B, S, H, K), v.view(B, S, HV, V)
+
+    leaf = mixed.clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        o, ht = gdn.chunk_gated_delta_rule(*views(leaf), gate, beta, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+    ref = mixed.double().requires_grad_()
+    o_ref, ht_ref = _float64_rule(*views(ref), gate.double(), beta.double(), h0.double(), None, True)
+    _close(o, o_ref, TOL[torch.float32], "o")
+    _close(ht, ht_ref, TOL[torch.float32], "final state")
+    if grad:
+        do = rnd(*o.shape)
+        _close(_grads([o], [do], [leaf])[0], _grads([o_ref], [do], [ref])[0], TOL[torch.float32], "dmixed")
+
+
 def test_packed_sequences_equal_separate_runs(path):
-    """cu_seqlens keeps sequences apart: one packed call = each sequence on its own (outputs, states, grads)."""
-    lengths = [70, 1, 5]
+    """cu_seqlens keeps sequences apart: one packed call = each sequence on its own (outputs, states, grads); an
+    empty sequence passes its initial state through."""
+    lengths = [70, 1, 0, 5]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=DEV)
     q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 1, 2, 16, 16, torch.float32, len(lengths), seed=5)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
@@ -121,6 +150,10 @@ def test_packed_sequences_equal_separate_runs(path):
     got = _grads([o, ht], [do, dht], leaves)
     bounds = cu.tolist()
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if s == e:
+            _close(ht[i], h0[i], 0, f"state of the empty sequence {i}")
+            _close(got[5][i], dht[i], 0, f"dh0 of the empty sequence {i}")
+            continue
         part = [t[:, s:e].detach().clone().requires_grad_() for t in (q, k, v, g, beta)]
         part.append(h0[i:i + 1].clone().requires_grad_())
         oi, hi = gdn.chunk_gated_delta_rule(*part[:5], initial_state=part[5], output_final_state=True,
@@ -156,6 +189,30 @@ def test_qwen3_5_gates_in_kernel_vs_float64(dtype, path):
     for name, x, y in zip(["dq", "dk", "dv", "da", "db", "dA_log", "ddt_bias", "dh0"],
                           _grads([o, ht], [do, dht], leaves), _grads([o_ref, ht_ref], [do, dht], ref)):
         _close(x, y, REDUCTION_TOL[dtype] if name in ("dA_log", "ddt_bias") else tol, name)
+
+
+def test_gate_softplus_at_large_arguments_vs_float64(path):
+    """g = -exp(A_log) softplus(a + dt_bias) at a + dt_bias around -15, -17, -30 (softplus ~ e^x: log(1 + e^x)
+    in fp32 loses it) and +30 (above torch's threshold), one value head each. dA_log = sum(dg g) over the tokens
+    carries g's relative error, per head."""
+    B, T, H, HV, K, V = 1, 20, 1, 4, 16, 16
+    q, k, v, _, _, _ = _inputs(B, T, H, HV, K, V, torch.float32, n_states=0, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    dt_bias = torch.randn(HV, generator=gen).to(DEV)
+    centre = torch.tensor([-15.0, -17.0, -30.0, 30.0], device=DEV)
+    a = (centre - dt_bias + 0.5 * torch.randn(B, T, HV, generator=gen).to(DEV))
+    b = torch.randn(B, T, HV, generator=gen).to(DEV)
+    A_log = torch.tensor([0.3, -0.2, 0.1, -4.0], device=DEV)  # g ~ -0.5 per token at x ~ 30
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias)]
+    o, _ = gdn.gated_delta_rule_qwen3_5(*leaves)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias)]
+    g_ref, beta_ref = R.gdn_gate_hf(*ref[3:])
+    o_ref, _ = _float64_rule(*ref[:3], g_ref, beta_ref, None, None, True)
+    do = torch.randn(o.shape, generator=gen).to(DEV)
+    dA_log = _grads([o], [do], leaves)[5]
+    dA_log_ref = _grads([o_ref], [do], ref)[5]
+    err = ((dA_log.double() - dA_log_ref).abs() / dA_log_ref.abs()).tolist()
+    assert max(err) <= 1e-5, f"dA_log relative error per head (x ~ -15, -17, -30, 30): {err}"
 
 
 @pytest.mark.parametrize("T", [1, 5])
@@ -230,7 +287,7 @@ def test_conv_vs_float64(bias, activation, packed, dtype, path):
     x = torch.randn(B, S, C, device=DEV).to(dtype)
     weight = (torch.randn(C, W, device=DEV) * 0.5).to(dtype)
     b = (torch.randn(C, device=DEV) * 0.5).to(dtype) if bias else None
-    cu = torch.tensor([0, 3, 40, 75], device=DEV) if packed else None
+    cu = torch.tensor([0, 3, 3, 40, 75], device=DEV) if packed else None  # an empty sequence too
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, weight, b)]
     y = gdn.causal_conv1d(*leaves, activation=activation, cu_seqlens=cu)
     ref = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, b)]
@@ -241,6 +298,21 @@ def test_conv_vs_float64(bias, activation, packed, dtype, path):
     dy = torch.randn_like(y)
     for name, a, r in zip(["dx", "dweight", "dbias"], _grads([y], [dy], leaves), _grads([y_ref], [dy], ref)):
         _close(a, r, tol if name == "dx" else REDUCTION_TOL[dtype], name)
+
+
+@pytest.mark.parametrize("S", [1, 2, 3])
+def test_conv_shorter_than_its_width(S, path):
+    """Sequences of 1 to W - 1 tokens (W = 4), batch 2, forward and backward."""
+    gen = torch.Generator().manual_seed(S)
+    x, weight, bias = (torch.randn(*s, generator=gen).to(DEV) for s in ((2, S, 12), (12, 4), (12,)))
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    y = gdn.causal_conv1d(*leaves, activation="silu")
+    ref = [t.double().requires_grad_() for t in (x, weight, bias)]
+    y_ref = _float64_conv(*ref, "silu")
+    _close(y, y_ref, TOL[torch.float32], "out")
+    dy = torch.randn(y.shape, generator=gen).to(DEV)
+    for name, a, r in zip(["dx", "dweight", "dbias"], _grads([y], [dy], leaves), _grads([y_ref], [dy], ref)):
+        _close(a, r, TOL[torch.float32], name)
 
 
 def test_conv_fn_layout_and_update(path):
@@ -268,17 +340,26 @@ def test_conv_fn_layout_and_update(path):
 # ------------------------------------------------------------------ the fused GatedDeltaNet core
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_fused_core_vs_float64(packed, path):
+# (B, S, H, HV, cu_seqlens): the q/k/v views of the conv output have stride(1) = H * K when S = 1, which the
+# kernels must not take for the batch stride
+CORE_CASES = [(1, 70, 1, 2, None), (1, 90, 1, 2, [0, 20, 90]), (1, 90, 1, 2, [0, 20, 20, 90]),
+              (2, 1, 2, 4, None), (3, 1, 1, 2, None), (2, 2, 1, 2, None), (3, 5, 2, 4, None)]
+
+
+@pytest.mark.parametrize("case", CORE_CASES, ids=str)
+def test_fused_core_vs_float64(case, path):
     """conv + SiLU + split + l2norm + gates + rule in one op against transformers' steps in float64."""
-    H, K, HV, V, W = 1, 16, 2, 16, 4
-    B, S = (1, 90) if packed else (1, 70)
+    B, S, H, HV, cu = case
+    K, V, W = 16, 16, 4
     C = 2 * H * K + HV * V
-    mixed = torch.randn(B, S, C, device=DEV)
-    weight = torch.randn(C, W, device=DEV) * 0.5
-    a, b = torch.randn(B, S, HV, device=DEV), torch.randn(B, S, HV, device=DEV)
-    A_log, dt_bias = torch.randn(HV, device=DEV) * 0.5, torch.randn(HV, device=DEV)
-    cu = torch.tensor([0, 20, 90], device=DEV, dtype=torch.int32) if packed else None
+    gen = torch.Generator().manual_seed(S + B)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    mixed = rnd(B, S, C)
+    weight = rnd(C, W) * 0.5
+    a, b = rnd(B, S, HV), rnd(B, S, HV)
+    A_log, dt_bias = rnd(HV) * 0.5, rnd(HV)
+    packed = cu is not None
+    cu = torch.tensor(cu, device=DEV, dtype=torch.int32) if packed else None
     inputs = [mixed, weight, a, b, A_log, dt_bias]
     leaves = [t.clone().requires_grad_() for t in inputs]
     out = gdn.gated_delta_net_core(leaves[0], leaves[1], None, *leaves[2:], H, K, V, cu_seqlens=cu)
@@ -289,11 +370,53 @@ def test_fused_core_vs_float64(packed, path):
     out_ref, _ = _float64_rule(q.reshape(B, S, H, K), k.reshape(B, S, H, K), v.reshape(B, S, HV, V), g, beta, None,
                                cu, True)
     _close(out, out_ref, TOL[torch.float32], "core_attn_out")
-    do = torch.randn_like(out)
+    do = rnd(*out.shape)
     for name, x, y in zip(["dmixed_qkv", "dconv_weight", "da", "db", "dA_log", "ddt_bias"],
                           _grads([out], [do], leaves), _grads([out_ref], [do], ref)):
         _close(x, y, REDUCTION_TOL[torch.float32] if name in ("dconv_weight", "dA_log", "ddt_bias")
                else TOL[torch.float32], name)
+
+
+@pytest.mark.xfail(not torch.cuda.is_available(), strict=True,
+                   reason="issue 32 item 3, open: ratios ~1.3 under the interpreter. dg, dA_log and ddt_bias are "
+                   "already summed in fp32 (per-program fp32 partials, one cast at the end); the gap is the per-token "
+                   "dg the backward computes from 16-bit operands (the same backward with fp32 operands passes)")
+def test_gate_parameter_gradients_as_accurate_as_eager_fp16(use_kernel_path):
+    """fp16 activations, fp32 gate parameters (their gradients are sums over every token, rounded once): the fused
+    core's dA_log and ddt_bias are no further from float64 than transformers' fp16 eager steps (which run the rule
+    in fp32), ratio <= 1.2 of the relative L2 errors over a few inputs; the kernels under the interpreter."""
+    use_kernel_path("triton")
+    B, S, H, HV, K, V, W = 2, 130, 1, 2, 16, 16, 4
+    C = 2 * H * K + HV * V
+
+    def grads(inputs, dtype, fused, do):
+        leaves = [t.to(DEV, dtype if i < 4 else torch.promote_types(dtype, torch.float32)).requires_grad_()
+                  for i, t in enumerate(inputs)]
+        mixed, w, a, b, A_log, dt_bias = leaves
+        if fused:
+            o = gdn.gated_delta_net_core(mixed, w, None, a, b, A_log, dt_bias, H, K, V)
+        else:  # transformers' steps (the rule in fp32, float64 for the float64 run)
+            conv = R.causal_conv1d_fn_hf(mixed.transpose(1, 2), w, None, "silu").transpose(1, 2)
+            q, k, v = torch.split(conv, [H * K, H * K, HV * V], -1)
+            g, beta = R.gdn_gate_hf(a, b, A_log, dt_bias)
+            q, k = (x.reshape(B, S, H, K).repeat_interleave(HV // H, 2) for x in (q, k))
+            o, _ = R.chunk_gated_delta_rule_hf(q, k, v.reshape(B, S, HV, V), g, beta, use_qk_l2norm_in_kernel=True,
+                                               compute_dtype=torch.promote_types(dtype, torch.float32))
+        return [x.cpu() for x in torch.autograd.grad((o.double() * do.to(DEV)).sum(), [A_log, dt_bias])]
+
+    err = {"ours": torch.zeros(2, dtype=torch.float64), "eager": torch.zeros(2, dtype=torch.float64)}
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(seed)
+        rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+        inputs = [rnd(B, S, C), rnd(C, W) * 0.5, rnd(B, S, HV), rnd(B, S, HV), rnd(HV) * 0.5, rnd(HV)]
+        inputs = [t.half().double() for t in inputs[:4]] + [t.float().double() for t in inputs[4:]]
+        do = rnd(B, S, HV, V)
+        exact = grads(inputs, torch.float64, False, do)
+        for who, fused in (("ours", True), ("eager", False)):
+            err[who] += torch.stack([(x.double() - e).square().sum() / e.square().sum()
+                                     for x, e in zip(grads(inputs, torch.float16, fused, do), exact)])
+    ratio = (err["ours"] / err["eager"]).sqrt()
+    assert (ratio <= 1.2).all(), f"dA_log, ddt_bias error ratios (ours / eager fp16): {ratio.tolist()}"
 
 
 # ------------------------------------------------------------------ input validation
@@ -336,6 +459,32 @@ def test_bad_inputs_raise():
             rule(q, k.cpu(), v, g, beta)
         with pytest.raises(ValueError, match="cu_seqlens is on cpu"):
             rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8]))
+
+
+INVALID_CU_SEQLENS = [[0, 30, 80], [10, 50, 100], [0, 60, 30, 100], [-5, 50, 100], [0, 50, 120]]
+
+
+@pytest.mark.parametrize("cu", INVALID_CU_SEQLENS, ids=str)
+def test_invalid_cu_seqlens_values_raise(cu, path):
+    """cu_seqlens must start at 0, never decrease and end at the token count (100): a ValueError on CPU, on the
+    rule, the conv and the fused core, before any kernel runs (on GPUs a device-side assert:
+    tests/test_bad_input_matrix.py::test_gpu_value_checks, in subprocesses)."""
+    if DEV == "cuda":
+        pytest.skip("a device-side assert on CUDA (it poisons the context): test_gpu_value_checks")
+    T, H, K = 100, 1, 16
+    q, k, v, g, beta, _ = _inputs(1, T, H, 2, K, K, torch.float32, n_states=0, seed=6)
+    mixed, weight = torch.randn(1, T, 4 * K, device=DEV), torch.randn(4 * K, 4, device=DEV)
+    gates = [torch.randn(1, T, 2, device=DEV), torch.randn(1, T, 2, device=DEV), torch.zeros(2, device=DEV),
+             torch.zeros(2, device=DEV)]
+    for dtype in (torch.int32, torch.int64):
+        cu_t = torch.tensor(cu, dtype=dtype, device=DEV)
+        calls = {"chunk_gated_delta_rule": lambda: gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_t),
+                 "causal_conv1d": lambda: gdn.causal_conv1d(mixed, weight, None, "silu", cu_seqlens=cu_t),
+                 "gated_delta_net_core": lambda: gdn.gated_delta_net_core(mixed, weight, None, *gates, H, K, K,
+                                                                          cu_seqlens=cu_t)}
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease and end at"):
+                call()
 
 
 # ------------------------------------------------------------------ torch.compile

@@ -3,6 +3,8 @@
 * `first_order(name)`: the fused backwards are not themselves differentiable. A backward run to build a graph
   (`create_graph=True`, the first step of a double backward) raises instead of returning gradients that
   silently lack their second-order terms. (Autograd runs a backward with grad mode on exactly then.)
+* `check_offsets(...)`: the same for sequence boundaries (`cu_seqlens`): 0 first, never decreasing, the token
+  count last.
 * `check_range(...)`: value checks of index tensors (labels, expert ids) that never sync the host: on CPU a
   `ValueError` at once (there is no device to wait for), elsewhere a device-side assert
   (`torch._assert_async`, as PyTorch's own index kernels do) that fails the next synchronising call; the CUDA
@@ -43,3 +45,15 @@ def check_range(t: torch.Tensor, low: int, high: int, message: str, ignore=None)
             raise ValueError(f"{message}; found {t[~valid][0].item()}")
         return
     torch._assert_async(valid.all(), message)
+
+
+def check_offsets(offsets: torch.Tensor, total: int, message: str) -> None:
+    """The 1-D integer tensor `offsets` (at least one entry) starts at 0, never decreases and ends at `total`,
+    else an error with `message` (as `check_range`: ValueError on CPU, a device-side assert elsewhere)."""
+    valid = (offsets[0] == 0) & (offsets[-1] == total) & (offsets[1:] >= offsets[:-1]).all()
+    if offsets.device.type == "cpu":
+        if not bool(valid):
+            shown = offsets[:16].tolist()
+            raise ValueError(f"{message}; got {shown}{' ...' if offsets.numel() > 16 else ''}")
+        return
+    torch._assert_async(valid, message)

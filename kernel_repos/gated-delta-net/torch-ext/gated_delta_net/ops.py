@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hubfuse._common.checks import check_offsets
 from hubfuse._common.device import use_triton
 from hubfuse._common._ops import add_op_namespace_prefix
 from .reference import (causal_conv1d_bwd_reference, causal_conv1d_fwd_reference, gdn_bwd_reference,
@@ -33,12 +34,20 @@ def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t if t is not None and t.numel() > 0 else None
 
 
-def _meta(cu_seqlens, total):
+def _meta(cu_seqlens, total: int, check: bool):
+    """Metadata of packed sequences (None without): (chunk slots, first chunk of each sequence, each token's
+    sequence) on the Triton path, (None, None, each token's sequence) on the torch path. `check` (the forwards):
+    cu_seqlens' values are checked first, on the device (no host sync; on CPU a ValueError)."""
     if cu_seqlens is None:
         return None
-    from .triton_kernels import varlen_meta
+    if check:
+        check_offsets(cu_seqlens, total, f"cu_seqlens must start at 0, never decrease and end at the number of "
+                                         f"tokens ({total})")
+    if use_triton(cu_seqlens):
+        from .triton_kernels import varlen_meta
 
-    return varlen_meta(cu_seqlens, total)
+        return varlen_meta(cu_seqlens, total)
+    return None, None, seq_idx_reference(cu_seqlens, total)[0]
 
 
 # ------------------------------------------------------------------ gate (Qwen3.5): torch path backward
@@ -60,10 +69,10 @@ def _gate_bwd_reference(dg, dbeta, a, b, A_log, dt_bias):
 
 
 def _gdn_fwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm, output_final_state, meta=None):
+    meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1], check=True)
     if use_triton(q):
         from .triton_kernels import chunk_fwd
 
-        meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1])
         o, ht, A, gc = chunk_fwd(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta, scale, l2norm,
                                  output_final_state)
         return o, (ht if output_final_state else _empty(q)), A, gc
@@ -80,7 +89,7 @@ def _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, sca
     if use_triton(q):
         from .triton_kernels import chunk_bwd
 
-        meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1])
+        meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1], check=False)
         return chunk_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta, scale, l2norm, dq, dk, dv,
                          _opt(A), _opt(gc))
     gate = A_log is not None
@@ -232,20 +241,13 @@ def _check_tensor(name, what, t, dtypes=_DTYPES):
         raise TypeError(f"{name}: {what} must be one of {', '.join(str(d) for d in dtypes)}, got {t.dtype}")
 
 
-def _check_device(name, what, t, ref):
+def _check_device(name, what, t, ref, ref_name="query"):
     if t.device != ref.device:
-        raise ValueError(f"{name}: {what} is on {t.device} but query on {ref.device}")
-
-
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """t (B, T, H, D) with unit stride in D and the tokens of all batches on one stride, else a contiguous copy."""
-    B, T = t.shape[:2]
-    if t.stride(-1) != 1 or (B > 1 and t.stride(0) != T * t.stride(1)):
-        return t.contiguous()
-    return t
+        raise ValueError(f"{name}: {what} is on {t.device} but {ref_name} on {ref.device}")
 
 
 def _check_cu_seqlens(name, cu_seqlens, q, initial_state):
+    """cu_seqlens' type, shape and device, on the host (its values: `_meta`, in the ops, on the device)."""
     if cu_seqlens is None:
         return
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -299,7 +301,6 @@ def _check_gdn(name, q, k, v, g, beta, initial_state, cu_seqlens, gate_params=()
 
 
 def _apply_gdn(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, l2norm, output_final_state):
-    q, k, v = _rows_view(q), _rows_view(k), _rows_view(v)
     g, beta = g.contiguous(), beta.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
     cu = cu_seqlens.contiguous() if cu_seqlens is not None else None
@@ -350,16 +351,14 @@ def gated_delta_rule_qwen3_5(q, k, v, a, b, A_log, dt_bias, initial_state=None, 
 # ------------------------------------------------------------------ causal depthwise conv1d (+ SiLU)
 
 
-def _seq_idx(cu_seqlens, total, meta=None):
-    if cu_seqlens is None:
-        return None
-    if use_triton(cu_seqlens):
-        return (meta if meta is not None else _meta(cu_seqlens, total))[2][None]
-    return seq_idx_reference(cu_seqlens, total)
+def _seq_idx(cu_seqlens, total, meta, check: bool):
+    """(1, total) int32: each token's sequence (None without cu_seqlens)."""
+    meta = meta if meta is not None else _meta(cu_seqlens, total, check)
+    return meta[2][None] if meta is not None else None
 
 
 def _conv_fwd_impl(x, weight, bias, cu_seqlens, activation, meta=None):
-    seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta)
+    seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta, check=True)
     if use_triton(x):
         from .triton_kernels import conv_fwd
 
@@ -368,7 +367,7 @@ def _conv_fwd_impl(x, weight, bias, cu_seqlens, activation, meta=None):
 
 
 def _conv_bwd_impl(dout, x, weight, bias, cu_seqlens, activation, meta=None):
-    seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta)
+    seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta, check=False)
     if use_triton(x):
         from .triton_kernels import conv_bwd
 
@@ -438,21 +437,22 @@ def _activation_flag(name, activation) -> bool:
     raise ValueError(f"{name}: activation must be None, 'silu' or 'swish', got {activation!r}")
 
 
-def _check_conv(name, x, weight, bias, channel_dim):
-    _check_tensor(name, "hidden_states", x)
-    _check_tensor(name, "weight", weight)
+def _check_conv(name, x, weight, bias, channel_dim, x_name="hidden_states", weight_name="weight"):
+    _check_tensor(name, x_name, x)
+    _check_tensor(name, weight_name, weight)
     if x.dim() != 3:
-        raise ValueError(f"{name}: hidden_states must be 3-D, got {tuple(x.shape)}")
+        raise ValueError(f"{name}: {x_name} must be 3-D, got {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[0] != x.shape[channel_dim]:
-        raise ValueError(f"{name}: weight must be (channels={x.shape[channel_dim]}, width), got {tuple(weight.shape)}")
+        raise ValueError(f"{name}: {weight_name} must be (channels={x.shape[channel_dim]}, width), got "
+                         f"{tuple(weight.shape)}")
     if x.numel() == 0:
-        raise ValueError(f"{name}: empty input {tuple(x.shape)}")
-    _check_device(name, "weight", weight, x)
+        raise ValueError(f"{name}: {x_name} is empty, got {tuple(x.shape)}")
+    _check_device(name, weight_name, weight, x, x_name)
     if bias is not None:
         _check_tensor(name, "bias", bias)
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"{name}: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
-        _check_device(name, "bias", bias, x)
+        _check_device(name, "bias", bias, x, x_name)
 
 
 def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
@@ -465,7 +465,8 @@ def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
     act = _activation_flag(name, activation)
     if cu_seqlens is not None:
         _check_cu_seqlens(name, cu_seqlens, x, None)
-    weight = weight.contiguous()
+        cu_seqlens = cu_seqlens.contiguous()
+    weight, bias = weight.contiguous(), (bias.contiguous() if bias is not None else None)
     args = (x, weight, bias, cu_seqlens, act)
     if torch.compiler.is_compiling():
         return _conv_fwd(*args)
@@ -509,12 +510,15 @@ def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activatio
     if conv_state.dim() != 3 or conv_state.shape[:2] != (B, C) or conv_state.shape[2] < weight.shape[1] - 1:
         raise ValueError(f"{name}: conv_state must be ({B}, {C}, >= {weight.shape[1] - 1}), got "
                          f"{tuple(conv_state.shape)}")
-    _check_device(name, "conv_state", conv_state, hidden_states)
+    _check_device(name, "conv_state", conv_state, hidden_states, "hidden_states")
+    if any(stride == 0 and size > 1 for stride, size in zip(conv_state.stride(), conv_state.shape)):
+        raise ValueError(f"{name}: conv_state is updated in place: it cannot be an expanded (stride 0) view")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden_states, weight, bias)):
         from .reference import causal_conv1d_update_hf
 
         return causal_conv1d_update_hf(hidden_states, conv_state, weight, bias, activation)
-    return _conv_update(hidden_states, conv_state, weight.contiguous(), bias, _activation_flag(name, activation))
+    return _conv_update(hidden_states, conv_state, weight.contiguous(), bias.contiguous() if bias is not None else None,
+                        _activation_flag(name, activation))
 
 
 # ------------------------------------------------------------------ the fused Qwen3.5 GatedDeltaNet core
@@ -529,12 +533,8 @@ def _split(conv_out, num_k_heads, head_k_dim, head_v_dim):
     return q, k, v
 
 
-def _layer_meta(mixed, cu_seqlens):
-    return _meta(cu_seqlens, mixed.shape[1]) if cu_seqlens is not None and use_triton(mixed) else None
-
-
 def _layer_fwd_impl(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim, head_v_dim):
-    meta = _layer_meta(mixed, cu_seqlens)
+    meta = _meta(cu_seqlens, mixed.shape[1], check=True)
     conv_out = _conv_fwd_impl(mixed, conv_w, conv_b, cu_seqlens, True, meta)
     q, k, v = _split(conv_out, num_k_heads, head_k_dim, head_v_dim)
     o, _, A, gc = _gdn_fwd_impl(q, k, v, a, b, A_log, dt_bias, None, cu_seqlens, head_k_dim ** -0.5, True, False,
@@ -544,7 +544,7 @@ def _layer_fwd_impl(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num
 
 def _layer_bwd_impl(do, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim,
                     head_v_dim, A=None, gc=None):
-    meta = _layer_meta(mixed, cu_seqlens)
+    meta = _meta(cu_seqlens, mixed.shape[1], check=False)
     conv_out = _conv_fwd_impl(mixed, conv_w, conv_b, cu_seqlens, True, meta)   # recomputed, not saved
     q, k, v = _split(conv_out, num_k_heads, head_k_dim, head_v_dim)
     dconv = torch.empty_like(conv_out)
@@ -634,7 +634,7 @@ def gated_delta_net_core(mixed_qkv, conv_weight, conv_bias, a, b, A_log, dt_bias
     state). Returns core_attn_out (B, S, HV, V). Saved for the backward: the inputs and the rule's WY matrices and
 decays; the conv output is recomputed."""
     name = "gated_delta_net_core"
-    _check_conv(name, mixed_qkv, conv_weight, conv_bias, 2)
+    _check_conv(name, mixed_qkv, conv_weight, conv_bias, 2, "mixed_qkv", "conv_weight")
     B, S, C = mixed_qkv.shape
     key_dim = num_k_heads * head_k_dim
     HV = (C - 2 * key_dim) // head_v_dim
@@ -644,15 +644,18 @@ decays; the conv output is recomputed."""
     if HV % num_k_heads:
         raise ValueError(f"{name}: value heads ({HV}) must be a multiple of key heads ({num_k_heads})")
     if max(head_k_dim, head_v_dim) > _MAX_HEAD_DIM:
-        raise ValueError(f"{name}: head dims up to {_MAX_HEAD_DIM} are supported")
+        raise ValueError(f"{name}: head dims up to {_MAX_HEAD_DIM} are supported, got head_k_dim {head_k_dim}, "
+                         f"head_v_dim {head_v_dim} (the heads of mixed_qkv)")
     for what, t, shape in (("a", a, (B, S, HV)), ("b", b, (B, S, HV)), ("A_log", A_log, (HV,)),
                            ("dt_bias", dt_bias, (HV,))):
         _check_tensor(name, what, t)
         if t.shape != shape:
             raise ValueError(f"{name}: {what} must be {shape}, got {tuple(t.shape)}")
-        _check_device(name, what, t, mixed_qkv)
+        _check_device(name, what, t, mixed_qkv, "mixed_qkv")
     _check_cu_seqlens(name, cu_seqlens, mixed_qkv, None)
     mixed_qkv = mixed_qkv if mixed_qkv.stride(-1) == 1 else mixed_qkv.contiguous()
+    conv_bias = conv_bias.contiguous() if conv_bias is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     args = (mixed_qkv, conv_weight.contiguous(), conv_bias, a.contiguous(), b.contiguous(), A_log.contiguous(),
             dt_bias.contiguous(), cu_seqlens, int(num_k_heads), int(head_k_dim), int(head_v_dim))
     if torch.compiler.is_compiling():

@@ -313,6 +313,8 @@ def _shift(x, d, seq_idx):
     if d == 0:
         return x
     out = torch.zeros_like(x)
+    if abs(d) >= S:  # every source position is outside the sequence (the conv is wider than it)
+        return out
     if d > 0:
         out[:, d:] = x[:, :S - d]
     else:
@@ -323,7 +325,7 @@ def _shift(x, d, seq_idx):
             same[:, d:] = seq_idx[:, d:] == seq_idx[:, :S - d]
         else:
             same[:, :S + d] = seq_idx[:, :S + d] == seq_idx[:, -d:]
-        out = out * same[..., None]
+        out = torch.where(same[..., None], out, 0.0)  # not a product: a NaN / inf stays in its sequence
     return out
 
 

@@ -82,6 +82,17 @@ def _load_qk(base, o_r, row_mask, stride_t, o_k, K, L2NORM: tl.constexpr):
 
 
 @triton.jit
+def _softplus(x):
+    """torch's softplus (threshold 20: x above it), stably: max(x, 0) + log1p(exp(-|x|)), log1p(y) as
+    y log(1 + y) / ((1 + y) - 1) (exact to fp32 rounding where 1 + y rounds; y itself where 1 + y == 1)."""
+    y = tl.exp(-tl.abs(x))
+    u = 1.0 + y
+    d = u - 1.0
+    log1p = tl.where(d == 0.0, y, tl.log(u) * (y / tl.where(d == 0.0, 1.0, d)))
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
+
+
+@triton.jit
 def _gate(G_IN, B_IN, A_LOG, DT_BIAS, offs, row_mask, hv, GATE: tl.constexpr, ROUND_BETA: tl.constexpr):
     """(log decay g, beta) in fp32 at element offsets `offs` of the (rows, HV) gate inputs, value head hv.
     GATE: g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) rounded to b's dtype (transformers
@@ -89,8 +100,7 @@ def _gate(G_IN, B_IN, A_LOG, DT_BIAS, offs, row_mask, hv, GATE: tl.constexpr, RO
     if GATE:
         a = tl.load(G_IN + offs, mask=row_mask, other=0.0).to(tl.float32)
         x = a + tl.load(DT_BIAS + hv).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = -tl.exp(tl.load(A_LOG + hv).to(tl.float32)) * softplus
+        g = -tl.exp(tl.load(A_LOG + hv).to(tl.float32)) * _softplus(x)
         beta = tl.sigmoid(tl.load(B_IN + offs, mask=row_mask, other=0.0).to(tl.float32))
         if ROUND_BETA:
             beta = beta.to(B_IN.dtype.element_ty).to(tl.float32)
@@ -723,6 +733,31 @@ CONFIG = {
 }
 
 
+def _token_rows(t: torch.Tensor):
+    """t (B, T, H, D) as the kernels index it: unit stride in D and the batches one after another on the token
+    stride (row b * T + t at `row * stride(1)`), i.e. stride(0) = T * stride(1) when B > 1. A view where one
+    exists (any strides with B = 1; one token per batch: the token stride set to the batch stride), else None."""
+    B, T = t.shape[:2]
+    if t.stride(-1) != 1:
+        return None
+    if B == 1 or t.stride(0) == T * t.stride(1):
+        return t
+    if T == 1:  # a size-1 dim's stride is arbitrary (views of the conv output have H * D there)
+        return t.as_strided(t.shape, (t.stride(0), t.stride(0), *t.stride()[2:]), t.storage_offset())
+    return None
+
+
+def _rows_in(t: torch.Tensor) -> torch.Tensor:
+    """An input in the kernels' row layout (`_token_rows`, else a contiguous copy)."""
+    rows = _token_rows(t)
+    return rows if rows is not None else t.contiguous()
+
+
+def _rule_inputs(q, k, v, g_in, b_in):
+    """The rule's inputs as the kernels index them: q, k, v by rows (`_rows_in`), the gate inputs contiguous."""
+    return _rows_in(q), _rows_in(k), _rows_in(v), g_in.contiguous(), b_in.contiguous()
+
+
 def _block(n: int, cap: int = 1 << 30, least: int = 16) -> int:
     return min(max(least, triton.next_power_of_2(n)), max(cap, least))
 
@@ -813,6 +848,7 @@ def chunk_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: 
               output_final_state: bool):
     """Forward of the chunked rule: (o (B, T, HV, V) in q's dtype, fp32 final state or an unused tensor, and the
     WY matrices T and the cumulative decays, which the backward takes instead of solving again)."""
+    q, k, v, g_in, b_in = _rule_inputs(q, k, v, g_in, b_in)
     p = _Problem(q, v, cu_seqlens, meta)
     A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
     qn, kn, qs, ks, M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
@@ -827,6 +863,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     forward, or are solved again when not given). `dq`, `dk`, `dv` may be given as (strided) output views.
     Returns dq, dk, dv, d(g or a), d(beta or b), dA_log, ddt_bias (None without the gate), dh0 (fp32, None
     without an initial state)."""
+    q, k, v, g_in, b_in = _rule_inputs(q, k, v, g_in, b_in)
     p = _Problem(q, v, cu_seqlens, meta)
     dev, dt = q.device, q.dtype
     gate = A_log is not None
@@ -846,9 +883,11 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
            STORE_DH0=dh0 is not None, VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"],
            num_stages=cfg["num_stages"])
     del w, M
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
+    # the given output views where they have the row layout, else new buffers copied into them at the end
+    given = (dq, dk, dv)
+    views = [_token_rows(d) if d is not None else None for d in given]
+    dq, dk, dv = (view if view is not None else torch.empty(x.shape, dtype=x.dtype, device=dev)
+                  for view, x in zip(views, (q, k, v)))
     dg = torch.empty_like(g_in)
     db = torch.empty_like(b_in)
     n_programs = p.slots * p.B * p.HV
@@ -876,6 +915,10 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     if gate:
         dA_log = dA_part.view(-1, p.HV).sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.view(-1, p.HV).sum(0).to(dt_bias.dtype)
+    for out, view, buf in zip(given, views, (dq, dk, dv)):
+        if out is not None and view is None:
+            out.copy_(buf)
+    dq, dk, dv = (out if out is not None else buf for out, buf in zip(given, (dq, dk, dv)))
     return dq, dk, dv, dg, db, dA_log, ddt_bias, dh0
 
 
@@ -922,6 +965,7 @@ def _recurrent_kernel(Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, H0, O, HT, T, H, HV
 
 def recurrent_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, scale: float, l2norm: bool):
     """The rule token by token (no backward): (o (B, T, HV, V) in q's dtype, fp32 final state)."""
+    q, k, v, g_in, b_in = _rule_inputs(q, k, v, g_in, b_in)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BV = _block(V, 64)
