@@ -38,3 +38,16 @@ def sm_count(device: torch.device) -> int:
 def capability(device: torch.device) -> tuple[int, int]:
     """Compute capability of a CUDA device (cached); (0, 0) elsewhere."""
     return _capability(cuda_index(device)) if device.type == "cuda" else (0, 0)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu")
+
+
+def autocast_dtype(t: torch.Tensor):
+    """The autocast dtype when `torch.autocast` is on for `t`'s device, else None. Traceable by dynamo on every
+    supported torch (it constant-folds these two calls; `torch.amp.is_autocast_available` is a graph break on
+    torch 2.11)."""
+    device_type = t.device.type
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None

@@ -11,7 +11,7 @@ host sync, so the CUDA path is graph-capturable.
 import torch
 
 from hubfuse._common.checks import check_range, first_order
-from hubfuse._common.device import use_triton
+from hubfuse._common.device import autocast_dtype, use_triton
 from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from .reference import moe_bwd_reference, moe_fwd_reference, route
 
@@ -182,11 +182,10 @@ def moe_experts(
     torch.compile alike: a ValueError on CPU; on a GPU a device-side assert (no host sync), which fails the
     next synchronising call and leaves the CUDA context unusable (as PyTorch's own index checks do).
     """
-    device_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
-    if device_type and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    dtype = autocast_dtype(hidden_states) if isinstance(hidden_states, torch.Tensor) else None
+    if dtype is not None:
         # mixed-precision training (fp32 master weights under autocast): run the GEMMs in the autocast dtype,
         # as F.linear does in HF's eager path; the casts are differentiable
-        dtype = torch.get_autocast_dtype(hidden_states.device.type)
         hidden_states, gate_up_proj, down_proj = (t.to(dtype) if isinstance(t, torch.Tensor) else t
                                                   for t in (hidden_states, gate_up_proj, down_proj))
     _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hubfuse._common.checks import first_order
-from hubfuse._common.device import use_triton
+from hubfuse._common.device import autocast_dtype, use_triton
 from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from hubfuse.rmsnorm.ops import rms_norm
 from .reference import swiglu_bwd_reference, swiglu_fwd_reference
@@ -200,12 +200,11 @@ def swiglu_mlp(
     in the HF module; the gradients flow back to the fp32 master weights through the casts), and the MLP runs
     with autocast off, in that dtype, forward and backward.
     """
-    device_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
-    if device_type and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        cast = torch.get_autocast_dtype(device_type)
+    cast = autocast_dtype(hidden_states) if isinstance(hidden_states, torch.Tensor) else None
+    if cast is not None:
         args = [t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 for t in (hidden_states, gate_up_weight, down_weight, gate_up_bias, down_bias)]
-        with torch.autocast(device_type=device_type, enabled=False):
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
             return swiglu_mlp(*args)
     _check_mlp("swiglu_mlp", hidden_states, gate_up_weight, down_weight, gate_up_bias, down_bias)
     shape = hidden_states.shape
