@@ -78,8 +78,8 @@ _VALUE_CHECK = textwrap.dedent("""
         v = torch.randn(1, 100, 2, 16, device=dev)
         g, beta = -torch.rand(1, 100, 2, device=dev), torch.rand(1, 100, 2, device=dev)
         fn = lambda cu: gated_delta_net.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
-        bad = {"cu_seqlens_unsorted": [0, 60, 30, 100], "cu_seqlens_high": [0, 50, 120],
-               "cu_seqlens_low": [-5, 50, 100]}[case]
+        bad = dict(cu_seqlens_unsorted=[0, 60, 30, 100], cu_seqlens_high=[0, 50, 120],
+                   cu_seqlens_low=[-5, 50, 100])[case]
         args_ok, args_bad = (torch.tensor([0, 30, 30, 100], device=dev),), (torch.tensor(bad, device=dev),)
     else:
         E = 4

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hubfuse import presets
+from hubfuse.build import families
 from tests.utils import REVISION, load, make_batch, register_local_kernels, save_tiny_model, tiny_config
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,7 @@ OVERRIDES = {"qwen3_moe": dict(output_router_logits=True), "qwen3_5_moe_text": d
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
-    register_local_kernels("rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy")
+    register_local_kernels(*families())
 
 
 @pytest.fixture(scope="module")
