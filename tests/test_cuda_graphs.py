@@ -11,17 +11,12 @@ import pytest
 import torch
 
 from hubfuse import presets
-from hubfuse.build import families
-from tests.utils import REVISION, load, make_batch, register_local_kernels, save_tiny_model, tiny_config
+from tests.utils import REVISION, load, make_batch, save_tiny_model, tiny_config
+from tests.utils import every_kernel_registered  # noqa: F401 (autouse: every kernel repo registered)
 
 pytestmark = pytest.mark.gpu
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text")
 OVERRIDES = {"qwen3_moe": dict(output_router_logits=True), "qwen3_5_moe_text": dict(output_router_logits=True)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kernels():
-    register_local_kernels(*families())
 
 
 @pytest.fixture(scope="module")

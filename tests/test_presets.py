@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hubfuse import presets
-from hubfuse.build import families
-from tests.utils import (REVISION, load, make_batch, register_local_kernels, rope_bound, save_tiny_model,
-                         sharpen_attention, tiny_config)
+from tests.utils import (REVISION, load, make_batch, rope_bound, save_tiny_model, sharpen_attention,
+                         tiny_config)
+from tests.utils import every_kernel_registered  # noqa: F401 (autouse: every kernel repo registered)
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "llama", "qwen2")
 OVERRIDES = {
@@ -31,11 +31,6 @@ EXPECTED_BOUND = {
     "qwen2": {"RMSNorm": 3, "RopeAttention": 2, "RMSNormSwiGLUMLP": 2},
 }
 ROPE_HUB_FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")  # `apply_rotary_pos_emb` carries the hub name
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kernels():
-    register_local_kernels(*families())
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,14 @@ def register_local_kernels(*names: str) -> None:
     for name in names:
         entries[f"{ORG}/{name}"] = str(repo_dir(name))
     os.environ["LOCAL_KERNELS"] = ":".join(f"{k}={v}" for k, v in entries.items())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def every_kernel_registered():
+    """Every kernel repo of this clone built and in LOCAL_KERNELS, for the module that imports this fixture."""
+    from hubfuse.build import families
+
+    register_local_kernels(*families())
 
 
 def hub(repo: str, layer: str):
