@@ -44,7 +44,7 @@ def _meta(cu_seqlens, total: int, check: bool):
         check_offsets(cu_seqlens, total, f"cu_seqlens must start at 0, never decrease and end at the number of "
                                          f"tokens ({total})")
     if use_triton(cu_seqlens):
-        from .triton_kernels import varlen_meta
+        from .triton_varlen import varlen_meta
 
         return varlen_meta(cu_seqlens, total)
     return None, None, seq_idx_reference(cu_seqlens, total)[0]
@@ -71,7 +71,7 @@ def _gate_bwd_reference(dg, dbeta, a, b, A_log, dt_bias):
 def _gdn_fwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm, output_final_state, meta=None):
     meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1], check=True)
     if use_triton(q):
-        from .triton_kernels import chunk_fwd
+        from .triton_chunk import chunk_fwd
 
         o, ht, A, gc = chunk_fwd(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta, scale, l2norm,
                                  output_final_state)
@@ -87,7 +87,7 @@ def _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, sca
     """(dq, dk, dv, d(g or a), d(beta or b), dA_log, ddt_bias, dh0); absent ones are None. A, gc: the forward's
     WY matrices and cumulative decays (Triton path), solved again when not given."""
     if use_triton(q):
-        from .triton_kernels import chunk_bwd
+        from .triton_chunk import chunk_bwd
 
         meta = meta if meta is not None else _meta(cu_seqlens, q.shape[1], check=False)
         return chunk_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, meta, scale, l2norm, dq, dk, dv,
@@ -212,7 +212,7 @@ def _gdn_recurrent_fwd(
     scale: float, l2norm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(q):
-        from .triton_kernels import recurrent_fwd
+        from .triton_recurrent import recurrent_fwd
 
         return recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, l2norm)
     from .reference import recurrent_gated_delta_rule_hf
@@ -360,7 +360,7 @@ def _seq_idx(cu_seqlens, total, meta, check: bool):
 def _conv_fwd_impl(x, weight, bias, cu_seqlens, activation, meta=None):
     seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta, check=True)
     if use_triton(x):
-        from .triton_kernels import conv_fwd
+        from .triton_conv1d import conv_fwd
 
         return conv_fwd(x, weight, bias, seq_idx, activation, x.dtype)
     return causal_conv1d_fwd_reference(x, weight, bias, seq_idx, activation, x.dtype).contiguous()
@@ -369,7 +369,7 @@ def _conv_fwd_impl(x, weight, bias, cu_seqlens, activation, meta=None):
 def _conv_bwd_impl(dout, x, weight, bias, cu_seqlens, activation, meta=None):
     seq_idx = _seq_idx(cu_seqlens, x.shape[1], meta, check=False)
     if use_triton(x):
-        from .triton_kernels import conv_bwd
+        from .triton_conv1d import conv_bwd
 
         return conv_bwd(dout, x, weight, bias, seq_idx, activation)
     dx, dw, db = causal_conv1d_bwd_reference(dout, x, weight, bias, seq_idx, activation)
@@ -485,7 +485,7 @@ def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, cu_seqle
 def _conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  activation: bool) -> torch.Tensor:
     if use_triton(x):
-        from .triton_kernels import conv_update
+        from .triton_conv1d import conv_update
 
         return conv_update(x, conv_state, weight, bias, activation)
     from .reference import causal_conv1d_update_hf
