@@ -1,12 +1,12 @@
 """Custom ops and the functional API: chunked gated delta rule, causal conv1d + SiLU, and the fused Qwen3.5
 GatedDeltaNet core (conv -> q/k/v split -> l2norm -> gates -> delta rule).
 
-Every forward and backward is a `torch.library.custom_op` under this build's namespace
-(`_ops.add_op_namespace_prefix`) with a fake implementation and autograd, so `torch.compile(fullgraph=True)`
-sees one opaque node per call; in eager mode the same implementations run through a plain
-`autograd.Function` (less dispatcher overhead). Each op dispatches on the tensor's device at run time: Triton on
-CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise. Packed sequences
-(`cu_seqlens`) need no host synchronisation: the chunk metadata is computed on the device from a static bound.
+Every forward and backward is a custom op (`hubfuse._common.custom_op`) with a fake implementation and
+autograd, so `torch.compile(fullgraph=True)` sees one opaque node per call; in eager mode the same implementations
+run through a plain `autograd.Function` (`differentiable_op`: less dispatcher overhead). Each op dispatches on the
+tensor's device at run time: Triton on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference
+otherwise. Packed sequences (`cu_seqlens`) need no host synchronisation: the chunk metadata is computed on the
+device from a static bound.
 The backward recomputes the chunk intermediates from the inputs and the forward's WY matrices T and decays
 (saved: (tokens, value heads, 64) in the input dtype and (tokens, value heads) fp32). Calls of at most
 `RECURRENT_MAX_TOKENS` tokens that need no gradient (decode) run the token-by-token kernel instead (one launch).
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from hubfuse._common.checks import check_offsets
 from hubfuse._common.device import use_triton
-from hubfuse._common._ops import add_op_namespace_prefix
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from .reference import (causal_conv1d_bwd_reference, causal_conv1d_fwd_reference, gdn_bwd_reference,
                         gdn_fwd_reference, gdn_gate_hf, seq_idx_reference)
 
@@ -104,7 +104,7 @@ def _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, sca
     return rq, rk, rv, rg.to(g.dtype), rb.to(beta.dtype), dA_log, ddt_bias, dh0
 
 
-@torch.library.custom_op(add_op_namespace_prefix("gdn_fwd"), mutates_args=())
+@custom_op("gdn_fwd")
 def _gdn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
@@ -131,7 +131,7 @@ def _saved_shapes(q, v):
     return q.new_empty(rows, HV, 64), q.new_empty(rows, HV, dtype=torch.float32)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("gdn_bwd"), mutates_args=())
+@custom_op("gdn_bwd")
 def _gdn_bwd(
     do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
@@ -156,8 +156,12 @@ def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, A, g
 
 def _gdn_setup_context(ctx, inputs, output):
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm, output_final_state = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, output[2], output[3])
+    _, ht, A, gc = output
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc)
     ctx.scale, ctx.l2norm = scale, l2norm
+    ctx.mark_non_differentiable(A, gc)
+    if not output_final_state:
+        ctx.mark_non_differentiable(ht)
 
 
 def _gdn_grads_out(ctx, grads, h0):
@@ -170,42 +174,19 @@ def _gdn_backward(ctx, do, dht, _dA, _dgc):
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc = ctx.saved_tensors
     dht = dht.contiguous() if dht is not None and dht.numel() > 0 else None
     do = do.contiguous() if do is not None else torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-    grads = _gdn_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc, ctx.scale, ctx.l2norm)
+    grads = call(ctx, _gdn_bwd, do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc, ctx.scale,
+                 ctx.l2norm)
     return _gdn_grads_out(ctx, [_opt(x) if i >= 5 else x for i, x in enumerate(grads)], h0)
 
 
-_gdn_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
-
-
-class _GDNFunction(torch.autograd.Function):
-    """Eager-mode twin of the custom op (same implementations, less dispatch overhead)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm, output_final_state):
-        o, ht, A, gc = _gdn_fwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, l2norm,
-                                     output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc)
-        ctx.scale, ctx.l2norm = scale, l2norm
-        ctx.mark_non_differentiable(A, gc)
-        if not output_final_state:
-            ctx.mark_non_differentiable(ht)
-        return o, ht, A, gc
-
-    @staticmethod
-    def backward(ctx, do, dht, _dA, _dgc):
-        q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, A, gc = ctx.saved_tensors
-        dht = dht.contiguous() if dht is not None and dht.numel() > 0 else None
-        do = do.contiguous() if do is not None else torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-        grads = _gdn_bwd_impl(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, ctx.scale, ctx.l2norm,
-                              A=A, gc=gc)
-        return _gdn_grads_out(ctx, grads, h0)
+_gdn = differentiable_op(_gdn_fwd, _gdn_setup_context, _gdn_backward)
 
 
 # decode: a few tokens, no gradient -> the token-by-token kernel (one launch, no chunk work)
 RECURRENT_MAX_TOKENS = 16
 
 
-@torch.library.custom_op(add_op_namespace_prefix("gdn_recurrent_fwd"), mutates_args=())
+@custom_op("gdn_recurrent_fwd")
 def _gdn_recurrent_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
@@ -308,10 +289,7 @@ def _apply_gdn(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scal
         o, ht = _gdn_recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, h0, float(scale), bool(l2norm))
         return o, (ht if output_final_state else None)
     args = (q, k, v, g, beta, A_log, dt_bias, h0, cu, float(scale), bool(l2norm), bool(output_final_state))
-    if torch.compiler.is_compiling():
-        o, ht, _, _ = _gdn_fwd(*args)
-    else:
-        o, ht, _, _ = _GDNFunction.apply(*args)
+    o, ht, _, _ = _gdn(*args)
     return o, (ht if output_final_state else None)
 
 
@@ -376,7 +354,7 @@ def _conv_bwd_impl(dout, x, weight, bias, cu_seqlens, activation, meta=None):
     return dx.contiguous(), dw, db
 
 
-@torch.library.custom_op(add_op_namespace_prefix("conv_fwd"), mutates_args=())
+@custom_op("conv_fwd")
 def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               cu_seqlens: Optional[torch.Tensor], activation: bool) -> torch.Tensor:
     return _conv_fwd_impl(x, weight, bias, cu_seqlens, activation)
@@ -387,7 +365,7 @@ def _(x, weight, bias, cu_seqlens, activation):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("conv_bwd"), mutates_args=())
+@custom_op("conv_bwd")
 def _conv_bwd(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               cu_seqlens: Optional[torch.Tensor], activation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dw, db = _conv_bwd_impl(dout, x, weight, bias, cu_seqlens, activation)
@@ -408,25 +386,11 @@ def _conv_setup_context(ctx, inputs, output):
 
 def _conv_backward(ctx, dout):
     x, weight, bias, cu_seqlens = ctx.saved_tensors
-    dx, dw, db = _conv_bwd(dout, x, weight, bias, cu_seqlens, ctx.activation)
+    dx, dw, db = call(ctx, _conv_bwd, dout, x, weight, bias, cu_seqlens, ctx.activation)
     return dx, dw, (db if bias is not None else None), None, None
 
 
-_conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)
-
-
-class _ConvFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, cu_seqlens, activation):
-        ctx.save_for_backward(x, weight, bias, cu_seqlens)
-        ctx.activation = activation
-        return _conv_fwd_impl(x, weight, bias, cu_seqlens, activation)
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, weight, bias, cu_seqlens = ctx.saved_tensors
-        dx, dw, db = _conv_bwd_impl(dout, x, weight, bias, cu_seqlens, ctx.activation)
-        return dx, dw, db, None, None
+_conv = differentiable_op(_conv_fwd, _conv_setup_context, _conv_backward)
 
 
 def _activation_flag(name, activation) -> bool:
@@ -467,10 +431,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
         _check_cu_seqlens(name, cu_seqlens, x, None)
         cu_seqlens = cu_seqlens.contiguous()
     weight, bias = weight.contiguous(), (bias.contiguous() if bias is not None else None)
-    args = (x, weight, bias, cu_seqlens, act)
-    if torch.compiler.is_compiling():
-        return _conv_fwd(*args)
-    return _ConvFunction.apply(*args)
+    return _conv(x, weight, bias, cu_seqlens, act)
 
 
 def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, cu_seqlens=None):
@@ -481,7 +442,7 @@ def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, cu_seqle
     return causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("conv_update"), mutates_args=("conv_state",))
+@custom_op("conv_update", mutates_args=("conv_state",))
 def _conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  activation: bool) -> torch.Tensor:
     if use_triton(x):
@@ -555,7 +516,7 @@ def _layer_bwd_impl(do, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens,
     return dmixed, dconv_w, dconv_b, da, db, dA_log, ddt_bias
 
 
-@torch.library.custom_op(add_op_namespace_prefix("gdn_layer_fwd"), mutates_args=())
+@custom_op("gdn_layer_fwd")
 def _gdn_layer_fwd(mixed: torch.Tensor, conv_w: torch.Tensor, conv_b: Optional[torch.Tensor], a: torch.Tensor,
                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
                    num_k_heads: int, head_k_dim: int, head_v_dim: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -571,7 +532,7 @@ def _(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, num_k_heads, head
             *_saved_shapes(mixed.new_empty(B, S, 1, 1), a.new_empty(B, S, a.shape[-1], 1)))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("gdn_layer_bwd"), mutates_args=())
+@custom_op("gdn_layer_bwd")
 def _gdn_layer_bwd(do: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, conv_b: Optional[torch.Tensor],
                    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                    cu_seqlens: Optional[torch.Tensor], A: torch.Tensor, gc: torch.Tensor, num_k_heads: int,
@@ -590,40 +551,22 @@ def _(do, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc, num_k_
             torch.empty_like(b), torch.empty_like(A_log), torch.empty_like(dt_bias))
 
 
-_LAYER_STATIC = ("cu_seqlens", "num_k_heads", "head_k_dim", "head_v_dim")
-
-
 def _layer_setup_context(ctx, inputs, output):
     mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, H, K, V = inputs
-    ctx.save_for_backward(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, output[1], output[2])
+    _, A, gc = output
+    ctx.save_for_backward(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc)
     ctx.dims = (H, K, V)
+    ctx.mark_non_differentiable(A, gc)
 
 
 def _layer_backward(ctx, do, _dA, _dgc):
     mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc = ctx.saved_tensors
-    dmixed, dw, db_conv, da, db, dA_log, ddt = _gdn_layer_bwd(do.contiguous(), mixed, conv_w, conv_b, a, b, A_log,
-                                                              dt_bias, cu_seqlens, A, gc, *ctx.dims)
+    dmixed, dw, db_conv, da, db, dA_log, ddt = call(ctx, _gdn_layer_bwd, do.contiguous(), mixed, conv_w, conv_b, a,
+                                                    b, A_log, dt_bias, cu_seqlens, A, gc, *ctx.dims)
     return dmixed, dw, (db_conv if conv_b is not None else None), da, db, dA_log, ddt, None, None, None, None
 
 
-_gdn_layer_fwd.register_autograd(_layer_backward, setup_context=_layer_setup_context)
-
-
-class _LayerFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, H, K, V):
-        o, A, gc = _layer_fwd_impl(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, H, K, V)
-        ctx.save_for_backward(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc)
-        ctx.dims = (H, K, V)
-        ctx.mark_non_differentiable(A, gc)
-        return o, A, gc
-
-    @staticmethod
-    def backward(ctx, do, _dA, _dgc):
-        mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc = ctx.saved_tensors
-        grads = _layer_bwd_impl(do.contiguous(), mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, *ctx.dims,
-                                _opt(A), _opt(gc))
-        return (*grads, None, None, None, None)
+_gdn_layer = differentiable_op(_gdn_layer_fwd, _layer_setup_context, _layer_backward)
 
 
 def gated_delta_net_core(mixed_qkv, conv_weight, conv_bias, a, b, A_log, dt_bias, num_k_heads: int,
@@ -658,9 +601,7 @@ decays; the conv output is recomputed."""
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     args = (mixed_qkv, conv_weight.contiguous(), conv_bias, a.contiguous(), b.contiguous(), A_log.contiguous(),
             dt_bias.contiguous(), cu_seqlens, int(num_k_heads), int(head_k_dim), int(head_v_dim))
-    if torch.compiler.is_compiling():
-        return _gdn_layer_fwd(*args)[0]
-    return _LayerFunction.apply(*args)[0]
+    return _gdn_layer(*args)[0]
 
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_qwen3_5", "causal_conv1d", "causal_conv1d_fn",
