@@ -8,6 +8,28 @@ from hubfuse._common.launch import launch
 
 
 @triton.jit
+def _conv_rows(X, WT, BIAS, SEQ, b, rows, m_rows, seq_rows, c, m_c, S, stride_xb, stride_xt, stride_xc, WDT,
+               W: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, VARLEN: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The conv output before the activation at `rows` (fp32): sum_j w[j] x[row - (W-1-j)] over the inputs of the
+    same sequence (`seq_rows`, packed inputs), + bias, rounded to the weight's dtype when ROUND (F.conv1d)."""
+    y = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W):
+        rr = rows - (W - 1 - j)
+        m = m_rows & (rr >= 0)
+        if VARLEN:  # masked-out rows stay masked whatever the sentinel
+            m = m & (tl.load(SEQ + b * S + rr, mask=m, other=-2) == seq_rows)
+        x = tl.load(X + b * stride_xb + rr[:, None].to(tl.int64) * stride_xt + c[None, :] * stride_xc,
+                    mask=m[:, None] & m_c[None, :], other=0.0).to(WDT).to(tl.float32)
+        y += x * tl.load(WT + c * W + j, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y += tl.load(BIAS + c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    if ROUND:  # F.conv1d returns the weight's dtype
+        y = y.to(WDT).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _conv_fwd_kernel(X, WT, BIAS, SEQ, OUT, S, C, stride_xb, stride_xt, stride_xc,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
                      VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -19,22 +41,11 @@ def _conv_fwd_kernel(X, WT, BIAS, SEQ, OUT, S, C, stride_xb, stride_xt, stride_x
     m_t = t < S
     m_c = c < C
     WDT = WT.dtype.element_ty
+    seq = t  # the sequence id of each row: only read when VARLEN
     if VARLEN:
         seq = tl.load(SEQ + b * S + t, mask=m_t, other=-1)
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for j in tl.static_range(W):
-        tt = t - (W - 1 - j)
-        m = m_t & (tt >= 0)
-        if VARLEN:
-            m = m & (tl.load(SEQ + b * S + tt, mask=m, other=-2) == seq)
-        x = tl.load(X + b * stride_xb + tt[:, None].to(tl.int64) * stride_xt + c[None, :] * stride_xc,
-                    mask=m[:, None] & m_c[None, :], other=0.0)
-        wj = tl.load(WT + c * W + j, mask=m_c, other=0.0).to(tl.float32)
-        acc += x.to(WDT).to(tl.float32) * wj[None, :]
-    if HAS_BIAS:
-        acc += tl.load(BIAS + c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-    if ROUND:  # F.conv1d returns the weight's dtype
-        acc = acc.to(WDT).to(tl.float32)
+    acc = _conv_rows(X, WT, BIAS, SEQ, b, t, m_t, seq, c, m_c, S, stride_xb, stride_xt, stride_xc, WDT,
+                     W, HAS_BIAS, ROUND, VARLEN, BLOCK_T, BLOCK_C)
     if ACT:
         acc = acc * tl.sigmoid(acc)
     tl.store(OUT + (b * S + t[:, None]) * C + c[None, :], acc.to(OUT.dtype.element_ty),
@@ -65,22 +76,12 @@ def _conv_bwd_kernel(X, WT, BIAS, SEQ, DOUT, DX, DW_PART, DB_PART, S, C, stride_
     for s in tl.static_range(W):
         r = t + s
         m_r = m_t & (r < S)
+        seq_r = r
         if VARLEN:
             seq_r = tl.load(SEQ + b * S + r, mask=m_r, other=-2)
             m_r = m_r & (seq_r == seq)
-        y = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(W):
-            rr = r - (W - 1 - j)
-            m = m_r & (rr >= 0)
-            if VARLEN:
-                m = m & (tl.load(SEQ + b * S + rr, mask=m, other=-3) == seq_r)
-            x = tl.load(X + b * stride_xb + rr[:, None].to(tl.int64) * stride_xt + c[None, :] * stride_xc,
-                        mask=m[:, None] & m_c[None, :], other=0.0).to(WDT).to(tl.float32)
-            y += x * tl.load(WT + c * W + j, mask=m_c, other=0.0).to(tl.float32)[None, :]
-        if HAS_BIAS:
-            y += tl.load(BIAS + c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-        if ROUND:
-            y = y.to(WDT).to(tl.float32)
+        y = _conv_rows(X, WT, BIAS, SEQ, b, r, m_r, seq_r, c, m_c, S, stride_xb, stride_xt, stride_xc, WDT,
+                       W, HAS_BIAS, ROUND, VARLEN, BLOCK_T, BLOCK_C)
         dy = tl.load(DOUT + b * stride_db + r[:, None].to(tl.int64) * stride_dt + c[None, :] * stride_dc,
                      mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
         if ACT:
