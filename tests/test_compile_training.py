@@ -30,13 +30,15 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture
-def dynamo_counters(monkeypatch):
+def dynamo_counters():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    yield counters
+    # dynamo's own config patch: monkeypatch's undo of a config-module attribute can leave it missing for the
+    # rest of the process
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield counters
     torch._dynamo.reset()
 
 
