@@ -11,12 +11,15 @@ causal path when transformers cannot check the batch for packing (torch.compile,
   unpacked training batch reaches attention with no mask (a plain HF model gets a 4D mask there), and the loss and
   gradients equal the plain model's; a mask passed in, the eager attention implementation, eval mode and model
   classes without a prepared-mask path keep transformers' mask.
+- Qwen3-MoE and Llama (no prepared-mask path) with hubfuse's attention Layouts get the causal marker instead:
+  transformers builds no mask (traced or not: no host read of the positions either), attention gets none, and
+  loss and gradients equal the plain model's; the same classes with HF's attention keep transformers' mask.
 """
 import pytest
 import torch
 
 from hubfuse import presets
-from hubfuse.training import MASK_MAPPING_MODELS, apply_training_defaults
+from hubfuse.training import CAUSAL_MARKER_MODELS, MASK_MAPPING_MODELS, apply_training_defaults
 from tests.utils import REVISION, load, make_batch, register_local_kernels, save_tiny_model, tiny_config
 
 KERNELIZED = ("qwen3", "qwen3_moe", "qwen3_5_moe_text")
@@ -157,10 +160,46 @@ def test_traced_training_takes_the_causal_path(family, model_dirs, masks_seen):
 
 @pytest.mark.parametrize("family", ("qwen3_moe", "llama"))
 def test_models_without_a_mask_mapping_keep_their_mask(family, model_dirs, masks_seen):
+    """HF's own attention modules: the causal marker would not be read, so transformers' mask stays."""
     model = apply_training_defaults(load(model_dirs[family])).train()
     assert type(model.model).__name__ not in MASK_MAPPING_MODELS
     model(**make_batch(tiny_config(family).vocab_size, seq=9))
     assert masks_seen and all(m == (2, 1, 9, 9) for m in masks_seen)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+@pytest.mark.parametrize("family", ("qwen3_moe", "llama"))
+def test_kernelized_models_take_the_causal_marker(family, traced, model_dirs, masks_seen, monkeypatch):
+    import transformers.masking_utils as masking_utils
+
+    if not traced:
+        monkeypatch.setattr(masking_utils, "is_tracing", lambda *args, **kwargs: False)
+    packing_checks = []
+    find_packed = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
+                        lambda *a, **k: packing_checks.append(1) or find_packed(*a, **k))
+    ours = _kernelized(model_dirs[family], family).train()
+    assert type(ours.model).__name__ in CAUSAL_MARKER_MODELS
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    n_layers = ours.config.num_hidden_layers
+    # the reference: the same model given an all-ones mask, which transformers turns into its causal mask
+    ref, ref_grads = _loss_and_grads(ours, dict(batch, attention_mask=torch.ones_like(batch["input_ids"])))
+    assert masks_seen == [(2, 1, 9, 9) if traced else None] * n_layers
+    masks_seen.clear()
+    packing_checks.clear()
+    out, grads = _loss_and_grads(ours, batch)
+    assert masks_seen == [None] * n_layers and packing_checks == []  # no mask built, positions not read
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+    masks_seen.clear()
+    padded = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
+    padded["attention_mask"][0, :3] = 0
+    ours(**padded)  # a mask passed in: honoured
+    ours.eval()(**batch, use_cache=False)  # eval: transformers' own path
+    assert all(m == (2, 1, 9, 9) for m in masks_seen[:n_layers]) and len(masks_seen) == 2 * n_layers
 
 
 def test_eager_attention_keeps_its_mask(model_dirs, masks_seen):

@@ -11,8 +11,12 @@ In training mode, a forward of a transformers decoder model that leaves these ar
    mapping `{layer type: None}`, which is what transformers computes itself in eager mode for such a batch. Under
    torch.compile or CUDA-graph capture transformers cannot check the positions for packed sequences (a host
    read) and builds a full (batch, 1, seq, seq) mask instead, which keeps SDPA off its causal flash / cuDNN
-   kernels (the backward above all). Only for model classes that take a prepared mask mapping
-   (`MASK_MAPPING_MODELS`), SDPA or flash-attention implementations, and no sliding-window layers.
+   kernels (the backward above all). For model classes that take a prepared mask mapping
+   (`MASK_MAPPING_MODELS`): that mapping. For those that build one mask from whatever they are given
+   (`CAUSAL_MARKER_MODELS`) and whose every attention module is a hubfuse Layout: the causal marker
+   (`hubfuse._common.causal_marker`), which transformers passes through unbuilt and the Layouts read as `is_causal`
+   (in eager mode this also saves transformers' host read of the positions). SDPA or flash-attention
+   implementations and no sliding-window layers only.
 
 `use_cache=True`, a mask or positions passed explicitly are honoured, and eval / `generate` are unchanged.
 """
@@ -22,21 +26,34 @@ import inspect
 
 import torch
 
+from ._common.causal_marker import causal_marker
+
 _HOOKED = "_hubfuse_training_defaults"
 # decoder models whose forward takes a prepared {layer type: mask} mapping as `attention_mask`
 MASK_MAPPING_MODELS = ("Qwen3Model", "Qwen2Model", "Qwen3_5MoeTextModel")
+# decoder models that build one causal mask from `attention_mask` and pass a 4D one through unchanged
+CAUSAL_MARKER_MODELS = ("Qwen3MoeModel", "LlamaModel")
 # attention implementations that read a None mask as causal (`is_causal`)
 _CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
-def _mask_mapping(module) -> dict | None:
-    """{layer type: None} for a model whose layers all attend causally over the whole sequence, else None."""
+def _causal_mask(module, device):
+    """What to pass as `attention_mask` for a causal, unpadded, unpacked batch: the {layer type: None} mapping or
+    the causal marker, or None where transformers' own mask must stay (other models, eager attention, sliding
+    windows, attention modules that do not read the marker)."""
     config = module.config
-    layer_types = getattr(config, "layer_types", None)
-    if (type(module).__name__ not in MASK_MAPPING_MODELS or not layer_types or "sliding_attention" in layer_types
-            or config._attn_implementation not in _CAUSAL_WITHOUT_MASK):
+    if config._attn_implementation not in _CAUSAL_WITHOUT_MASK:
         return None
-    return dict.fromkeys(layer_types)
+    name = type(module).__name__
+    if name in MASK_MAPPING_MODELS:
+        layer_types = getattr(config, "layer_types", None)
+        if not layer_types or "sliding_attention" in layer_types:
+            return None
+        return dict.fromkeys(layer_types)
+    if (name in CAUSAL_MARKER_MODELS and getattr(config, "sliding_window", None) is None
+            and all(getattr(layer.self_attn, "accepts_causal_marker", False) for layer in module.layers)):
+        return causal_marker(device)  # zero elements: no allocation, nothing for a trace to keep
+    return None
 
 
 def _training_defaults(module, args, kwargs):
@@ -47,9 +64,12 @@ def _training_defaults(module, args, kwargs):
         kwargs["use_cache"] = False
     if (not kwargs["use_cache"] and not args and kwargs.get("past_key_values") is None
             and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is None):
-        mapping = _mask_mapping(module)
-        if mapping is not None:
-            kwargs["attention_mask"] = mapping
+        inputs = kwargs.get("input_ids")
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        mask = None if inputs is None else _causal_mask(module, inputs.device)
+        if mask is not None:
+            kwargs["attention_mask"] = mask
     return args, kwargs
 
 
@@ -77,4 +97,4 @@ def apply_training_defaults(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-__all__ = ["MASK_MAPPING_MODELS", "apply_training_defaults"]
+__all__ = ["CAUSAL_MARKER_MODELS", "MASK_MAPPING_MODELS", "apply_training_defaults"]

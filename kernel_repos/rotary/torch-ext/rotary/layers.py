@@ -13,7 +13,8 @@
   `q_norm.weight`, `k_norm.weight` where HF has them), so checkpoints load and save unchanged (`conversion_mapping`
   is empty: no re-layout pays here), and their `forward` is the HF reference path.
   Attention itself goes through transformers' `ALL_ATTENTION_FUNCTIONS` (sdpa / flash / eager all work) and
-  the KV cache is updated as in HF.
+  the KV cache is updated as in HF. A mask that is `_common.causal_marker`'s marker (passed by hubfuse.training)
+  reaches the attention function as None: the causal path.
 
 transformers is imported lazily (only when an attention module runs): the kernel has no dependency on it.
 """
@@ -22,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from hubfuse._common.causal_marker import is_causal_marker
 from hubfuse.rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
 from .ops import apply_rotary_pos_emb, qk_norm_rope, qk_norm_rope_zero_centered
 from .reference import apply_rotary_pos_emb_hf
@@ -146,6 +148,8 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, module.layer_idx)
 
+    if is_causal_marker(attention_mask):  # hubfuse.training's "causal, no mask" (see _common.causal_marker)
+        attention_mask = None
     attention_interface = _attention_interface(module.config._attn_implementation)
     if hasattr(module, "sliding_window"):  # Qwen3, Qwen3-MoE, Qwen2 (not Llama, not Qwen3.5)
         kwargs = {"sliding_window": module.sliding_window, **kwargs}
@@ -179,6 +183,7 @@ class RopeAttentionLayout(nn.Module):
     `config.attention_bias` on every projection; Qwen2: biased q/k/v, unbiased o_proj; Qwen2's sliding window)."""
 
     conversion_mapping = []  # same parameter names and shapes as the HF class: nothing to re-lay
+    accepts_causal_marker = True  # hubfuse.training may pass the causal marker as the mask
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -208,6 +213,7 @@ class QKNormRopeAttentionLayout(nn.Module):
     """Replaces `^Qwen3Attention$` / `^Qwen3MoeAttention$`: same `__init__(config, layer_idx)` and parameters."""
 
     conversion_mapping = []  # same parameter names and shapes as the HF class: nothing to re-lay
+    accepts_causal_marker = True  # hubfuse.training may pass the causal marker as the mask
     gated = False
 
     def __init__(self, config, layer_idx: int):
