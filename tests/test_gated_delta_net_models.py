@@ -4,7 +4,8 @@ loaded with hubfuse.KernelConfig.
 - the `GatedDeltaNet` Layout for `^Qwen3_5MoeGatedDeltaNet$`: loss, logits and every gradient against a plain
   eager load (eval and train), its own forward (the HF path) equal to eager, greedy generation with the cache
   (left-padded batch: prefill, one-token decode steps) equal to eager, save_pretrained round trip, packed
-  sequences (`cu_seq_lens_q`) equal to separate runs, torch.compile(fullgraph=True) of the layer (fwd + bwd)
+  sequences (`cu_seq_lens_q`) equal to separate runs (the layer, and a packed row through the whole model),
+  torch.compile(fullgraph=True) of the layer (fwd + bwd)
   and of the model;
 - the function hub names (`chunk_gated_delta_rule`, `fused_recurrent_gated_delta_rule`, `causal_conv1d_fn`,
   `causal_conv1d_update`) on the unchanged HF module: parity and generation.
@@ -177,6 +178,40 @@ def test_packed_sequences_equal_separate_runs(model_dir):
     g_parts = torch.autograd.grad(torch.cat(parts, 1), [x, *layer.parameters()], upstream)
     for a, b in zip(g_packed, g_parts):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_batch_through_the_model_equals_separate_runs(model_dir):
+    """A packed row through the whole model (transformers' packing kwargs: `position_ids` restarting per document,
+    `cu_seq_lens_q/k`): every decoder layer's output, the logits and the gradients equal the documents run one by
+    one (the Gated DeltaNet layer from `cu_seq_lens_q`, the full-attention layer from transformers' packed mask)."""
+    model = load(model_dir, LAYOUT).train()
+    assert _bound(model) == 1
+    lengths = [5, 66, 3]
+    ids = torch.randint(0, tiny_config(FAMILY).vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 5, 71, 74], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    layer_outputs = []
+    hooks = [layer.register_forward_hook(lambda m, a, o: layer_outputs.append(o[0] if isinstance(o, tuple) else o))
+             for layer in model.model.layers]
+    packed = model(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                   max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False).logits
+    packed_layers, layer_outputs[:] = list(layer_outputs), []
+    parts = [model(input_ids=ids[:, s:e], use_cache=False).logits for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    for hook in hooks:
+        hook.remove()
+    n = len(model.model.layers)
+    for i in range(n):
+        torch.testing.assert_close(packed_layers[i], torch.cat(layer_outputs[i::n], 1), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"decoder layer {i}: {m}")
+    separate = torch.cat(parts, 1)
+    torch.testing.assert_close(packed, separate, atol=1e-5, rtol=1e-5)
+    upstream = torch.randn_like(packed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g_packed = torch.autograd.grad(packed, params, upstream, allow_unused=True)
+    g_parts = torch.autograd.grad(separate, params, upstream, allow_unused=True)
+    for (name, _), a, b in zip(model.named_parameters(), g_packed, g_parts):
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def test_torch_compile_fullgraph_layer_fwd_bwd(model_dir):
