@@ -32,7 +32,14 @@ decoder layers and their experts modules; noreshard = reshard_after_forward=Fals
 `--profile N`: after the measured steps of every row, N more steps under torch.profiler on every rank; per rank:
 GPU time per step, compute, NCCL all-gather / reduce-scatter / all-to-all / all-reduce (busy and exposed = not
 overlapped by compute), idle GPU time, host syncs (cudaStreamSynchronize / cudaEventSynchronize calls and their
-time); a table on rank 0 and $OUT/bench_distributed_<tag>_profile.json.
+time); a table on rank 0 and $OUT/bench_distributed_<tag>_profile.json. Profiling tears CUPTI down after each
+profile (TEARDOWN_CUPTI=1, unless set otherwise), so that the steps measured after it run uninstrumented.
+
+Stragglers: per rank and row, the medians of the host's enqueue time (step start until train_step returns, before
+the synchronize) and of the step time, and the CUDA caching allocator's cudaMalloc / cudaFree / retry counts over
+the measured steps (`per_rank` in the JSON, a table in the .md); once per run, after the first multi-GPU step on
+CUDA, which devices each rank holds a CUDA context on and nvidia-smi's compute processes per GPU
+(`gpu_contexts`). The Python garbage collector is off during a row's steps (collected before them).
 
 Reported per row: tokens/s/GPU (batch*seq / median step time, the slowest rank's), MFU (model FLOPs per token:
 6 x active matmul parameters (embedding lookups excluded, routed experts x top_k / E) + 6 x full-attention
@@ -40,8 +47,9 @@ layers x seq x heads x head_dim (causal attention; the Gated DeltaNet recurrence
 --peak-tflops, default 989 for H100/H200 bf16 dense), peak memory per GPU (max over ranks of
 max_memory_allocated over the measured steps), loss of the first and last step (mean over ranks), and the
 scaling efficiency: tokens/s/GPU over the one-GPU tokens/s of the same config, depth, seq and batch, read from
---one-gpu-reference (rank 0 first runs the configs alone on its GPU, the other ranks wait) or --reference (the
-JSON of a --single-gpu run with the same --layers). Writes $OUT/bench_distributed_<tag>.json and .md (OUT
+--one-gpu-reference [first|last] (rank 0 runs the configs alone on its GPU while the other ranks wait at a
+barrier; by default last, after the multi-GPU rows) or --reference (the JSON of a --single-gpu run with the same
+--layers). Writes $OUT/bench_distributed_<tag>.json and .md (OUT
 defaults to ./out; tag "<model>_<layers>l_1gpu" or "<model>_<layers>l_<N>gpu_ep<ep>") after every row, and prints
 the table. Progress lines only (one per warm-up step and every 5 measured steps, on rank 0).
 
@@ -121,12 +129,14 @@ class Dist:
             dist.init_process_group("gloo" if smoke else "nccl", init_method=init_method, rank=self.rank,
                                     world_size=self.world, timeout=timedelta(minutes=30),
                                     device_id=None if smoke else self.device)
+        self.contexts_checked = False  # gpu_contexts: once per run, after the first multi-GPU step
 
     @classmethod
     def alone(cls, other: "Dist") -> "Dist":
         """This process on its own (world 1, no collectives), on `other`'s device."""
         d = cls.__new__(cls)
         d.world, d.rank, d.local_rank, d.device = 1, 0, other.local_rank, other.device
+        d.contexts_checked = True
         return d
 
     def barrier(self):
@@ -144,6 +154,16 @@ class Dist:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t.item() / (self.world if op == "mean" else 1)
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
 
     def close(self):
         if self.world > 1:
@@ -301,6 +321,59 @@ def train_step(model, opt, batch):
     return loss
 
 
+def allocator_counts(cuda: bool) -> dict:
+    """CUDA caching-allocator counters (cudaMalloc / cudaFree calls, free-cache-and-retry events: each of these
+    synchronizes the device); their growth over the measured steps says whether a rank's steps allocate."""
+    if not cuda:
+        return {}
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {"cuda_mallocs": stats.get("num_device_alloc", 0), "cuda_frees": stats.get("num_device_free", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
+def gpu_contexts(d: Dist) -> dict:
+    """Which processes hold a CUDA context on which GPU (every rank calls it, once, after the first multi-GPU
+    step): per rank, the devices on which it has a primary context (a rank with a context on another rank's GPU
+    takes memory and time slices there) and, from rank 0, nvidia-smi's compute processes per GPU with the rank
+    each pid belongs to (pids of other processes: `other`)."""
+    import torch
+
+    d.contexts_checked = True
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # private, hence optional
+    mine = [i for i in range(torch.cuda.device_count()) if has_context(i)] if has_context else None
+    ranks = d.gather(dict(rank=d.rank, pid=os.getpid(), device=d.device.index, contexts_on=mine))
+    stray = [f"rank {r['rank']} on GPU {i}" for r in ranks for i in (r["contexts_on"] or []) if i != r["device"]]
+    out = dict(ranks=ranks, stray=stray)
+    if d.rank == 0:
+        rank_of = {r["pid"]: r["rank"] for r in ranks}
+        out["nvidia_smi"] = [dict(app, rank=rank_of.get(app["pid"], "other")) if isinstance(app, dict) else app
+                             for app in nvidia_smi_apps()]
+    return out
+
+
+def nvidia_smi_apps() -> list:
+    """nvidia-smi's compute processes: [{gpu, pid, name, used_MiB}], or one string saying why not."""
+    import subprocess
+
+    def query(what: str) -> list[str]:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+        return [line for line in out.splitlines() if line.strip()]
+
+    try:
+        index_of = {bus.strip(): int(i) for i, bus in (line.split(",", 1) for line in query("gpu=index,pci.bus_id"))}
+        apps = []
+        for line in query("compute-apps=gpu_bus_id,pid,used_memory,process_name"):
+            bus, pid, used, name = (x.strip() for x in line.split(",", 3))
+            apps.append(dict(gpu=index_of.get(bus, bus), pid=int(pid) if pid.isdigit() else pid,
+                             used_MiB=int(used) if used.isdigit() else used, name=name))
+        return apps
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return [f"nvidia-smi: {type(e).__name__}: {e}"]
+
+
 def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> None:
     """Load one configuration, then measure each of its variants (one row each) on the same model."""
     import gc
@@ -327,35 +400,50 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        times, losses = [], []
-        for i, batch in enumerate(batches):
-            if i == args.warmup and cuda:
-                torch.cuda.reset_peak_memory_stats()
-            d.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            loss = train_step(model, opt, batch)
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - start
-            losses.append(loss.item())
-            if i >= args.warmup:
-                times.append(dt)
-            if d.rank == 0 and (i < args.warmup or i == len(batches) - 1 or (i - args.warmup) % 5 == 4):
-                log(f"[{name} x {d.world}] {'warm-up' if i < args.warmup else 'step'} {i + 1}/{len(batches)}: "
-                    f"{dt * 1e3:.0f} ms, loss {losses[-1]:.4f}")
-        median = d.reduce(statistics.median(times), "max")  # the slowest rank sets the pace
-        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-        tps = row["tokens_per_gpu_step"] / median
-        row.update(status="ok", step_ms_median=round(median * 1e3, 1), tokens_per_s_per_gpu=round(tps, 1),
-                   tflops_per_gpu=round(tps * args.flops_per_token / 1e12, 1),
-                   peak_mem_GiB_per_gpu=round(d.reduce(peak, "max"), 2),
-                   loss_step1=round(d.reduce(losses[0], "mean"), 4), loss_last=round(d.reduce(losses[-1], "mean"), 4))
-        if not all(math.isfinite(x) for x in losses):
-            row.update(status="error", note=f"non-finite loss {losses}")
-        if args.profile:
-            row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d)
+        times, enqueue, losses = [], [], []
+        gc.collect()
+        gc.disable()  # no collector pause inside a step, on any rank (a pause on one rank stalls the others)
+        try:
+            for i, batch in enumerate(batches):
+                if i == args.warmup:
+                    allocs = allocator_counts(cuda)
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                d.barrier()
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                loss = train_step(model, opt, batch)
+                queued = time.perf_counter() - start  # the host's share: train_step returned, the GPU may still run
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - start
+                losses.append(loss.item())
+                if i >= args.warmup:
+                    times.append(dt)
+                    enqueue.append(queued)
+                if i == 0 and cuda and not d.contexts_checked:
+                    row["gpu_contexts"] = gpu_contexts(d)
+                if d.rank == 0 and (i < args.warmup or i == len(batches) - 1 or (i - args.warmup) % 5 == 4):
+                    log(f"[{name} x {d.world}] {'warm-up' if i < args.warmup else 'step'} {i + 1}/{len(batches)}: "
+                        f"{dt * 1e3:.0f} ms (host {queued * 1e3:.0f} ms), loss {losses[-1]:.4f}")
+            allocs = {k: v - allocs[k] for k, v in allocator_counts(cuda).items()}
+            median = d.reduce(statistics.median(times), "max")  # the slowest rank sets the pace
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+            tps = row["tokens_per_gpu_step"] / median
+            row.update(status="ok", step_ms_median=round(median * 1e3, 1), tokens_per_s_per_gpu=round(tps, 1),
+                       tflops_per_gpu=round(tps * args.flops_per_token / 1e12, 1),
+                       peak_mem_GiB_per_gpu=round(d.reduce(peak, "max"), 2),
+                       loss_step1=round(d.reduce(losses[0], "mean"), 4),
+                       loss_last=round(d.reduce(losses[-1], "mean"), 4),
+                       per_rank=d.gather(dict(rank=d.rank, enqueue_ms=round(statistics.median(enqueue) * 1e3, 1),
+                                              step_ms=round(statistics.median(times) * 1e3, 1), **allocs)))
+            if not all(math.isfinite(x) for x in losses):
+                row.update(status="error", note=f"non-finite loss {losses}")
+            if args.profile:
+                row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d)
+        finally:
+            gc.enable()
         record(row, d)
     del model, opt
     gc.collect()
@@ -415,6 +503,7 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
                      f"{f(r.get('peak_mem_GiB_per_gpu'), '.1f')} | {f(r.get('scaling_efficiency'), '.2f')} | "
                      f"{f(r.get('step_ms_median'), '.0f')} | {f(r.get('loss_step1'), '.3f')} | "
                      f"{f(r.get('loss_last'), '.3f')} | {r.get('note') or r.get('sharding', '')} |")
+    lines += per_rank_lines(rows)
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
         lines += ["", f"Profile (torch.profiler, {args.profile} step(s) per row after the measured ones; ms per step "
@@ -438,6 +527,35 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
         if profiled:
             (out / f"bench_distributed_{tag}_profile.json").write_text(json.dumps(
                 {r["row"] + f" x {r['gpus']}": r["profile"] for r in profiled}, indent=1))
+    return lines
+
+
+def per_rank_lines(rows) -> list[str]:
+    """The straggler view: per row and rank, the medians of the host's enqueue time (step start until train_step
+    returns) and of the step time, the cudaMalloc / cudaFree / retry counts over the measured steps; then the
+    CUDA contexts seen after the first multi-GPU step."""
+    measured = [r for r in rows if r.get("per_rank")]
+    if not measured:
+        return []
+    lines = ["", "Per rank (median over the measured steps; host = step start until train_step returns, before the "
+                 "synchronize; a rank whose host time is near its step time is launch-bound; allocator = cudaMalloc / "
+                 "cudaFree / free-and-retry calls during the measured steps):", "",
+             "| config | GPUs | rank | host ms | step ms | allocator |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in measured:
+        for p in r["per_rank"]:
+            alloc = " / ".join(str(p[k]) for k in ("cuda_mallocs", "cuda_frees", "alloc_retries") if k in p)
+            lines.append(f"| {r['row']} | {r['gpus']} | {p['rank']} | {p['enqueue_ms']:.1f} | {p['step_ms']:.1f} "
+                         f"| {alloc} |")
+    for r in rows:
+        ctx = r.get("gpu_contexts")
+        if not ctx:
+            continue
+        owners = [f"GPU {a['gpu']}: {'rank ' + str(a['rank']) if a['rank'] != 'other' else 'other'} (pid "
+                  f"{a['pid']}, {a['used_MiB']} MiB)" if isinstance(a, dict) else a for a in ctx.get("nvidia_smi", [])]
+        lines += ["", f"CUDA contexts after the first {r['gpus']}-GPU step: per rank, devices with a primary context: "
+                      + ", ".join(f"rank {c['rank']}: {c['contexts_on']}" for c in ctx["ranks"])
+                      + f"; on another rank's GPU: {', '.join(ctx['stray']) or 'none'}; nvidia-smi: "
+                      + ("; ".join(owners) or "no compute processes listed")]
     return lines
 
 
@@ -525,6 +643,10 @@ def profile(step, steps: int, d: Dist) -> list[dict]:
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.device.type == "cuda" else [])
+    # Kineto leaves CUPTI's kernel instrumentation on after the profile unless TEARDOWN_CUPTI=1 (pytorch/pytorch
+    # #144455): every later step of this process would run instrumented, and this process (rank 0, which also
+    # profiles the one-GPU rows) would run slower than the others. No CUDA graphs here (the reason torch turns it off).
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     d.barrier()
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
@@ -562,9 +684,10 @@ def main(argv=None) -> int:
                    help="ours with EP: fixed = sync-free fixed-capacity exchange, sized = host-read split sizes")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="N steps under torch.profiler after every row's measured steps (per-rank breakdown)")
-    p.add_argument("--one-gpu-reference", action="store_true",
-                   help="several GPUs: rank 0 first runs the configs alone on its GPU (the others wait), for the "
-                        "scaling efficiency (the model must fit one GPU)")
+    p.add_argument("--one-gpu-reference", nargs="?", const="last", choices=("first", "last"), default=None,
+                   help="several GPUs: rank 0 also runs the configs alone on its GPU (the others wait at a barrier), "
+                        "for the scaling efficiency (the model must fit one GPU); last (the default) after the "
+                        "multi-GPU rows, so that nothing of it (memory, profiler state) is left on rank 0 during them")
     p.add_argument("--reference", help="JSON of a --single-gpu run (same layers/seq/batch): scaling efficiency")
     p.add_argument("--peak-tflops", type=float, help="per-GPU peak for MFU (default: by device name)")
     p.add_argument("--model-dir", default=None, help="where rank 0 builds the checkpoint (default: /tmp/...)")
@@ -649,13 +772,19 @@ def main(argv=None) -> int:
                     f"{row.get('tflops_per_gpu')} TFLOP/s/GPU, peak {row.get('peak_mem_GiB_per_gpu')} GiB/GPU, "
                     f"{row.get('note') or row.get('sharding')}")
 
-        if args.one_gpu_reference and d.world > 1:
+        def one_gpu_rows():
             if d.rank == 0:  # alone on its GPU: no collective until the barrier below
                 for config in args.configs:
                     run_one(config, model_dir, batches, args, Dist.alone(d), cfg, record)
             d.barrier()  # the other ranks wait here meanwhile
+
+        reference = args.one_gpu_reference if d.world > 1 else None
+        if reference == "first":
+            one_gpu_rows()
         for config in args.configs:
             run_one(config, model_dir, batches, args, d, cfg, record)
+        if reference == "last":
+            one_gpu_rows()
         if d.rank == 0:
             log("\n".join(lines))
     finally:
