@@ -508,16 +508,19 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
     if profiled:
         lines += ["", f"Profile (torch.profiler, {args.profile} step(s) per row after the measured ones; ms per step "
                       "per rank; comm = busy / exposed (not overlapped by compute); host syncs = "
-                      "cudaStreamSynchronize + cudaEventSynchronize calls per step and their ms):", "",
+                      "cudaStreamSynchronize + cudaEventSynchronize calls per step and their ms; sync sites = the CPU "
+                      "ops around them, the two most frequent, with their count over the profiled steps):", "",
                   "| config | GPUs | rank | GPU span | compute | all-gather | reduce-scatter | all-to-all | all-reduce "
-                  "| GPU idle | host syncs |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| GPU idle | host syncs | sync sites |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in profiled:
             for rank, prof in enumerate(r["profile"]):
                 comm = [f"{prof[c]['busy_ms']:.1f} / {prof[c]['exposed_ms']:.1f}" for c in COMM_KINDS]
                 lines.append(f"| {r['row']} | {r['gpus']} | {rank} | {prof['span_ms']:.1f} | {prof['compute_ms']:.1f} "
                              f"| {' | '.join(comm)} | {prof['idle_ms']:.1f} | {prof['host_syncs']:.0f} "
-                             f"({prof['host_sync_ms']:.1f}) |")
+                             f"({prof['host_sync_ms']:.1f}) | "
+                             + "; ".join(f"{site} x{n}" for site, n in list(prof.get("host_sync_sites", {}).items())[:2])
+                             + " |")
     if d.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -609,9 +612,10 @@ def _overlap(u, v) -> float:
 
 def summarize_trace(trace: dict, steps: int) -> dict:
     """Per-step breakdown (ms) of one rank's chrome trace: GPU span, compute busy, each NCCL kind busy and exposed
-    (outside compute), idle, host syncs."""
+    (outside compute), idle, host syncs, and where the syncs come from (`host_sync_sites`: the last 3 CPU ops
+    enclosing each sync, outermost first -> how many)."""
     compute, comm = [], {c: [] for c in COMM_KINDS}
-    syncs, sync_us = 0, 0.0
+    sync_events, cpu_ops = [], {}
     for e in trace.get("traceEvents", []):
         cat, dur = e.get("cat", ""), e.get("dur")
         if dur is None:
@@ -620,14 +624,22 @@ def summarize_trace(trace: dict, steps: int) -> dict:
             kind = _comm_kind(e.get("name", "")) if cat == "kernel" else None
             (comm[kind] if kind else compute).append((float(e["ts"]), float(e["ts"]) + float(dur)))
         elif cat == "cuda_runtime" and e.get("name") in _HOST_SYNCS:
-            syncs += 1
-            sync_us += float(dur)
+            sync_events.append(e)
+        elif cat in ("cpu_op", "user_annotation"):
+            cpu_ops.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(dur), e.get("name")))
+    sites: dict[str, int] = {}
+    for e in sync_events:
+        t = float(e["ts"])
+        around = sorted((a, -b, name) for a, b, name in cpu_ops.get(e.get("tid"), []) if a <= t <= b)
+        site = " > ".join(name for _, _, name in around[-3:]) or "(no CPU op)"
+        sites[site] = sites.get(site, 0) + 1
     every = [iv for ivs in [compute, *comm.values()] for iv in ivs]
     busy = _union(compute)
     span = (max(b for _, b in every) - min(a for a, _ in every)) if every else 0.0
     out = dict(span_ms=span / steps / 1e3, compute_ms=_length(busy) / steps / 1e3,
-               idle_ms=(span - _length(_union(every))) / steps / 1e3, host_syncs=syncs / steps,
-               host_sync_ms=sync_us / steps / 1e3)
+               idle_ms=(span - _length(_union(every))) / steps / 1e3, host_syncs=len(sync_events) / steps,
+               host_sync_ms=sum(float(e["dur"]) for e in sync_events) / steps / 1e3,
+               host_sync_sites=dict(sorted(sites.items(), key=lambda kv: -kv[1])))
     for kind, ivs in comm.items():
         u = _union(ivs)
         out[kind] = dict(busy_ms=_length(u) / steps / 1e3, exposed_ms=(_length(u) - _overlap(u, busy)) / steps / 1e3)

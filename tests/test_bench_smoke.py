@@ -189,8 +189,10 @@ def test_bench_distributed_profile_breakdown():
     events = [("kernel", "gemm", 0, 100), ("kernel", "ncclDevKernel_AllGather_RING_LL", 50, 100),
               ("kernel", "ncclDevKernel_SendRecv", 200, 30), ("kernel", "ncclDevKernel_ReduceScatter_Sum", 210, 10),
               ("gpu_memcpy", "Memcpy DtoD", 235, 5), ("cuda_runtime", "cudaStreamSynchronize", 0, 40),
-              ("cuda_runtime", "cudaLaunchKernel", 0, 5)]
-    trace = {"traceEvents": [dict(cat=c, name=n, ts=ts, dur=dur) for c, n, ts, dur in events]}
+              ("cuda_runtime", "cudaLaunchKernel", 0, 5), ("cpu_op", "aten::tolist", 0, 50),
+              ("user_annotation", "route", 0, 60), ("cpu_op", "aten::_local_scalar_dense", 0, 45),
+              ("cpu_op", "aten::mm", 100, 5), ("cuda_runtime", "cudaStreamSynchronize", 300, 2)]
+    trace = {"traceEvents": [dict(cat=c, name=n, ts=ts, dur=dur, tid=1) for c, n, ts, dur in events]}
     got = bench_distributed.summarize_trace(trace, steps=2)  # per step: half of every time (us -> ms)
     approx = pytest.approx
     # GPU busy: [0, 150] + [200, 230] + [235, 240] of a 240 us span
@@ -199,7 +201,9 @@ def test_bench_distributed_profile_breakdown():
     assert got["all_to_all"] == dict(busy_ms=approx(0.015), exposed_ms=approx(0.015))
     assert got["reduce_scatter"] == dict(busy_ms=approx(0.005), exposed_ms=approx(0.005))
     assert got["all_reduce"] == dict(busy_ms=0.0, exposed_ms=0.0)
-    assert (got["host_syncs"], got["host_sync_ms"]) == approx((0.5, 0.02))
+    assert (got["host_syncs"], got["host_sync_ms"]) == approx((1.0, 0.021))
+    # the CPU ops around each sync, outermost first (a sync outside every op has none)
+    assert got["host_sync_sites"] == {"route > aten::tolist > aten::_local_scalar_dense": 1, "(no CPU op)": 1}
 
 
 def test_bench_distributed_per_rank_and_contexts(monkeypatch):
