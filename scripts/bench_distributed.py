@@ -4,9 +4,13 @@
 Models (`--model`): qwen3_30b_a3b (Qwen3-30B-A3B widths: hidden 2048, 128 experts top-8, moe_intermediate 768,
 32/4 heads, head_dim 128, vocab 151936) or qwen3_5_moe (Qwen3.5-MoE widths: transformers' Qwen3_5MoeTextConfig
 defaults, 256 experts top-8 + a shared expert, Gated DeltaNet : full attention 3 : 1, vocab 248320); router aux
-loss on, `--layers` decoder layers, bf16 weights and (hence) bf16 AdamW states, random init (a checkpoint built
-once by rank 0 under --model-dir), random tokens, `--batch` x `--seq` tokens per GPU per step. One training step
-= forward + backward + AdamW (fused on CUDA). Configurations, in the same run, same weights and batches:
+loss on, `--layers` decoder layers, bf16 weights and (hence) bf16 AdamW states, random init, random tokens,
+`--batch` x `--seq` tokens per GPU per step. The checkpoint (built once by rank 0 under --model-dir) holds every
+weight but the routed experts (48 layers: 3.1 of 61 GB; 8 layers: 1.6 of 11 GB; Qwen3.5-MoE, 8 layers: 2.6 of
+15.5 GB): each configuration initializes its own shards of them after the sharded load, as transformers would
+(normal, std initializer_range), from seeds given by the parameter name and shard position, so both
+configurations train the same weights. One training step = forward + backward + AdamW (fused on CUDA).
+Configurations, in the same run, same weights and batches:
 
   hf    transformers 5.22.2 stock: experts_implementation="grouped_mm", sdpa attention, HF losses
   ours  hubfuse.KernelConfig(presets.kernel_mapping(family)) + presets.enable_losses (fused linear cross-entropy
@@ -183,8 +187,9 @@ def local_kernels(d: Dist, repos) -> None:
     utils.register_local_kernels(*repos)
 
 
-def load(config: str, path: Path, args, d: Dist):
+def load(config: str, path: Path, args, d: Dist, cfg):
     """(model, how it is sharded) for one configuration."""
+    import bench
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -205,6 +210,7 @@ def load(config: str, path: Path, args, d: Dist):
     else:
         kw["device_map"] = d.device
     model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    bench.init_routed_experts(model, cfg.initializer_range)  # not in the checkpoint (bench.ensure_model)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -381,7 +387,7 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
     import torch
 
     t0 = time.time()
-    model, how = load(config, path, args, d)
+    model, how = load(config, path, args, d, cfg)
     load_s = round(time.time() - t0, 1)
     kernels = bound_kernels(model) if config == "ours" else None
     cuda = d.device.type == "cuda"
@@ -744,9 +750,11 @@ def main(argv=None) -> int:
         local_kernels(d, presets.kernel_repos(family))
         model_dir = Path(args.model_dir or f"/tmp/hubfuse_bench_models/{'smoke' if args.smoke else 'gpu'}") / \
             f"{slice_name}_{args.layers}l"
-        if d.rank == 0:
-            bench.ensure_model(slice_name, model_dir, args, d.device.type)
+        t0 = time.time()
+        if d.rank == 0:  # without the routed experts: each configuration initializes its own shards of them
+            bench.ensure_model(slice_name, model_dir, args, d.device.type, routed_experts=False)
         d.barrier()
+        checkpoint_s = round(time.time() - t0, 1)
         import importlib.metadata as md
 
         name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu (smoke)"
@@ -755,7 +763,7 @@ def main(argv=None) -> int:
                     model=args.model, device=name, world=d.world, ep=args.ep, layers=args.layers, seq=args.seq,
                     batch=args.batch, steps=args.steps, warmup=args.warmup, sharding=args.sharding,
                     activation_checkpointing=args.activation_checkpointing,
-                    flops_per_token=args.flops_per_token, torch=torch.__version__,
+                    flops_per_token=args.flops_per_token, checkpoint_s=checkpoint_s, torch=torch.__version__,
                     peak_tflops=next((v for k, v in PEAK_TFLOPS.items() if k in name), None))
         for dist_name in ("transformers", "kernels", "triton"):
             try:

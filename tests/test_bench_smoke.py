@@ -253,3 +253,50 @@ def test_bench_distributed_per_rank_and_contexts(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", failing_run)
     assert bench_distributed.nvidia_smi_apps() == ["nvidia-smi: FileNotFoundError: nvidia-smi"]
+
+
+def test_checkpoint_without_routed_experts(tmp_path):
+    """bench.ensure_model(routed_experts=False) saves every weight but the routed experts; after loading it, HF and
+    the kernelized model (whose experts Layout transformers' init skips: garbage without init_routed_experts) get
+    the same experts from init_routed_experts, at transformers' scale, and the same loss."""
+    import types
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from hubfuse import KernelConfig, presets
+    from tests import utils
+
+    bench = _bench_module()
+    args = types.SimpleNamespace(smoke=True, layers=2, batch=None, seq=None)
+    bench.ensure_model("qwen3_30b_a3b", tmp_path, args, "cpu", routed_experts=False)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert keys and not any(".experts." in k for k in keys)  # (saved in the per-expert layout of the checkpoints)
+    assert "model.layers.1.mlp.gate.weight" in keys and "lm_head.weight" in keys
+    utils.register_local_kernels(*presets.kernel_repos("qwen3_moe"))
+    cfg = bench.slice_config("qwen3_30b_a3b", 2, True)
+    batch = utils.make_batch(cfg.vocab_size, batch=2, seq=16)
+    experts, losses = {}, {}
+    for config in ("hf", "ours"):
+        kw = {} if config == "hf" else dict(use_kernels=True, kernel_config=KernelConfig(
+            presets.kernel_mapping("qwen3_moe", revision="v1")))
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **kw)
+        bench.init_routed_experts(model, cfg.initializer_range)
+        experts[config] = {n: p.detach().clone() for n, p in model.named_parameters() if bench.is_routed_expert(n)}
+        assert len(experts[config]) == 4
+        for n, p in model.named_parameters():
+            assert torch.isfinite(p).all(), (config, n)
+        losses[config] = model(**batch).loss.item()
+    for n, p in experts["hf"].items():
+        torch.testing.assert_close(experts["ours"][n], p, rtol=0, atol=0)
+        assert abs(p.std().item() - cfg.initializer_range) < 0.1 * cfg.initializer_range, n
+    assert len({p.flatten()[:8].tolist().__repr__() for p in experts["hf"].values()}) == 4  # a seed per parameter
+    assert abs(losses["ours"] - losses["hf"]) < 1e-3
+    built = (tmp_path / "model.safetensors").stat().st_mtime_ns
+    bench.ensure_model("qwen3_30b_a3b", tmp_path, args, "cpu", routed_experts=False)  # the same: kept
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == built
+    bench.ensure_model("qwen3_30b_a3b", tmp_path, args, "cpu")  # with the experts: rebuilt
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert any(".experts." in k for k in f.keys())
