@@ -91,8 +91,16 @@ EP_DISPATCH = ("fixed", "sized")
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "H20": 148.0, "B200": 2250.0, "A100": 312.0}
 
 
+START = time.time()
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def elapsed() -> str:
+    """Seconds since the script started (in the progress lines: where a part's time budget goes)."""
+    return f"t={time.time() - START:.0f} s"
 
 
 def flops_per_token(cfg, seq: int) -> float:
@@ -432,7 +440,7 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
                     row["gpu_contexts"] = gpu_contexts(d)
                 if d.rank == 0 and (i < args.warmup or i == len(batches) - 1 or (i - args.warmup) % 5 == 4):
                     log(f"[{name} x {d.world}] {'warm-up' if i < args.warmup else 'step'} {i + 1}/{len(batches)}: "
-                        f"{dt * 1e3:.0f} ms (host {queued * 1e3:.0f} ms), loss {losses[-1]:.4f}")
+                        f"{dt * 1e3:.0f} ms (host {queued * 1e3:.0f} ms), loss {losses[-1]:.4f}, {elapsed()}")
             allocs = {k: v - allocs[k] for k, v in allocator_counts(cuda).items()}
             median = d.reduce(statistics.median(times), "max")  # the slowest rank sets the pace
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
@@ -778,7 +786,8 @@ def main(argv=None) -> int:
         if d.rank == 0:
             log(f"bench_distributed: {args.model}, {d.world} x {name}, {args.layers} layers, {args.batch} x "
                 f"{args.seq} tokens per GPU, ep {args.ep}, configs {args.configs}, fsdp {args.fsdp}, ep dispatch "
-                f"{args.ep_dispatch}, {args.flops_per_token / 1e9:.1f} GFLOP/token")
+                f"{args.ep_dispatch}, {args.flops_per_token / 1e9:.1f} GFLOP/token; checkpoint ready in {checkpoint_s} s, "
+                f"{elapsed()}")
         rows, lines = [], []
 
         def record(row, where):
@@ -790,7 +799,7 @@ def main(argv=None) -> int:
                 lines = finish(rows, meta, args, d)
                 log(f"[{row['row']} x {where.world}] {row['status']}: {row.get('tokens_per_s_per_gpu')} tok/s/GPU, "
                     f"{row.get('tflops_per_gpu')} TFLOP/s/GPU, peak {row.get('peak_mem_GiB_per_gpu')} GiB/GPU, "
-                    f"{row.get('note') or row.get('sharding')}")
+                    f"{row.get('note') or row.get('sharding')}, load {row.get('load_s')} s, {elapsed()}")
 
         def one_gpu_rows():
             if d.rank == 0:  # alone on its GPU: no collective until the barrier below
