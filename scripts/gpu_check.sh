@@ -136,7 +136,7 @@ case "$step" in
       echo "=== $name (timeout ${limit} s): $*"
       timeout --kill-after=20 "$limit" "$@" >"$OUT/scale_$name.log" 2>&1
       local rc=$?
-      grep -E "^\||^\[.*\] (ok|oom|error)|^bench_|Error|error:|did not run forward" "$OUT/scale_$name.log" | tail -n 60
+      grep -E "^\||^\[.*\] (ok|oom|error)|^bench_|Error|error:|did not run forward|^CUDA contexts" "$OUT/scale_$name.log" | tail -n 60
       echo "=== $name: exit $rc ($(( SECONDS - start )) s so far)"
       return $rc
     }
