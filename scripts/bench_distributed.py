@@ -141,7 +141,7 @@ class Dist:
             dist.init_process_group("gloo" if smoke else "nccl", init_method=init_method, rank=self.rank,
                                     world_size=self.world, timeout=timedelta(minutes=30),
                                     device_id=None if smoke else self.device)
-        self.contexts_checked = False  # gpu_contexts: once per run, after the first multi-GPU step
+        self.contexts_checked = False  # gpu_contexts: once per run, after the first step of the first row
 
     @classmethod
     def alone(cls, other: "Dist") -> "Dist":
