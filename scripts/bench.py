@@ -216,28 +216,74 @@ def liger_modules(model) -> dict[str, int]:
     return counts
 
 
-def ensure_model(name: str, path: Path, args, device: str) -> None:
-    """Build the slice's model from its config (random init, bf16, on the device) and save it, once."""
+ROUTED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # parameter names of the routed experts (MoE)
+
+
+def is_routed_expert(name: str) -> bool:
+    return name.endswith(ROUTED_EXPERTS)
+
+
+def ensure_model(name: str, path: Path, args, device: str, routed_experts: bool = True) -> None:
+    """Build the slice's model from its config (random init, bf16, on the device) and save it, once.
+    routed_experts=False: the checkpoint leaves the routed experts out (built on the meta device, never
+    materialized): at Qwen3-30B-A3B widths, 48 layers, they are 95 % of the bytes. Whoever loads it initializes
+    them (`init_routed_experts`); every other parameter is saved as transformers initialized it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     cfg = slice_config(name, shape_of(name, args)[0], args.smoke)
     fingerprint = cfg.to_json_string(use_diff=False)
     done = path / "DONE"
-    if done.exists() and json.loads(done.read_text()).get("config") == fingerprint:
+    built = json.loads(done.read_text()) if done.exists() else {}
+    if built.get("config") == fingerprint and built.get("routed_experts", True) == routed_experts:
         return  # built by an earlier run (same config), e.g. a kept --model-dir
     t0 = time.time()
     torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    n = sum(p.numel() for p in model.parameters())
+    if routed_experts:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        experts = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters() if is_routed_expert(n)}
+        for module_name, module in model.named_modules():
+            if module_name not in experts:
+                module.to_empty(device=device, recurse=False)
+        model.initialize_weights()  # transformers' own init of what is materialized (a no-op on the meta experts)
+    state = {k: v for k, v in model.state_dict().items() if not v.is_meta}
+    n = sum(v.numel() for v in state.values())
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, max_shard_size="100GB")
-    done.write_text(json.dumps(dict(params=n, config=fingerprint)))
-    del model
+    model.save_pretrained(path, state_dict=state, max_shard_size="100GB")
+    done.write_text(json.dumps(dict(params=n, config=fingerprint, routed_experts=routed_experts)))
+    del model, state
     if device == "cuda":
         torch.cuda.empty_cache()
-    log(f"  built {name}: {n / 1e9:.3f} B parameters, saved in {time.time() - t0:.1f} s")
+    log(f"  built {name}: {n / 1e9:.3f} B parameters{'' if routed_experts else ' (routed experts left out)'}, "
+        f"saved in {time.time() - t0:.1f} s")
+
+
+def init_routed_experts(model, std: float) -> None:
+    """Initialize the routed experts that a `routed_experts=False` checkpoint left out, as transformers does
+    (normal, mean 0, `std` = config.initializer_range), in place, on the device they are on. Each local shard
+    (DTensor: its position along the Shard dims of its mesh) draws from its own seed, derived from the parameter
+    name and that position: the same values for every configuration sharded the same way, replicas equal.
+    (transformers' own init of missing weights skips kernel Layout classes such as the hubfuse experts.)"""
+    import zlib
+
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not is_routed_expert(name):
+                continue
+            local, where = p, ()
+            if isinstance(p, DTensor):
+                local = p.to_local()
+                where = tuple(c if isinstance(pl, Shard) else 0
+                              for c, pl in zip(p.device_mesh.get_coordinate(), p.placements))
+            g = torch.Generator(device=local.device).manual_seed(zlib.crc32(f"{name}{where}".encode()))
+            local.normal_(0.0, std, generator=g)
 
 
 def enable_fla() -> None:

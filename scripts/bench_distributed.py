@@ -4,9 +4,13 @@
 Models (`--model`): qwen3_30b_a3b (Qwen3-30B-A3B widths: hidden 2048, 128 experts top-8, moe_intermediate 768,
 32/4 heads, head_dim 128, vocab 151936) or qwen3_5_moe (Qwen3.5-MoE widths: transformers' Qwen3_5MoeTextConfig
 defaults, 256 experts top-8 + a shared expert, Gated DeltaNet : full attention 3 : 1, vocab 248320); router aux
-loss on, `--layers` decoder layers, bf16 weights and (hence) bf16 AdamW states, random init (a checkpoint built
-once by rank 0 under --model-dir), random tokens, `--batch` x `--seq` tokens per GPU per step. One training step
-= forward + backward + AdamW (fused on CUDA). Configurations, in the same run, same weights and batches:
+loss on, `--layers` decoder layers, bf16 weights and (hence) bf16 AdamW states, random init, random tokens,
+`--batch` x `--seq` tokens per GPU per step. The checkpoint (built once by rank 0 under --model-dir) holds every
+weight but the routed experts (48 layers: 3.1 of 61 GB; 8 layers: 1.6 of 11 GB; Qwen3.5-MoE, 8 layers: 2.6 of
+15.5 GB): each configuration initializes its own shards of them after the sharded load, as transformers would
+(normal, std initializer_range), from seeds given by the parameter name and shard position, so both
+configurations train the same weights. One training step = forward + backward + AdamW (fused on CUDA).
+Configurations, in the same run, same weights and batches:
 
   hf    transformers 5.22.2 stock: experts_implementation="grouped_mm", sdpa attention, HF losses
   ours  hubfuse.KernelConfig(presets.kernel_mapping(family)) + presets.enable_losses (fused linear cross-entropy
@@ -32,7 +36,14 @@ decoder layers and their experts modules; noreshard = reshard_after_forward=Fals
 `--profile N`: after the measured steps of every row, N more steps under torch.profiler on every rank; per rank:
 GPU time per step, compute, NCCL all-gather / reduce-scatter / all-to-all / all-reduce (busy and exposed = not
 overlapped by compute), idle GPU time, host syncs (cudaStreamSynchronize / cudaEventSynchronize calls and their
-time); a table on rank 0 and $OUT/bench_distributed_<tag>_profile.json.
+time); a table on rank 0 and $OUT/bench_distributed_<tag>_profile.json. Profiling tears CUPTI down after each
+profile (TEARDOWN_CUPTI=1, unless set otherwise), so that the steps measured after it run uninstrumented.
+
+Stragglers: per rank and row, the medians of the host's enqueue time (step start until train_step returns, before
+the synchronize) and of the step time, and the CUDA caching allocator's cudaMalloc / cudaFree / retry counts over
+the measured steps (`per_rank` in the JSON, a table in the .md); once per run, after the first multi-GPU step on
+CUDA, which devices each rank holds a CUDA context on and nvidia-smi's compute processes per GPU
+(`gpu_contexts`). The Python garbage collector is off during a row's steps (collected before them).
 
 Reported per row: tokens/s/GPU (batch*seq / median step time, the slowest rank's), MFU (model FLOPs per token:
 6 x active matmul parameters (embedding lookups excluded, routed experts x top_k / E) + 6 x full-attention
@@ -40,8 +51,9 @@ layers x seq x heads x head_dim (causal attention; the Gated DeltaNet recurrence
 --peak-tflops, default 989 for H100/H200 bf16 dense), peak memory per GPU (max over ranks of
 max_memory_allocated over the measured steps), loss of the first and last step (mean over ranks), and the
 scaling efficiency: tokens/s/GPU over the one-GPU tokens/s of the same config, depth, seq and batch, read from
---one-gpu-reference (rank 0 first runs the configs alone on its GPU, the other ranks wait) or --reference (the
-JSON of a --single-gpu run with the same --layers). Writes $OUT/bench_distributed_<tag>.json and .md (OUT
+--one-gpu-reference [first|last] (rank 0 runs the configs alone on its GPU while the other ranks wait at a
+barrier; by default last, after the multi-GPU rows) or --reference (the JSON of a --single-gpu run with the same
+--layers). Writes $OUT/bench_distributed_<tag>.json and .md (OUT
 defaults to ./out; tag "<model>_<layers>l_1gpu" or "<model>_<layers>l_<N>gpu_ep<ep>") after every row, and prints
 the table. Progress lines only (one per warm-up step and every 5 measured steps, on rank 0).
 
@@ -79,8 +91,16 @@ EP_DISPATCH = ("fixed", "sized")
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "H20": 148.0, "B200": 2250.0, "A100": 312.0}
 
 
+START = time.time()
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def elapsed() -> str:
+    """Seconds since the script started (in the progress lines: where a part's time budget goes)."""
+    return f"t={time.time() - START:.0f} s"
 
 
 def flops_per_token(cfg, seq: int) -> float:
@@ -121,12 +141,14 @@ class Dist:
             dist.init_process_group("gloo" if smoke else "nccl", init_method=init_method, rank=self.rank,
                                     world_size=self.world, timeout=timedelta(minutes=30),
                                     device_id=None if smoke else self.device)
+        self.contexts_checked = False  # gpu_contexts: once per run, after the first step of the first row
 
     @classmethod
     def alone(cls, other: "Dist") -> "Dist":
         """This process on its own (world 1, no collectives), on `other`'s device."""
         d = cls.__new__(cls)
         d.world, d.rank, d.local_rank, d.device = 1, 0, other.local_rank, other.device
+        d.contexts_checked = True
         return d
 
     def barrier(self):
@@ -144,6 +166,16 @@ class Dist:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t.item() / (self.world if op == "mean" else 1)
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
 
     def close(self):
         if self.world > 1:
@@ -163,8 +195,9 @@ def local_kernels(d: Dist, repos) -> None:
     utils.register_local_kernels(*repos)
 
 
-def load(config: str, path: Path, args, d: Dist):
+def load(config: str, path: Path, args, d: Dist, cfg):
     """(model, how it is sharded) for one configuration."""
+    import bench
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -185,6 +218,7 @@ def load(config: str, path: Path, args, d: Dist):
     else:
         kw["device_map"] = d.device
     model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    bench.init_routed_experts(model, cfg.initializer_range)  # not in the checkpoint (bench.ensure_model)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -301,6 +335,59 @@ def train_step(model, opt, batch):
     return loss
 
 
+def allocator_counts(cuda: bool) -> dict:
+    """CUDA caching-allocator counters (cudaMalloc / cudaFree calls, free-cache-and-retry events: each of these
+    synchronizes the device); their growth over the measured steps says whether a rank's steps allocate."""
+    if not cuda:
+        return {}
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {"cuda_mallocs": stats.get("num_device_alloc", 0), "cuda_frees": stats.get("num_device_free", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
+def gpu_contexts(d: Dist) -> dict:
+    """Which processes hold a CUDA context on which GPU (every rank calls it, once, after the first multi-GPU
+    step): per rank, the devices on which it has a primary context (a rank with a context on another rank's GPU
+    takes memory and time slices there) and, from rank 0, nvidia-smi's compute processes per GPU with the rank
+    each pid belongs to (pids of other processes: `other`)."""
+    import torch
+
+    d.contexts_checked = True
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # private, hence optional
+    mine = [i for i in range(torch.cuda.device_count()) if has_context(i)] if has_context else None
+    ranks = d.gather(dict(rank=d.rank, pid=os.getpid(), device=d.device.index, contexts_on=mine))
+    stray = [f"rank {r['rank']} on GPU {i}" for r in ranks for i in (r["contexts_on"] or []) if i != r["device"]]
+    out = dict(ranks=ranks, stray=stray)
+    if d.rank == 0:
+        rank_of = {r["pid"]: r["rank"] for r in ranks}
+        out["nvidia_smi"] = [dict(app, rank=rank_of.get(app["pid"], "other")) if isinstance(app, dict) else app
+                             for app in nvidia_smi_apps()]
+    return out
+
+
+def nvidia_smi_apps() -> list:
+    """nvidia-smi's compute processes: [{gpu, pid, name, used_MiB}], or one string saying why not."""
+    import subprocess
+
+    def query(what: str) -> list[str]:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+        return [line for line in out.splitlines() if line.strip()]
+
+    try:
+        index_of = {bus.strip(): int(i) for i, bus in (line.split(",", 1) for line in query("gpu=index,pci.bus_id"))}
+        apps = []
+        for line in query("compute-apps=gpu_bus_id,pid,used_memory,process_name"):
+            bus, pid, used, name = (x.strip() for x in line.split(",", 3))
+            apps.append(dict(gpu=index_of.get(bus, bus), pid=int(pid) if pid.isdigit() else pid,
+                             used_MiB=int(used) if used.isdigit() else used, name=name))
+        return apps
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return [f"nvidia-smi: {type(e).__name__}: {e}"]
+
+
 def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> None:
     """Load one configuration, then measure each of its variants (one row each) on the same model."""
     import gc
@@ -308,7 +395,7 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
     import torch
 
     t0 = time.time()
-    model, how = load(config, path, args, d)
+    model, how = load(config, path, args, d, cfg)
     load_s = round(time.time() - t0, 1)
     kernels = bound_kernels(model) if config == "ours" else None
     cuda = d.device.type == "cuda"
@@ -327,35 +414,50 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        times, losses = [], []
-        for i, batch in enumerate(batches):
-            if i == args.warmup and cuda:
-                torch.cuda.reset_peak_memory_stats()
-            d.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            loss = train_step(model, opt, batch)
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - start
-            losses.append(loss.item())
-            if i >= args.warmup:
-                times.append(dt)
-            if d.rank == 0 and (i < args.warmup or i == len(batches) - 1 or (i - args.warmup) % 5 == 4):
-                log(f"[{name} x {d.world}] {'warm-up' if i < args.warmup else 'step'} {i + 1}/{len(batches)}: "
-                    f"{dt * 1e3:.0f} ms, loss {losses[-1]:.4f}")
-        median = d.reduce(statistics.median(times), "max")  # the slowest rank sets the pace
-        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-        tps = row["tokens_per_gpu_step"] / median
-        row.update(status="ok", step_ms_median=round(median * 1e3, 1), tokens_per_s_per_gpu=round(tps, 1),
-                   tflops_per_gpu=round(tps * args.flops_per_token / 1e12, 1),
-                   peak_mem_GiB_per_gpu=round(d.reduce(peak, "max"), 2),
-                   loss_step1=round(d.reduce(losses[0], "mean"), 4), loss_last=round(d.reduce(losses[-1], "mean"), 4))
-        if not all(math.isfinite(x) for x in losses):
-            row.update(status="error", note=f"non-finite loss {losses}")
-        if args.profile:
-            row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d)
+        times, enqueue, losses = [], [], []
+        gc.collect()
+        gc.disable()  # no collector pause inside a step, on any rank (a pause on one rank stalls the others)
+        try:
+            for i, batch in enumerate(batches):
+                if i == args.warmup:
+                    allocs = allocator_counts(cuda)
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                d.barrier()
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                loss = train_step(model, opt, batch)
+                queued = time.perf_counter() - start  # the host's share: train_step returned, the GPU may still run
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - start
+                losses.append(loss.item())
+                if i >= args.warmup:
+                    times.append(dt)
+                    enqueue.append(queued)
+                if i == 0 and cuda and not d.contexts_checked:
+                    row["gpu_contexts"] = gpu_contexts(d)
+                if d.rank == 0 and (i < args.warmup or i == len(batches) - 1 or (i - args.warmup) % 5 == 4):
+                    log(f"[{name} x {d.world}] {'warm-up' if i < args.warmup else 'step'} {i + 1}/{len(batches)}: "
+                        f"{dt * 1e3:.0f} ms (host {queued * 1e3:.0f} ms), loss {losses[-1]:.4f}, {elapsed()}")
+            allocs = {k: v - allocs[k] for k, v in allocator_counts(cuda).items()}
+            median = d.reduce(statistics.median(times), "max")  # the slowest rank sets the pace
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+            tps = row["tokens_per_gpu_step"] / median
+            row.update(status="ok", step_ms_median=round(median * 1e3, 1), tokens_per_s_per_gpu=round(tps, 1),
+                       tflops_per_gpu=round(tps * args.flops_per_token / 1e12, 1),
+                       peak_mem_GiB_per_gpu=round(d.reduce(peak, "max"), 2),
+                       loss_step1=round(d.reduce(losses[0], "mean"), 4),
+                       loss_last=round(d.reduce(losses[-1], "mean"), 4),
+                       per_rank=d.gather(dict(rank=d.rank, enqueue_ms=round(statistics.median(enqueue) * 1e3, 1),
+                                              step_ms=round(statistics.median(times) * 1e3, 1), **allocs)))
+            if not all(math.isfinite(x) for x in losses):
+                row.update(status="error", note=f"non-finite loss {losses}")
+            if args.profile:
+                row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d)
+        finally:
+            gc.enable()
         record(row, d)
     del model, opt
     gc.collect()
@@ -415,20 +517,24 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
                      f"{f(r.get('peak_mem_GiB_per_gpu'), '.1f')} | {f(r.get('scaling_efficiency'), '.2f')} | "
                      f"{f(r.get('step_ms_median'), '.0f')} | {f(r.get('loss_step1'), '.3f')} | "
                      f"{f(r.get('loss_last'), '.3f')} | {r.get('note') or r.get('sharding', '')} |")
+    lines += per_rank_lines(rows)
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
         lines += ["", f"Profile (torch.profiler, {args.profile} step(s) per row after the measured ones; ms per step "
                       "per rank; comm = busy / exposed (not overlapped by compute); host syncs = "
-                      "cudaStreamSynchronize + cudaEventSynchronize calls per step and their ms):", "",
+                      "cudaStreamSynchronize + cudaEventSynchronize calls per step and their ms; sync sites = the CPU "
+                      "ops around them, the two most frequent, with their count over the profiled steps):", "",
                   "| config | GPUs | rank | GPU span | compute | all-gather | reduce-scatter | all-to-all | all-reduce "
-                  "| GPU idle | host syncs |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| GPU idle | host syncs | sync sites |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in profiled:
             for rank, prof in enumerate(r["profile"]):
                 comm = [f"{prof[c]['busy_ms']:.1f} / {prof[c]['exposed_ms']:.1f}" for c in COMM_KINDS]
                 lines.append(f"| {r['row']} | {r['gpus']} | {rank} | {prof['span_ms']:.1f} | {prof['compute_ms']:.1f} "
                              f"| {' | '.join(comm)} | {prof['idle_ms']:.1f} | {prof['host_syncs']:.0f} "
-                             f"({prof['host_sync_ms']:.1f}) |")
+                             f"({prof['host_sync_ms']:.1f}) | "
+                             + "; ".join(f"{site} x{n}" for site, n in list(prof.get("host_sync_sites", {}).items())[:2])
+                             + " |")
     if d.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -438,6 +544,35 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
         if profiled:
             (out / f"bench_distributed_{tag}_profile.json").write_text(json.dumps(
                 {r["row"] + f" x {r['gpus']}": r["profile"] for r in profiled}, indent=1))
+    return lines
+
+
+def per_rank_lines(rows) -> list[str]:
+    """The straggler view: per row and rank, the medians of the host's enqueue time (step start until train_step
+    returns) and of the step time, the cudaMalloc / cudaFree / retry counts over the measured steps; then the
+    CUDA contexts seen after the first multi-GPU step."""
+    measured = [r for r in rows if r.get("per_rank")]
+    if not measured:
+        return []
+    lines = ["", "Per rank (median over the measured steps; host = step start until train_step returns, before the "
+                 "synchronize; a rank whose host time is near its step time is launch-bound; allocator = cudaMalloc / "
+                 "cudaFree / free-and-retry calls during the measured steps):", "",
+             "| config | GPUs | rank | host ms | step ms | allocator |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in measured:
+        for p in r["per_rank"]:
+            alloc = " / ".join(str(p[k]) for k in ("cuda_mallocs", "cuda_frees", "alloc_retries") if k in p)
+            lines.append(f"| {r['row']} | {r['gpus']} | {p['rank']} | {p['enqueue_ms']:.1f} | {p['step_ms']:.1f} "
+                         f"| {alloc} |")
+    for r in rows:
+        ctx = r.get("gpu_contexts")
+        if not ctx:
+            continue
+        owners = [f"GPU {a['gpu']}: {'rank ' + str(a['rank']) if a['rank'] != 'other' else 'other'} (pid "
+                  f"{a['pid']}, {a['used_MiB']} MiB)" if isinstance(a, dict) else a for a in ctx.get("nvidia_smi", [])]
+        lines += ["", f"CUDA contexts after the first {r['gpus']}-GPU step: per rank, devices with a primary context: "
+                      + ", ".join(f"rank {c['rank']}: {c['contexts_on']}" for c in ctx["ranks"])
+                      + f"; on another rank's GPU: {', '.join(ctx['stray']) or 'none'}; nvidia-smi: "
+                      + ("; ".join(owners) or "no compute processes listed")]
     return lines
 
 
@@ -491,9 +626,10 @@ def _overlap(u, v) -> float:
 
 def summarize_trace(trace: dict, steps: int) -> dict:
     """Per-step breakdown (ms) of one rank's chrome trace: GPU span, compute busy, each NCCL kind busy and exposed
-    (outside compute), idle, host syncs."""
+    (outside compute), idle, host syncs, and where the syncs come from (`host_sync_sites`: the last 3 CPU ops
+    enclosing each sync, outermost first -> how many)."""
     compute, comm = [], {c: [] for c in COMM_KINDS}
-    syncs, sync_us = 0, 0.0
+    sync_events, cpu_ops = [], {}
     for e in trace.get("traceEvents", []):
         cat, dur = e.get("cat", ""), e.get("dur")
         if dur is None:
@@ -502,14 +638,22 @@ def summarize_trace(trace: dict, steps: int) -> dict:
             kind = _comm_kind(e.get("name", "")) if cat == "kernel" else None
             (comm[kind] if kind else compute).append((float(e["ts"]), float(e["ts"]) + float(dur)))
         elif cat == "cuda_runtime" and e.get("name") in _HOST_SYNCS:
-            syncs += 1
-            sync_us += float(dur)
+            sync_events.append(e)
+        elif cat in ("cpu_op", "user_annotation"):
+            cpu_ops.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(dur), e.get("name")))
+    sites: dict[str, int] = {}
+    for e in sync_events:
+        t = float(e["ts"])
+        around = sorted((a, -b, name) for a, b, name in cpu_ops.get(e.get("tid"), []) if a <= t <= b)
+        site = " > ".join(name for _, _, name in around[-3:]) or "(no CPU op)"
+        sites[site] = sites.get(site, 0) + 1
     every = [iv for ivs in [compute, *comm.values()] for iv in ivs]
     busy = _union(compute)
     span = (max(b for _, b in every) - min(a for a, _ in every)) if every else 0.0
     out = dict(span_ms=span / steps / 1e3, compute_ms=_length(busy) / steps / 1e3,
-               idle_ms=(span - _length(_union(every))) / steps / 1e3, host_syncs=syncs / steps,
-               host_sync_ms=sync_us / steps / 1e3)
+               idle_ms=(span - _length(_union(every))) / steps / 1e3, host_syncs=len(sync_events) / steps,
+               host_sync_ms=sum(float(e["dur"]) for e in sync_events) / steps / 1e3,
+               host_sync_sites=dict(sorted(sites.items(), key=lambda kv: -kv[1])))
     for kind, ivs in comm.items():
         u = _union(ivs)
         out[kind] = dict(busy_ms=_length(u) / steps / 1e3, exposed_ms=(_length(u) - _overlap(u, busy)) / steps / 1e3)
@@ -525,6 +669,10 @@ def profile(step, steps: int, d: Dist) -> list[dict]:
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.device.type == "cuda" else [])
+    # Kineto leaves CUPTI's kernel instrumentation on after the profile unless TEARDOWN_CUPTI=1 (pytorch/pytorch
+    # #144455): every later step of this process would run instrumented, and this process (rank 0, which also
+    # profiles the one-GPU rows) would run slower than the others. No CUDA graphs here (the reason torch turns it off).
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     d.barrier()
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
@@ -562,9 +710,10 @@ def main(argv=None) -> int:
                    help="ours with EP: fixed = sync-free fixed-capacity exchange, sized = host-read split sizes")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="N steps under torch.profiler after every row's measured steps (per-rank breakdown)")
-    p.add_argument("--one-gpu-reference", action="store_true",
-                   help="several GPUs: rank 0 first runs the configs alone on its GPU (the others wait), for the "
-                        "scaling efficiency (the model must fit one GPU)")
+    p.add_argument("--one-gpu-reference", nargs="?", const="last", choices=("first", "last"), default=None,
+                   help="several GPUs: rank 0 also runs the configs alone on its GPU (the others wait at a barrier), "
+                        "for the scaling efficiency (the model must fit one GPU); last (the default) after the "
+                        "multi-GPU rows, so that nothing of it (memory, profiler state) is left on rank 0 during them")
     p.add_argument("--reference", help="JSON of a --single-gpu run (same layers/seq/batch): scaling efficiency")
     p.add_argument("--peak-tflops", type=float, help="per-GPU peak for MFU (default: by device name)")
     p.add_argument("--model-dir", default=None, help="where rank 0 builds the checkpoint (default: /tmp/...)")
@@ -609,9 +758,11 @@ def main(argv=None) -> int:
         local_kernels(d, presets.kernel_repos(family))
         model_dir = Path(args.model_dir or f"/tmp/hubfuse_bench_models/{'smoke' if args.smoke else 'gpu'}") / \
             f"{slice_name}_{args.layers}l"
-        if d.rank == 0:
-            bench.ensure_model(slice_name, model_dir, args, d.device.type)
+        t0 = time.time()
+        if d.rank == 0:  # without the routed experts: each configuration initializes its own shards of them
+            bench.ensure_model(slice_name, model_dir, args, d.device.type, routed_experts=False)
         d.barrier()
+        checkpoint_s = round(time.time() - t0, 1)
         import importlib.metadata as md
 
         name = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu (smoke)"
@@ -620,7 +771,7 @@ def main(argv=None) -> int:
                     model=args.model, device=name, world=d.world, ep=args.ep, layers=args.layers, seq=args.seq,
                     batch=args.batch, steps=args.steps, warmup=args.warmup, sharding=args.sharding,
                     activation_checkpointing=args.activation_checkpointing,
-                    flops_per_token=args.flops_per_token, torch=torch.__version__,
+                    flops_per_token=args.flops_per_token, checkpoint_s=checkpoint_s, torch=torch.__version__,
                     peak_tflops=next((v for k, v in PEAK_TFLOPS.items() if k in name), None))
         for dist_name in ("transformers", "kernels", "triton"):
             try:
@@ -635,7 +786,8 @@ def main(argv=None) -> int:
         if d.rank == 0:
             log(f"bench_distributed: {args.model}, {d.world} x {name}, {args.layers} layers, {args.batch} x "
                 f"{args.seq} tokens per GPU, ep {args.ep}, configs {args.configs}, fsdp {args.fsdp}, ep dispatch "
-                f"{args.ep_dispatch}, {args.flops_per_token / 1e9:.1f} GFLOP/token")
+                f"{args.ep_dispatch}, {args.flops_per_token / 1e9:.1f} GFLOP/token; checkpoint ready in {checkpoint_s} s, "
+                f"{elapsed()}")
         rows, lines = [], []
 
         def record(row, where):
@@ -647,15 +799,21 @@ def main(argv=None) -> int:
                 lines = finish(rows, meta, args, d)
                 log(f"[{row['row']} x {where.world}] {row['status']}: {row.get('tokens_per_s_per_gpu')} tok/s/GPU, "
                     f"{row.get('tflops_per_gpu')} TFLOP/s/GPU, peak {row.get('peak_mem_GiB_per_gpu')} GiB/GPU, "
-                    f"{row.get('note') or row.get('sharding')}")
+                    f"{row.get('note') or row.get('sharding')}, load {row.get('load_s')} s, {elapsed()}")
 
-        if args.one_gpu_reference and d.world > 1:
+        def one_gpu_rows():
             if d.rank == 0:  # alone on its GPU: no collective until the barrier below
                 for config in args.configs:
                     run_one(config, model_dir, batches, args, Dist.alone(d), cfg, record)
             d.barrier()  # the other ranks wait here meanwhile
+
+        reference = args.one_gpu_reference if d.world > 1 else None
+        if reference == "first":
+            one_gpu_rows()
         for config in args.configs:
             run_one(config, model_dir, batches, args, d, cfg, record)
+        if reference == "last":
+            one_gpu_rows()
         if d.rank == 0:
             log("\n".join(lines))
     finally:

@@ -21,10 +21,12 @@
 #   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
 #                                                    NPROC=1 (default) the --single-gpu proxy, NPROC=N torchrun
 #   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
-#                                                    its own timeout within SCALE_BUDGET_S (default 500 s): slice8
-#                                                    (8 layers, 1-GPU reference, EP dispatch / FSDP prefetch variants,
-#                                                    profile), qwen35 (Qwen3.5-MoE, 8 layers), deep (48 layers, AC),
-#                                                    titan (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can)
+#                                                    its own timeout (T_SLICE8 180, T_QWEN35 160, T_DEEP 130 s) within
+#                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours with
+#                                                    the fixed and the sized EP exchange, then the 1-GPU reference,
+#                                                    every row profiled), qwen35 (Qwen3.5-MoE, 8 layers), deep (48
+#                                                    layers, AC; 24 if 48 fails), titan (torchtitan 0.3.0 from
+#                                                    .whl/titan/*.whl, if this torch can)
 # Carry `.whl` (the device image's Python 3.12), made with:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
@@ -134,19 +136,19 @@ case "$step" in
       echo "=== $name (timeout ${limit} s): $*"
       timeout --kill-after=20 "$limit" "$@" >"$OUT/scale_$name.log" 2>&1
       local rc=$?
-      grep -E "^\||^\[.*\] (ok|oom|error)|^bench_|Error|error:|did not run forward" "$OUT/scale_$name.log" | tail -n 60
+      grep -E "^\||^\[.*\] (ok|oom|error)|^bench_|Error|error:|did not run forward|^CUDA contexts" "$OUT/scale_$name.log" | tail -n 60
       echo "=== $name: exit $rc ($(( SECONDS - start )) s so far)"
       return $rc
     }
     for part in $parts; do
       case "$part" in
-        slice8) run_part slice8 "${T_SLICE8:-230}" "${bench[@]}" --layers 8 --one-gpu-reference --profile 1 \
-                  --steps 4 --warmup 2 --ep-dispatch fixed sized --fsdp default prefetch2 || status=1 ;;
-        qwen35) run_part qwen35 "${T_QWEN35:-100}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
+        slice8) run_part slice8 "${T_SLICE8:-180}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
+                  --steps 4 --warmup 2 --ep-dispatch fixed sized || status=1 ;;
+        qwen35) run_part qwen35 "${T_QWEN35:-160}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
                   --warmup 2 --profile 1 || status=1 ;;
-        deep)   run_part deep48 "${T_DEEP:-200}" "${bench[@]}" --layers 48 --activation-checkpointing --configs ours \
+        deep)   run_part deep48 "${T_DEEP:-130}" "${bench[@]}" --layers 48 --activation-checkpointing --configs ours \
                   --steps 2 --warmup 1 \
-                  || run_part deep24 "${T_DEEP:-200}" "${bench[@]}" --layers 24 --activation-checkpointing \
+                  || run_part deep24 "${T_DEEP:-130}" "${bench[@]}" --layers 24 --activation-checkpointing \
                   --configs ours --steps 2 --warmup 1 || status=1 ;;
         titan)
           if ls .whl/titan/*.whl >/dev/null 2>&1; then

@@ -48,9 +48,9 @@ def test_bench_smoke(tmp_path):
 
 def test_bench_distributed_smoke(tmp_path):
     """scripts/bench_distributed.py --smoke on 2 CPU processes (gloo, file rendezvous; what torchrun runs on the
-    GPUs): rank 0 first alone (--one-gpu-reference), then both configurations through transformers'
-    distributed_config (fsdp 2, ep 2); the table and the JSON with x hf, MFU fields and the scaling efficiency,
-    and the per-rank profile breakdown (--profile 1)."""
+    GPUs): both configurations through transformers' distributed_config (fsdp 2, ep 2), then rank 0 alone
+    (--one-gpu-reference, last by default); the table and the JSON with x hf, MFU fields and the scaling
+    efficiency, the per-rank host / step medians and the per-rank profile breakdown (--profile 1)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", WORLD_SIZE="2",
                TRITON_INTERPRET="0")  # the kernels' torch path: the script, not the kernels, is under test
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), "--smoke", "--steps", "1",
@@ -70,10 +70,14 @@ def test_bench_distributed_smoke(tmp_path):
     data = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.json").read_text())
     rows = {(r["gpus"], r["config"]): r for r in data["results"]}
     assert set(rows) == {(g, c) for g in (1, 2) for c in ("hf", "ours")}
+    assert [r["gpus"] for r in data["results"]] == [2, 2, 1, 1]  # the one-GPU reference after the 2-GPU rows
     for (gpus, config), r in rows.items():
         assert r["status"] == "ok", r
         for key in ("tokens_per_s_per_gpu", "step_ms_median", "loss_step1", "scaling_efficiency", "x_hf"):
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert [p["rank"] for p in r["per_rank"]] == list(range(gpus)), r["per_rank"]
+        for p in r["per_rank"]:
+            assert 0 < p["enqueue_ms"] <= p["step_ms"] * 1.01, p
         if gpus == 2:
             assert r["ep"] == 2 and "distributed_config" in r["sharding"]
             want = round(r["tokens_per_s_per_gpu"] / rows[(1, config)]["tokens_per_s_per_gpu"], 3)
@@ -83,6 +87,7 @@ def test_bench_distributed_smoke(tmp_path):
     assert data["meta"]["flops_per_token"] > 0
     assert "| ours[fixed] | 2 | 2 |" in (tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.md").read_text()
     assert "| ours[fixed] | 2 | 2 |" in logs[0]  # rank 0 prints the table (ours: the sync-free EP exchange)
+    assert "| ours[fixed] | 2 | 1 |" in logs[0]  # the per-rank table: rank 1 of ours[fixed] on 2 ranks
     profile = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2_profile.json").read_text())
     assert [p["rank"] for p in profile["ours[fixed] x 2"]] == [0, 1]  # every rank's breakdown
 
@@ -184,8 +189,10 @@ def test_bench_distributed_profile_breakdown():
     events = [("kernel", "gemm", 0, 100), ("kernel", "ncclDevKernel_AllGather_RING_LL", 50, 100),
               ("kernel", "ncclDevKernel_SendRecv", 200, 30), ("kernel", "ncclDevKernel_ReduceScatter_Sum", 210, 10),
               ("gpu_memcpy", "Memcpy DtoD", 235, 5), ("cuda_runtime", "cudaStreamSynchronize", 0, 40),
-              ("cuda_runtime", "cudaLaunchKernel", 0, 5)]
-    trace = {"traceEvents": [dict(cat=c, name=n, ts=ts, dur=dur) for c, n, ts, dur in events]}
+              ("cuda_runtime", "cudaLaunchKernel", 0, 5), ("cpu_op", "aten::tolist", 0, 50),
+              ("user_annotation", "route", 0, 60), ("cpu_op", "aten::_local_scalar_dense", 0, 45),
+              ("cpu_op", "aten::mm", 100, 5), ("cuda_runtime", "cudaStreamSynchronize", 300, 2)]
+    trace = {"traceEvents": [dict(cat=c, name=n, ts=ts, dur=dur, tid=1) for c, n, ts, dur in events]}
     got = bench_distributed.summarize_trace(trace, steps=2)  # per step: half of every time (us -> ms)
     approx = pytest.approx
     # GPU busy: [0, 150] + [200, 230] + [235, 240] of a 240 us span
@@ -194,4 +201,102 @@ def test_bench_distributed_profile_breakdown():
     assert got["all_to_all"] == dict(busy_ms=approx(0.015), exposed_ms=approx(0.015))
     assert got["reduce_scatter"] == dict(busy_ms=approx(0.005), exposed_ms=approx(0.005))
     assert got["all_reduce"] == dict(busy_ms=0.0, exposed_ms=0.0)
-    assert (got["host_syncs"], got["host_sync_ms"]) == approx((0.5, 0.02))
+    assert (got["host_syncs"], got["host_sync_ms"]) == approx((1.0, 0.021))
+    # the CPU ops around each sync, outermost first (a sync outside every op has none)
+    assert got["host_sync_sites"] == {"route > aten::tolist > aten::_local_scalar_dense": 1, "(no CPU op)": 1}
+
+
+def test_bench_distributed_per_rank_and_contexts(monkeypatch):
+    """The straggler view of scripts/bench_distributed.py: nvidia-smi's compute processes mapped to GPU indices
+    (by PCI bus id) and to the ranks (by pid), a context on another rank's GPU reported, the per-rank table."""
+    import subprocess
+    import types
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_distributed
+
+    smi = {"gpu=index,pci.bus_id": "0, 00000000:18:00.0\n1, 00000000:2A:00.0\n",
+           "compute-apps=gpu_bus_id,pid,used_memory,process_name":
+               "00000000:18:00.0, 101, 30000, python3\n00000000:18:00.0, 102, 510, python3\n"
+               "00000000:2A:00.0, 102, 29000, python3\n00000000:2A:00.0, 777, 300, other, with comma\n"}
+
+    def fake_run(cmd, **kw):
+        return types.SimpleNamespace(stdout=smi[cmd[1].removeprefix("--query-")])
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    ranks = [dict(rank=0, pid=101, device=0, contexts_on=[0]), dict(rank=1, pid=102, device=1, contexts_on=[0, 1])]
+
+    class TwoRanks:  # rank 0 of two, the other rank's answer given
+        rank, device, contexts_checked = 0, types.SimpleNamespace(index=0), False
+
+        def gather(self, obj):
+            return ranks
+
+    d = TwoRanks()
+    got = bench_distributed.gpu_contexts(d)
+    assert d.contexts_checked and got["stray"] == ["rank 1 on GPU 0"]
+    assert got["nvidia_smi"] == [dict(gpu=0, pid=101, used_MiB=30000, name="python3", rank=0),
+                                 dict(gpu=0, pid=102, used_MiB=510, name="python3", rank=1),
+                                 dict(gpu=1, pid=102, used_MiB=29000, name="python3", rank=1),
+                                 dict(gpu=1, pid=777, used_MiB=300, name="other, with comma", rank="other")]
+    row = dict(row="ours[fixed]", gpus=2, gpu_contexts=got,
+               per_rank=[dict(rank=0, enqueue_ms=190.0, step_ms=200.0, cuda_mallocs=0, cuda_frees=0, alloc_retries=0),
+                         dict(rank=1, enqueue_ms=60.5, step_ms=199.0, cuda_mallocs=2, cuda_frees=1, alloc_retries=1)])
+    text = "\n".join(bench_distributed.per_rank_lines([row]))
+    assert "| ours[fixed] | 2 | 0 | 190.0 | 200.0 | 0 / 0 / 0 |" in text
+    assert "| ours[fixed] | 2 | 1 | 60.5 | 199.0 | 2 / 1 / 1 |" in text
+    assert "on another rank's GPU: rank 1 on GPU 0" in text and "GPU 0: rank 1 (pid 102, 510 MiB)" in text
+    assert "GPU 1: other (pid 777, 300 MiB)" in text
+
+    def failing_run(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", failing_run)
+    assert bench_distributed.nvidia_smi_apps() == ["nvidia-smi: FileNotFoundError: nvidia-smi"]
+
+
+def test_checkpoint_without_routed_experts(tmp_path):
+    """bench.ensure_model(routed_experts=False) saves every weight but the routed experts; after loading it, HF and
+    the kernelized model (whose experts Layout transformers' init skips: garbage without init_routed_experts) get
+    the same experts from init_routed_experts, at transformers' scale, and the same loss."""
+    import types
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from hubfuse import KernelConfig, presets
+    from tests import utils
+
+    bench = _bench_module()
+    args = types.SimpleNamespace(smoke=True, layers=2, batch=None, seq=None)
+    bench.ensure_model("qwen3_30b_a3b", tmp_path, args, "cpu", routed_experts=False)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert keys and not any(".experts." in k for k in keys)  # (saved in the per-expert layout of the checkpoints)
+    assert "model.layers.1.mlp.gate.weight" in keys and "lm_head.weight" in keys
+    utils.register_local_kernels(*presets.kernel_repos("qwen3_moe"))
+    cfg = bench.slice_config("qwen3_30b_a3b", 2, True)
+    batch = utils.make_batch(cfg.vocab_size, batch=2, seq=16)
+    experts, losses = {}, {}
+    for config in ("hf", "ours"):
+        kw = {} if config == "hf" else dict(use_kernels=True, kernel_config=KernelConfig(
+            presets.kernel_mapping("qwen3_moe", revision="v1")))
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **kw)
+        bench.init_routed_experts(model, cfg.initializer_range)
+        experts[config] = {n: p.detach().clone() for n, p in model.named_parameters() if bench.is_routed_expert(n)}
+        assert len(experts[config]) == 4
+        for n, p in model.named_parameters():
+            assert torch.isfinite(p).all(), (config, n)
+        losses[config] = model(**batch).loss.item()
+    for n, p in experts["hf"].items():
+        torch.testing.assert_close(experts["ours"][n], p, rtol=0, atol=0)
+        assert abs(p.std().item() - cfg.initializer_range) < 0.1 * cfg.initializer_range, n
+    assert len({p.flatten()[:8].tolist().__repr__() for p in experts["hf"].values()}) == 4  # a seed per parameter
+    assert abs(losses["ours"] - losses["hf"]) < 1e-3
+    built = (tmp_path / "model.safetensors").stat().st_mtime_ns
+    bench.ensure_model("qwen3_30b_a3b", tmp_path, args, "cpu", routed_experts=False)  # the same: kept
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == built
+    bench.ensure_model("qwen3_30b_a3b", tmp_path, args, "cpu")  # with the experts: rebuilt
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert any(".experts." in k for k in f.keys())
