@@ -377,11 +377,6 @@ def test_fused_core_vs_float64(case, path):
                else TOL[torch.float32], name)
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="open: ratios 1.29 / 1.25 on an H100 (bf16), ~1.3 under the interpreter. dg, dA_log and "
-                   "ddt_bias are "
-                   "already summed in fp32 (per-program fp32 partials, one cast at the end); the gap is the per-token "
-                   "dg the backward computes from 16-bit operands (the same backward with fp32 operands passes)")
 def test_gate_parameter_gradients_as_accurate_as_eager_fp16(use_kernel_path):
     """fp16 activations, fp32 gate parameters (their gradients are sums over every token, rounded once): the fused
     core's dA_log and ddt_bias are no further from float64 than transformers' fp16 eager steps (which run the rule

@@ -439,9 +439,9 @@ def _recurrence_bwd_kernel(
 @triton.jit
 def _grads_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO,
-    QN, KN, GC, A, HS, DHS, VN, DVN, DO, SCRATCH,
+    GC, A, HS, DHS, VN, DVN, DO, SCRATCH,
     DQ, DK, DQP, DKP, DV, DG, DB, DA_LOG_PART, DDT_PART,
-    T, NT, H, HV, K, V, scale,
+    T, NT, HV, K, V, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
@@ -470,17 +470,25 @@ def _grads_kernel(
     m_k = o_k < K
     DT = Q.dtype.element_ty
     qk_mask = m_c[:, None] & m_k[None, :]
+    # raw q, k (input dtype) and their l2norm scales: the Gram products feeding dg are exact dots of the raw
+    # inputs scaled in fp32 (l2norm(q_i) . l2norm(k_j) = rq_i rk_j q_i . k_j), and the row sums feeding dg take
+    # the fp32 normalised rows; only the dot operands for dq, dk are the 16-bit normalised rows
+    q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
+                other=0.0)
+    k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
+                other=0.0)
     if L2NORM:
-        qk_tile = o_c[:, None] * (H * K) + o_k[None, :]
-        qn = tl.load(QN + (row0 * H + hk) * K + qk_tile, mask=qk_mask, other=0.0)
-        kn = tl.load(KN + (row0 * H + hk) * K + qk_tile, mask=qk_mask, other=0.0)
+        rq = tl.rsqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), 1) + 1e-6)
+        rk = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), 1) + 1e-6)
     else:
-        qn = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
-                     other=0.0)
-        kn = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
-                     other=0.0)
-    P = _dot(kn, tl.trans(kn), IEEE)                          # k k^T
-    QK = _dot(qn, tl.trans(kn), IEEE)                         # q k^T
+        rq = tl.full([64], 1.0, tl.float32)
+        rk = tl.full([64], 1.0, tl.float32)
+    qn32 = q.to(tl.float32) * rq[:, None]
+    kn32 = k.to(tl.float32) * rk[:, None]
+    qn = qn32.to(DT)
+    kn = kn32.to(DT)
+    P = rk[:, None] * _dot(k, tl.trans(k), IEEE) * rk[None, :]      # kn kn^T
+    QK = rq[:, None] * _dot(q, tl.trans(k), IEEE) * rk[None, :]     # qn kn^T
     strict = (o_c[:, None] > o_c[None, :]) & m_c[:, None] & m_c[None, :]
     incl = (o_c[:, None] >= o_c[None, :]) & m_c[:, None] & m_c[None, :]
     scratch = SCRATCH + (slot.to(tl.int64) * tl.num_programs(1) + i_bh) * 2 * 64 * 64  # per program
@@ -514,7 +522,7 @@ def _grads_kernel(
                  other=0.0)
     # o = s diag(G) q h + M v'
     dq = (scale * Gd)[:, None] * _dot(do, hs_t, IEEE)
-    dgc = tl.sum(dq * qn.to(tl.float32), 1)
+    dgc = tl.sum(dq * qn32, 1)
     att = scale * QK * gam
     dM = tl.where(incl, _dot(do, tl.trans(vn), IEEE), 0.0)
     dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
@@ -523,7 +531,7 @@ def _grads_kernel(
     tl.store(scratch + cc, dqk)
     # h+ = exp(g_last) h + (k e)^T v'
     dk = e[:, None] * _dot(vn, dhs_t, IEEE)
-    dke_row = tl.sum(dk * kn.to(tl.float32), 1)
+    dke_row = tl.sum(dk * kn32, 1)
     dgc -= dke_row
     # sum(h * dh) for the chunk's total decay, from 32-row slices (the whole states stay dot operands only)
     hdh = tl.zeros([32, BV], dtype=tl.float32)
@@ -544,7 +552,7 @@ def _grads_kernel(
     dw = (-_dot(dvn, hs_t, IEEE)).to(DT)
     bG = beta * Gd
     dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
-    dkbg_k = tl.sum(dkbg * kn.to(tl.float32), 1)
+    dkbg_k = tl.sum(dkbg * kn32, 1)
     dbeta += Gd * dkbg_k
     dgc += bG * dkbg_k
     dk += bG[:, None] * dkbg
@@ -584,15 +592,9 @@ def _grads_kernel(
         tl.store(DQP + part_tile, dq, mask=qk_mask)
         tl.store(DKP + part_tile, dk, mask=qk_mask)
         return
-    if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
-        q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        rq = tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-        dq = rq * (dq - q * rq * tl.sum(q * rq * dq, 1)[:, None])
-        k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        rk = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        dk = rk * (dk - k * rk * tl.sum(k * rk * dk, 1)[:, None])
+    if L2NORM:  # d l2norm(x) = r (dy - y (y . dy)), y = l2norm(x)
+        dq = rq[:, None] * (dq - qn32 * tl.sum(qn32 * dq, 1)[:, None])
+        dk = rk[:, None] * (dk - kn32 * tl.sum(kn32 * dk, 1)[:, None])
     tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_c[:, None] * stride_dqt + o_k[None, :],
              dq.to(DQ.dtype.element_ty), mask=qk_mask)
     tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_c[:, None] * stride_dkt + o_k[None, :],
@@ -782,8 +784,8 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     dk_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
     cfg = CONFIG["grads"]
     launch(_grads_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
-           dt_bias if gate else g_in, p.cu, p.chunk_info, qn, kn, gc, A, hs, dhs, vn, dvn, do, scratch,
-           dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.H, p.HV, p.K, p.V, scale,
+           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, hs, dhs, vn, dvn, do, scratch,
+           dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.HV, p.K, p.V, scale,
            q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
            dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
            GROUP=p.group, BK=p.BK, BV=p.block_v(), L2NORM=l2norm, GATE=gate,
