@@ -13,7 +13,9 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
 - `_recurrence_bwd_kernel`, same grid, reverse: dv' = M^T do + (k e) dh, dh <- G_last dh + s (q G)^T do - w^T dv'.
 - `_grads_kernel`: every input gradient of a chunk (q, k, v, g or a, beta or b, A_log / dt_bias partial sums);
   with one value head per key head also the l2norm backward, else fp32 per-value-head partials of dq, dk that
-  `_group_reduce_kernel` sums in a fixed order (no repeated q/k, no atomics: deterministic).
+  `_group_reduce_kernel` sums in a fixed order (no repeated q/k, no atomics: deterministic). It loops over V in
+  blocks (as FLA's chunk_bwd_dqkwg): the sums over V accumulate in fp32, dv is final per block, and only
+  [64, BV] slices of do, v', dv', v and [BV, K] slices of the states are live at a time.
 
 Hopper: Triton 3.4-3.7.0 miscompiles `tl.dot(tl.trans(x), y)` when `x` is itself a `tl.dot` result (FLA #640:
 the transposed accumulator layout feeding a wgmma). No kernel here transposes a computed matrix: transposed
@@ -448,7 +450,8 @@ def _grads_kernel(
     ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One (chunk, value head): every input gradient of the chunk. dq, dk: final (with the l2norm backward) when
-    each key head has one value head, else fp32 partials per value head summed by `_group_reduce_kernel`."""
+    each key head has one value head, else fp32 partials per value head summed by `_group_reduce_kernel`.
+    First a loop over V blocks of BV (sums over V, dv), then the [64, 64] and [64, K] remainder."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     hv = i_bh % HV
@@ -470,6 +473,56 @@ def _grads_kernel(
     m_k = o_k < K
     DT = Q.dtype.element_ty
     qk_mask = m_c[:, None] & m_k[None, :]
+    strict = (o_c[:, None] > o_c[None, :]) & m_c[:, None] & m_c[None, :]
+    incl = (o_c[:, None] >= o_c[None, :]) & m_c[:, None] & m_c[None, :]
+    scratch = SCRATCH + (slot.to(tl.int64) * tl.num_programs(1) + i_bh) * 2 * 64 * 64  # per program
+    cc = o_c[:, None] * 64 + o_c[None, :]
+    cc_t = o_c[None, :] * 64 + o_c[:, None]
+    last = tl.minimum(t0 + 63, seqlen - 1) - t0
+    gate_base = row0 * HV + hv
+    g_raw, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
+    gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
+    g_last = tl.load(GC + gate_base + last * HV)
+    Gd = tl.where(m_c, tl.exp(gc), 0.0)
+    e = tl.where(m_c, tl.exp(g_last - gc), 0.0)
+    # T^T through transposed pointers
+    Tt = tl.load(A + gate_base * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :], other=0.0)
+    state = (chunk * HV + hv) * K * V
+    v_base = gate_base * V
+    # the sums over V, one [64, BV] block of do, v', dv', v and [BV, BK] block of h^T, dh^T at a time
+    do_h = tl.zeros([64, BK], dtype=tl.float32)       # do h^T
+    vn_dh = tl.zeros([64, BK], dtype=tl.float32)      # v' dh^T
+    dvn_h = tl.zeros([64, BK], dtype=tl.float32)      # dv' h^T
+    dM = tl.zeros([64, 64], dtype=tl.float32)         # do v'^T
+    dvn_v = tl.zeros([64, 64], dtype=tl.float32)      # dv' v^T
+    dbeta = tl.zeros([64], dtype=tl.float32)
+    hdh = tl.zeros([BK], dtype=tl.float32)            # sum_v h * dh, for the chunk's total decay
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        vmask = m_c[:, None] & m_v[None, :]
+        vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
+        # h^T and dh^T (state at the chunk start, its gradient at the chunk end) through transposed pointers
+        state_t_tile = o_k[None, :] * V + o_v[:, None]
+        state_t_mask = m_v[:, None] & m_k[None, :]
+        hs_t = tl.load(HS + state + state_t_tile, mask=state_t_mask, other=0.0)
+        dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
+        do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
+        vn = tl.load(VN + v_base + vv_tile, mask=vmask, other=0.0)
+        dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
+        vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask,
+                     other=0.0)
+        do_h = _dot(do, hs_t, IEEE, do_h)
+        dM = _dot(do, tl.trans(vn), IEEE, dM)
+        vn_dh = _dot(vn, dhs_t, IEEE, vn_dh)
+        hdh += tl.sum(hs_t.to(tl.float32) * dhs_t.to(tl.float32), 0)
+        # u = T diag(beta) v: dv = diag(beta) T^T dv', final per block
+        dvb = _dot(Tt, dvn, IEEE)
+        tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
+                 (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
+        dbeta += tl.sum(dvb * vv.to(tl.float32), 1)
+        dvn_v = _dot(dvn, tl.trans(vv), IEEE, dvn_v)
+        dvn_h = _dot(dvn, hs_t, IEEE, dvn_h)
     # raw q, k (input dtype) and their l2norm scales: the Gram products feeding dg are exact dots of the raw
     # inputs scaled in fp32 (l2norm(q_i) . l2norm(k_j) = rq_i rk_j q_i . k_j), and the row sums feeding dg take
     # the fp32 normalised rows; only the dot operands for dq, dk are the 16-bit normalised rows
@@ -489,67 +542,24 @@ def _grads_kernel(
     kn = kn32.to(DT)
     P = rk[:, None] * _dot(k, tl.trans(k), IEEE) * rk[None, :]      # kn kn^T
     QK = rq[:, None] * _dot(q, tl.trans(k), IEEE) * rk[None, :]     # qn kn^T
-    strict = (o_c[:, None] > o_c[None, :]) & m_c[:, None] & m_c[None, :]
-    incl = (o_c[:, None] >= o_c[None, :]) & m_c[:, None] & m_c[None, :]
-    scratch = SCRATCH + (slot.to(tl.int64) * tl.num_programs(1) + i_bh) * 2 * 64 * 64  # per program
-    cc = o_c[:, None] * 64 + o_c[None, :]
-    cc_t = o_c[None, :] * 64 + o_c[:, None]
-    last = tl.minimum(t0 + 63, seqlen - 1) - t0
-    o_v = tl.arange(0, BV)
-    m_v = o_v < V
-    vmask = m_c[:, None] & m_v[None, :]
-    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
-    state_t_tile = o_k[None, :] * V + o_v[:, None]            # h^T: [BV, BK] view of a (K, V) state
-    state_t_mask = m_v[:, None] & m_k[None, :]
-    gate_base = row0 * HV + hv
-    g_raw, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
-    gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
-    g_last = tl.load(GC + gate_base + last * HV)
-    Gd = tl.where(m_c, tl.exp(gc), 0.0)
-    e = tl.where(m_c, tl.exp(g_last - gc), 0.0)
     gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    # T^T through transposed pointers
-    Tt = tl.load(A + gate_base * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :], other=0.0)
-    state = (chunk * HV + hv) * K * V
-    v_base = gate_base * V
-    # h^T and dh^T (state at the chunk start, its gradient at the chunk end) through transposed pointers
-    hs_t = tl.load(HS + state + state_t_tile, mask=state_t_mask, other=0.0)
-    dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
-    do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
-    vn = tl.load(VN + v_base + vv_tile, mask=vmask, other=0.0)
-    dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
-    vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask,
-                 other=0.0)
     # o = s diag(G) q h + M v'
-    dq = (scale * Gd)[:, None] * _dot(do, hs_t, IEEE)
+    dq = (scale * Gd)[:, None] * do_h
     dgc = tl.sum(dq * qn32, 1)
     att = scale * QK * gam
-    dM = tl.where(incl, _dot(do, tl.trans(vn), IEEE), 0.0)
+    dM = tl.where(incl, dM, 0.0)
     dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
     dqk = (scale * dM * gam).to(DT)
     dq = _dot(dqk, kn, IEEE, dq)
     tl.store(scratch + cc, dqk)
     # h+ = exp(g_last) h + (k e)^T v'
-    dk = e[:, None] * _dot(vn, dhs_t, IEEE)
+    dk = e[:, None] * vn_dh
     dke_row = tl.sum(dk * kn32, 1)
     dgc -= dke_row
-    # sum(h * dh) for the chunk's total decay, from 32-row slices (the whole states stay dot operands only)
-    hdh = tl.zeros([32, BV], dtype=tl.float32)
-    o_s32 = tl.arange(0, 32)
-    for k0 in range(0, K, 32):
-        sl = (k0 + o_s32)[:, None] * V + o_v[None, :]
-        sm = ((k0 + o_s32) < K)[:, None] & m_v[None, :]
-        hdh += (tl.load(HS + state + sl, mask=sm, other=0.0).to(tl.float32)
-                * tl.load(DHS + state + sl, mask=sm, other=0.0).to(tl.float32))
-    dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(tl.sum(hdh, 1), 0)
-    # u = T diag(beta) v
-    dvb = _dot(Tt, dvn, IEEE)                                # T^T dv'
-    tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
-             (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
-    dbeta = tl.sum(dvb * vv.to(tl.float32), 1)
-    dT = beta[None, :] * _dot(dvn, tl.trans(vv), IEEE)       # dv' (beta v)^T
+    dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(hdh, 0)
+    dT = beta[None, :] * dvn_v                               # dv' (beta v)^T
     # w = T diag(beta G) k, v' = u - w h
-    dw = (-_dot(dvn, hs_t, IEEE)).to(DT)
+    dw = (-dvn_h).to(DT)
     bG = beta * Gd
     dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
     dkbg_k = tl.sum(dkbg * kn32, 1)
@@ -636,13 +646,14 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 
 # ------------------------------------------------------------------ chunked gated delta rule: launch wrappers
 
-# launch settings, swept on an H100 (triton 3.6) at 8x1024 / 2x8192 fwd+bwd: 8-warp grads, 32-wide V blocks in the
-# recurrences and an 8-warp wu were slower; a 2-warp solve was ~7 % faster but has not run the GPU tests yet
+# launch settings, swept on an H100 (triton 3.6) at 8x1024 / 2x8192 fwd+bwd: 32-wide V blocks in the recurrences and
+# an 8-warp wu were slower; a 2-warp solve was ~7 % faster but has not run the GPU tests yet. The grads kernel's
+# loop over V blocks (block_v) has not been swept yet (an 8-warp grads was slower before it had that loop)
 CONFIG = {
     "solve": dict(num_warps=4, num_stages=2, block_k=32),
     "wu": dict(num_warps=4, num_stages=2, block_v=64),
     "recurrence": dict(num_warps=4, num_stages=3, block_v=64),
-    "grads": dict(num_warps=4, num_stages=2),
+    "grads": dict(num_warps=4, num_stages=2, block_v=64),
 }
 
 
@@ -674,7 +685,7 @@ class _Problem:
         self.BK = _block(self.K, least=self.least)
 
     def block_v(self, cap: int = 1 << 30) -> int:
-        return _block(self.V, cap, self.least)
+        return _block(self.V, cap, min(self.least, cap))
 
 
 def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
@@ -788,7 +799,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
            dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.HV, p.K, p.V, scale,
            q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
            dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-           GROUP=p.group, BK=p.BK, BV=p.block_v(), L2NORM=l2norm, GATE=gate,
+           GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
            ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if grouped:
