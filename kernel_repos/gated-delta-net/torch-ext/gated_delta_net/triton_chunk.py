@@ -523,9 +523,9 @@ def _grads_kernel(
         dbeta += tl.sum(dvb * vv.to(tl.float32), 1)
         dvn_v = _dot(dvn, tl.trans(vv), IEEE, dvn_v)
         dvn_h = _dot(dvn, hs_t, IEEE, dvn_h)
-    # raw q, k (input dtype) and their l2norm scales: the Gram products feeding dg are exact dots of the raw
-    # inputs scaled in fp32 (l2norm(q_i) . l2norm(k_j) = rq_i rk_j q_i . k_j), and the row sums feeding dg take
-    # the fp32 normalised rows; only the dot operands for dq, dk are the 16-bit normalised rows
+    # raw q, k (input dtype) and their l2norm scales rq, rk: qn = diag(rq) q, kn = diag(rk) k are never rounded
+    # to 16 bits; the scales go on the other factor of each product (the Gram products q k^T, k k^T are exact
+    # dots of the raw inputs) and on the row sums (fp32), which keeps dg as accurate as an fp32 backward's
     q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
                 other=0.0)
     k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
@@ -536,25 +536,24 @@ def _grads_kernel(
     else:
         rq = tl.full([64], 1.0, tl.float32)
         rk = tl.full([64], 1.0, tl.float32)
-    qn32 = q.to(tl.float32) * rq[:, None]
-    kn32 = k.to(tl.float32) * rk[:, None]
-    qn = qn32.to(DT)
-    kn = kn32.to(DT)
     P = rk[:, None] * _dot(k, tl.trans(k), IEEE) * rk[None, :]      # kn kn^T
     QK = rq[:, None] * _dot(q, tl.trans(k), IEEE) * rk[None, :]     # qn kn^T
     gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
     # o = s diag(G) q h + M v'
     dq = (scale * Gd)[:, None] * do_h
-    dgc = tl.sum(dq * qn32, 1)
+    dgc = rq * tl.sum(dq * q.to(tl.float32), 1)
     att = scale * QK * gam
     dM = tl.where(incl, dM, 0.0)
     dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
-    dqk = (scale * dM * gam).to(DT)
-    dq = _dot(dqk, kn, IEEE, dq)
-    tl.store(scratch + cc, dqk)
+    dqk = scale * dM * gam
+    dq = _dot((dqk * rk[None, :]).to(DT), k, IEEE, dq)             # dqk kn
+    tl.store(scratch + cc, (dqk * rq[:, None]).to(DT))             # dqk^T qn = (diag(rq) dqk)^T q
+    part_tile = (gate_base * K) + o_c[:, None] * (HV * K) + o_k[None, :]
+    _store_qk_grad(dq, q, rq, DQ + row0 * stride_dqt + hk * stride_dqh, o_c[:, None] * stride_dqt + o_k[None, :],
+                   DQP + part_tile, qk_mask, GROUP, L2NORM)
     # h+ = exp(g_last) h + (k e)^T v'
     dk = e[:, None] * vn_dh
-    dke_row = tl.sum(dk * kn32, 1)
+    dke_row = rk * tl.sum(dk * k.to(tl.float32), 1)
     dgc -= dke_row
     dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(hdh, 0)
     dT = beta[None, :] * dvn_v                               # dv' (beta v)^T
@@ -562,23 +561,23 @@ def _grads_kernel(
     dw = (-dvn_h).to(DT)
     bG = beta * Gd
     dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
-    dkbg_k = tl.sum(dkbg * kn32, 1)
+    dkbg_k = rk * tl.sum(dkbg * k.to(tl.float32), 1)
     dbeta += Gd * dkbg_k
     dgc += bG * dkbg_k
     dk += bG[:, None] * dkbg
-    dT = bG[None, :] * _dot(dw, tl.trans(kn), IEEE) + dT    # + dw (beta G k)^T
+    dT = (bG * rk)[None, :] * _dot(dw, tl.trans(k), IEEE) + dT    # + dw (beta G kn)^T
     # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
     dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
     dL = tl.where(strict, dL, 0.0)
     D = dL * gam
     dbeta += tl.sum(D * P, 1)
-    dk += beta[:, None] * _dot(D.to(DT), kn, IEEE)
-    tl.store(scratch + 64 * 64 + cc, (D * beta[:, None]).to(DT))
+    dk += beta[:, None] * _dot((D * rk[None, :]).to(DT), k, IEEE)      # D kn
+    tl.store(scratch + 64 * 64 + cc, (D * (beta * rk)[:, None]).to(DT))  # (diag(beta) D)^T kn
     dLL = dL * (beta[:, None] * P * gam)
     dgc += tl.sum(dLL, 1) - tl.sum(dLL, 0)
     tl.debug_barrier()  # the two scratch tiles are written: read them transposed
-    dk = _dot(tl.load(scratch + cc_t), qn, IEEE, dk)              # (dM Gamma)^T q
-    dk = _dot(tl.load(scratch + 64 * 64 + cc_t), kn, IEEE, dk)    # (diag(beta) D)^T k
+    dk = _dot(tl.load(scratch + cc_t), q, IEEE, dk)               # (s dM Gamma)^T qn
+    dk = _dot(tl.load(scratch + 64 * 64 + cc_t), k, IEEE, dk)     # (diag(beta) D)^T kn
     dgc = tl.where(o_c == last, dgc + dg_last, dgc)
     dgc = tl.where(m_c, dgc, 0.0)
     dg = tl.cumsum(dgc, 0, reverse=True)                     # through the within-chunk cumsum
@@ -597,20 +596,27 @@ def _grads_kernel(
     else:
         tl.store(DG + gate_offs, dg.to(DG.dtype.element_ty), mask=m_c)
         tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
-    if GROUP > 1:  # summed over the value heads of each key head by _group_reduce_kernel
-        part_tile = (gate_base * K) + o_c[:, None] * (HV * K) + o_k[None, :]
-        tl.store(DQP + part_tile, dq, mask=qk_mask)
-        tl.store(DKP + part_tile, dk, mask=qk_mask)
-        return
-    if L2NORM:  # d l2norm(x) = r (dy - y (y . dy)), y = l2norm(x)
-        dq = rq[:, None] * (dq - qn32 * tl.sum(qn32 * dq, 1)[:, None])
-        dk = rk[:, None] * (dk - kn32 * tl.sum(kn32 * dk, 1)[:, None])
-    tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_c[:, None] * stride_dqt + o_k[None, :],
-             dq.to(DQ.dtype.element_ty), mask=qk_mask)
-    tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_c[:, None] * stride_dkt + o_k[None, :],
-             dk.to(DK.dtype.element_ty), mask=qk_mask)
+    _store_qk_grad(dk, k, rk, DK + row0 * stride_dkt + hk * stride_dkh, o_c[:, None] * stride_dkt + o_k[None, :],
+                   DKP + part_tile, qk_mask, GROUP, L2NORM)
 
 
+@triton.jit
+def _l2norm_bwd(dy, x, r):
+    """d l2norm(x) = r (dy - y (y . dy)) = r dy - r^3 (x . dy) x, y = l2norm(x) = r x (fp32 rows)."""
+    return r[:, None] * dy - (r * r * r * tl.sum(x * dy, 1))[:, None] * x
+
+
+@triton.jit
+def _store_qk_grad(dx, x, rx, out, tile, partial, mask, GROUP: tl.constexpr, L2NORM: tl.constexpr):
+    """dq or dk of a chunk, from the gradient dx of the (normalised) rows: with one value head per key head the
+    final gradient at `out + tile` (with the l2norm backward), else the fp32 partial at `partial`, which
+    `_group_reduce_kernel` sums over the value heads of each key head (fixed order)."""
+    if GROUP > 1:
+        tl.store(partial, dx, mask=mask)
+    else:
+        if L2NORM:
+            dx = _l2norm_bwd(dx, x.to(tl.float32), rx)
+        tl.store(out + tile, dx.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -630,15 +636,13 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
     for j in range(GROUP):
         dq += tl.load(DQP + part + j * K, mask=mask, other=0.0)
         dk += tl.load(DKP + part + j * K, mask=mask, other=0.0)
-    if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
+    if L2NORM:
         q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_r[:, None] * stride_qt + o_k[None, :], mask=mask,
                     other=0.0).to(tl.float32)
-        rq = tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-        dq = rq * (dq - q * rq * tl.sum(q * rq * dq, 1)[:, None])
+        dq = _l2norm_bwd(dq, q, tl.rsqrt(tl.sum(q * q, 1) + 1e-6))
         k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_r[:, None] * stride_kt + o_k[None, :], mask=mask,
                     other=0.0).to(tl.float32)
-        rk = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        dk = rk * (dk - k * rk * tl.sum(k * rk * dk, 1)[:, None])
+        dk = _l2norm_bwd(dk, k, tl.rsqrt(tl.sum(k * k, 1) + 1e-6))
     tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_r[:, None] * stride_dqt + o_k[None, :],
              dq.to(DQ.dtype.element_ty), mask=mask)
     tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_r[:, None] * stride_dkt + o_k[None, :],
