@@ -523,6 +523,8 @@ def _grads_kernel(
         dbeta += tl.sum(dvb * vv.to(tl.float32), 1)
         dvn_v = _dot(dvn, tl.trans(vv), IEEE, dvn_v)
         dvn_h = _dot(dvn, hs_t, IEEE, dvn_h)
+    # w = T diag(beta G) k, v' = u - w h: dw = -dv' h^T
+    dw = (-dvn_h).to(DT)
     # raw q, k (input dtype) and their l2norm scales rq, rk: qn = diag(rq) q, kn = diag(rk) k are never rounded
     # to 16 bits; the scales go on the other factor of each product (the Gram products q k^T, k k^T are exact
     # dots of the raw inputs) and on the row sums (fp32), which keeps dg as accurate as an fp32 backward's
@@ -536,13 +538,11 @@ def _grads_kernel(
     else:
         rq = tl.full([64], 1.0, tl.float32)
         rk = tl.full([64], 1.0, tl.float32)
-    P = rk[:, None] * _dot(k, tl.trans(k), IEEE) * rk[None, :]      # kn kn^T
-    QK = rq[:, None] * _dot(q, tl.trans(k), IEEE) * rk[None, :]     # qn kn^T
     gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
     # o = s diag(G) q h + M v'
     dq = (scale * Gd)[:, None] * do_h
     dgc = rq * tl.sum(dq * q.to(tl.float32), 1)
-    att = scale * QK * gam
+    att = (scale * rq)[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * gam)  # s (qn kn^T) Gamma
     dM = tl.where(incl, dM, 0.0)
     dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
     dqk = scale * dM * gam
@@ -557,8 +557,6 @@ def _grads_kernel(
     dgc -= dke_row
     dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(hdh, 0)
     dT = beta[None, :] * dvn_v                               # dv' (beta v)^T
-    # w = T diag(beta G) k, v' = u - w h
-    dw = (-dvn_h).to(DT)
     bG = beta * Gd
     dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
     dkbg_k = rk * tl.sum(dkbg * k.to(tl.float32), 1)
@@ -570,6 +568,7 @@ def _grads_kernel(
     dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
     dL = tl.where(strict, dL, 0.0)
     D = dL * gam
+    P = rk[:, None] * _dot(k, tl.trans(k), IEEE) * rk[None, :]      # kn kn^T
     dbeta += tl.sum(D * P, 1)
     dk += beta[:, None] * _dot((D * rk[None, :]).to(DT), k, IEEE)      # D kn
     tl.store(scratch + 64 * 64 + cc, (D * (beta * rk)[:, None]).to(DT))  # (diag(beta) D)^T kn
