@@ -526,8 +526,8 @@ def _grads_kernel(
     # w = T diag(beta G) k, v' = u - w h: dw = -dv' h^T
     dw = (-dvn_h).to(DT)
     # raw q, k (input dtype) and their l2norm scales rq, rk: qn = diag(rq) q, kn = diag(rk) k are never rounded
-    # to 16 bits; the scales go on the other factor of each product (the Gram products q k^T, k k^T are exact
-    # dots of the raw inputs) and on the row sums (fp32), which keeps dg as accurate as an fp32 backward's
+    # to 16 bits (that rounding was the largest error in dg, hence in dA_log, ddt_bias); the scales go on the other
+    # factor of each product (q k^T, k k^T are exact dots of the raw inputs) and on the fp32 row sums
     q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
                 other=0.0)
     k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
