@@ -1,18 +1,19 @@
 """Gated delta rule (Qwen3.5-MoE linear attention): ours vs transformers' torch path and flash-linear-attention.
 
 Shapes of transformers' `Qwen3_5MoeTextConfig` defaults: bf16, 16 key heads / 32 value heads, head dims 128,
-`use_qk_l2norm_in_kernel=True`, batch 8 x 1024 and 2 x 8192 tokens; fwd+bwd of the rule alone, g (fp32) and
-beta (bf16) as transformers computes them. "repeated" = q, k given with the 16 key heads repeated to 32, as
-transformers' GatedDeltaNet calls the hook; "native" = 16 key heads shared by two value heads each (what our
-GatedDeltaNet layer passes; FLA accepts it too). flash-linear-attention 0.6.0's backward refuses to run on Hopper
-with Triton >= 3.4, < 3.7.1 (its issue #640: its results may be wrong there): it is run with that guard
-bypassed, as a timing anchor only. Floor: the bytes the op must move (q, k, v, g, beta, o; do, dq, dk, dv, dg,
-dbeta) over the measured copy bandwidth.
+`use_qk_l2norm_in_kernel=True`, batch 8 x 1024, 2 x 8192 and 1 x 32768 tokens; fwd+bwd of the rule alone, g (fp32)
+and beta (bf16) as transformers computes them. "packed" = the same tokens as one row of B * T tokens split into the
+B sequences by `cu_seqlens` (varlen), next to the dense rows of the same op. "repeated" = q, k given with the 16 key
+heads repeated to 32, as transformers' GatedDeltaNet calls the hook; "native" = 16 key heads shared by two value
+heads each (what our GatedDeltaNet layer passes; FLA accepts it too). flash-linear-attention 0.6.0's backward
+refuses to run on Hopper with Triton >= 3.4, < 3.7.1 (its issue #640: its results may be wrong there): it is run
+with that guard bypassed, as a timing anchor only. Floor: the bytes the op must move (q, k, v, g, beta, o; do, dq,
+dk, dv, dg, dbeta) over the measured copy bandwidth.
 """
 import torch
 import torch.nn.functional as F
 
-SHAPES = [(8, 1024), (2, 8192)]
+SHAPES = [(8, 1024), (2, 8192), (1, 32768)]
 HK, HV, D = 16, 32, 128
 
 
@@ -60,3 +61,10 @@ def run(h):
             h.bench(op, f"hubfuse ({label})",
                     lambda q, k, v, g, b: kg.chunk_gated_delta_rule(q, k, v, g, b, use_qk_l2norm_in_kernel=True)[0],
                     mk, floor)
+        if B > 1:  # the same tokens packed: one row of B * T tokens, B sequences
+            cu = torch.arange(0, B * T + 1, T, device=dev, dtype=torch.int32)
+            packed = lambda B=B, T=T: make(1, B * T, HK, dev, dt)  # noqa: E731
+            h.bench(op, f"hubfuse (native, packed 1x{B * T})",
+                    lambda q, k, v, g, b, cu=cu: kg.chunk_gated_delta_rule(q, k, v, g, b, use_qk_l2norm_in_kernel=True,
+                                                                           cu_seqlens=cu)[0],
+                    packed, floor)

@@ -13,7 +13,9 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
 - `_recurrence_bwd_kernel`, same grid, reverse: dv' = M^T do + (k e) dh, dh <- G_last dh + s (q G)^T do - w^T dv'.
 - `_grads_kernel`: every input gradient of a chunk (q, k, v, g or a, beta or b, A_log / dt_bias partial sums);
   with one value head per key head also the l2norm backward, else fp32 per-value-head partials of dq, dk that
-  `_group_reduce_kernel` sums in a fixed order (no repeated q/k, no atomics: deterministic).
+  `_group_reduce_kernel` sums in a fixed order (no repeated q/k, no atomics: deterministic). It loops over V in
+  blocks (as FLA's chunk_bwd_dqkwg): the sums over V accumulate in fp32, dv is final per block, and only
+  [64, BV] slices of do, v', dv', v and [BV, K] slices of the states are live at a time.
 
 Hopper: Triton 3.4-3.7.0 miscompiles `tl.dot(tl.trans(x), y)` when `x` is itself a `tl.dot` result (FLA #640:
 the transposed accumulator layout feeding a wgmma). No kernel here transposes a computed matrix: transposed
@@ -439,16 +441,17 @@ def _recurrence_bwd_kernel(
 @triton.jit
 def _grads_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO,
-    QN, KN, GC, A, HS, DHS, VN, DVN, DO, SCRATCH,
+    GC, A, HS, DHS, VN, DVN, DO, SCRATCH,
     DQ, DK, DQP, DKP, DV, DG, DB, DA_LOG_PART, DDT_PART,
-    T, NT, H, HV, K, V, scale,
+    T, NT, HV, K, V, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
     ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One (chunk, value head): every input gradient of the chunk. dq, dk: final (with the l2norm backward) when
-    each key head has one value head, else fp32 partials per value head summed by `_group_reduce_kernel`."""
+    each key head has one value head, else fp32 partials per value head summed by `_group_reduce_kernel`.
+    First a loop over V blocks of BV (sums over V, dv), then the [64, 64] and [64, K] remainder."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     hv = i_bh % HV
@@ -470,97 +473,110 @@ def _grads_kernel(
     m_k = o_k < K
     DT = Q.dtype.element_ty
     qk_mask = m_c[:, None] & m_k[None, :]
-    if L2NORM:
-        qk_tile = o_c[:, None] * (H * K) + o_k[None, :]
-        qn = tl.load(QN + (row0 * H + hk) * K + qk_tile, mask=qk_mask, other=0.0)
-        kn = tl.load(KN + (row0 * H + hk) * K + qk_tile, mask=qk_mask, other=0.0)
-    else:
-        qn = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
-                     other=0.0)
-        kn = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
-                     other=0.0)
-    P = _dot(kn, tl.trans(kn), IEEE)                          # k k^T
-    QK = _dot(qn, tl.trans(kn), IEEE)                         # q k^T
     strict = (o_c[:, None] > o_c[None, :]) & m_c[:, None] & m_c[None, :]
     incl = (o_c[:, None] >= o_c[None, :]) & m_c[:, None] & m_c[None, :]
     scratch = SCRATCH + (slot.to(tl.int64) * tl.num_programs(1) + i_bh) * 2 * 64 * 64  # per program
     cc = o_c[:, None] * 64 + o_c[None, :]
     cc_t = o_c[None, :] * 64 + o_c[:, None]
     last = tl.minimum(t0 + 63, seqlen - 1) - t0
-    o_v = tl.arange(0, BV)
-    m_v = o_v < V
-    vmask = m_c[:, None] & m_v[None, :]
-    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
-    state_t_tile = o_k[None, :] * V + o_v[:, None]            # h^T: [BV, BK] view of a (K, V) state
-    state_t_mask = m_v[:, None] & m_k[None, :]
     gate_base = row0 * HV + hv
     g_raw, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
     gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
     g_last = tl.load(GC + gate_base + last * HV)
     Gd = tl.where(m_c, tl.exp(gc), 0.0)
     e = tl.where(m_c, tl.exp(g_last - gc), 0.0)
-    gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
     # T^T through transposed pointers
     Tt = tl.load(A + gate_base * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :], other=0.0)
     state = (chunk * HV + hv) * K * V
     v_base = gate_base * V
-    # h^T and dh^T (state at the chunk start, its gradient at the chunk end) through transposed pointers
-    hs_t = tl.load(HS + state + state_t_tile, mask=state_t_mask, other=0.0)
-    dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
-    do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
-    vn = tl.load(VN + v_base + vv_tile, mask=vmask, other=0.0)
-    dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
-    vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask,
-                 other=0.0)
+    # the sums over V, one [64, BV] block of do, v', dv', v and [BV, BK] block of h^T, dh^T at a time
+    do_h = tl.zeros([64, BK], dtype=tl.float32)       # do h^T
+    vn_dh = tl.zeros([64, BK], dtype=tl.float32)      # v' dh^T
+    dvn_h = tl.zeros([64, BK], dtype=tl.float32)      # dv' h^T
+    dM = tl.zeros([64, 64], dtype=tl.float32)         # do v'^T
+    dvn_v = tl.zeros([64, 64], dtype=tl.float32)      # dv' v^T
+    dbeta = tl.zeros([64], dtype=tl.float32)
+    hdh = tl.zeros([BK], dtype=tl.float32)            # sum_v h * dh, for the chunk's total decay
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        vmask = m_c[:, None] & m_v[None, :]
+        vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
+        # h^T and dh^T (state at the chunk start, its gradient at the chunk end) through transposed pointers
+        state_t_tile = o_k[None, :] * V + o_v[:, None]
+        state_t_mask = m_v[:, None] & m_k[None, :]
+        hs_t = tl.load(HS + state + state_t_tile, mask=state_t_mask, other=0.0)
+        dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
+        do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
+        vn = tl.load(VN + v_base + vv_tile, mask=vmask, other=0.0)
+        dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
+        vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask,
+                     other=0.0)
+        do_h = _dot(do, hs_t, IEEE, do_h)
+        dM = _dot(do, tl.trans(vn), IEEE, dM)
+        vn_dh = _dot(vn, dhs_t, IEEE, vn_dh)
+        hdh += tl.sum(hs_t.to(tl.float32) * dhs_t.to(tl.float32), 0)
+        # u = T diag(beta) v: dv = diag(beta) T^T dv', final per block
+        dvb = _dot(Tt, dvn, IEEE)
+        tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
+                 (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
+        dbeta += tl.sum(dvb * vv.to(tl.float32), 1)
+        dvn_v = _dot(dvn, tl.trans(vv), IEEE, dvn_v)
+        dvn_h = _dot(dvn, hs_t, IEEE, dvn_h)
+    # w = T diag(beta G) k, v' = u - w h: dw = -dv' h^T
+    dw = (-dvn_h).to(DT)
+    # raw q, k (input dtype) and their l2norm scales rq, rk: qn = diag(rq) q, kn = diag(rk) k are never rounded
+    # to 16 bits (that rounding was the largest error in dg, hence in dA_log, ddt_bias); the scales go on the other
+    # factor of each product (q k^T, k k^T are exact dots of the raw inputs) and on the fp32 row sums
+    q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
+                other=0.0)
+    k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
+                other=0.0)
+    if L2NORM:
+        rq = tl.rsqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), 1) + 1e-6)
+        rk = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), 1) + 1e-6)
+    else:
+        rq = tl.full([64], 1.0, tl.float32)
+        rk = tl.full([64], 1.0, tl.float32)
+    gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
     # o = s diag(G) q h + M v'
-    dq = (scale * Gd)[:, None] * _dot(do, hs_t, IEEE)
-    dgc = tl.sum(dq * qn.to(tl.float32), 1)
-    att = scale * QK * gam
-    dM = tl.where(incl, _dot(do, tl.trans(vn), IEEE), 0.0)
+    dq = (scale * Gd)[:, None] * do_h
+    dgc = rq * tl.sum(dq * q.to(tl.float32), 1)
+    att = (scale * rq)[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * gam)  # s (qn kn^T) Gamma
+    dM = tl.where(incl, dM, 0.0)
     dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
-    dqk = (scale * dM * gam).to(DT)
-    dq = _dot(dqk, kn, IEEE, dq)
-    tl.store(scratch + cc, dqk)
+    dqk = scale * dM * gam
+    dq = _dot((dqk * rk[None, :]).to(DT), k, IEEE, dq)             # dqk kn
+    tl.store(scratch + cc, (dqk * rq[:, None]).to(DT))             # dqk^T qn = (diag(rq) dqk)^T q
+    part_tile = (gate_base * K) + o_c[:, None] * (HV * K) + o_k[None, :]
+    _store_qk_grad(dq, q, rq, DQ + row0 * stride_dqt + hk * stride_dqh, o_c[:, None] * stride_dqt + o_k[None, :],
+                   DQP + part_tile, qk_mask, GROUP, L2NORM)
     # h+ = exp(g_last) h + (k e)^T v'
-    dk = e[:, None] * _dot(vn, dhs_t, IEEE)
-    dke_row = tl.sum(dk * kn.to(tl.float32), 1)
+    dk = e[:, None] * vn_dh
+    dke_row = rk * tl.sum(dk * k.to(tl.float32), 1)
     dgc -= dke_row
-    # sum(h * dh) for the chunk's total decay, from 32-row slices (the whole states stay dot operands only)
-    hdh = tl.zeros([32, BV], dtype=tl.float32)
-    o_s32 = tl.arange(0, 32)
-    for k0 in range(0, K, 32):
-        sl = (k0 + o_s32)[:, None] * V + o_v[None, :]
-        sm = ((k0 + o_s32) < K)[:, None] & m_v[None, :]
-        hdh += (tl.load(HS + state + sl, mask=sm, other=0.0).to(tl.float32)
-                * tl.load(DHS + state + sl, mask=sm, other=0.0).to(tl.float32))
-    dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(tl.sum(hdh, 1), 0)
-    # u = T diag(beta) v
-    dvb = _dot(Tt, dvn, IEEE)                                # T^T dv'
-    tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
-             (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
-    dbeta = tl.sum(dvb * vv.to(tl.float32), 1)
-    dT = beta[None, :] * _dot(dvn, tl.trans(vv), IEEE)       # dv' (beta v)^T
-    # w = T diag(beta G) k, v' = u - w h
-    dw = (-_dot(dvn, hs_t, IEEE)).to(DT)
+    dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(hdh, 0)
+    dT = beta[None, :] * dvn_v                               # dv' (beta v)^T
     bG = beta * Gd
     dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
-    dkbg_k = tl.sum(dkbg * kn.to(tl.float32), 1)
+    dkbg_k = rk * tl.sum(dkbg * k.to(tl.float32), 1)
     dbeta += Gd * dkbg_k
     dgc += bG * dkbg_k
     dk += bG[:, None] * dkbg
-    dT = bG[None, :] * _dot(dw, tl.trans(kn), IEEE) + dT    # + dw (beta G k)^T
+    dT = (bG * rk)[None, :] * _dot(dw, tl.trans(k), IEEE) + dT    # + dw (beta G kn)^T
     # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
     dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
     dL = tl.where(strict, dL, 0.0)
     D = dL * gam
+    P = rk[:, None] * _dot(k, tl.trans(k), IEEE) * rk[None, :]      # kn kn^T
     dbeta += tl.sum(D * P, 1)
-    dk += beta[:, None] * _dot(D.to(DT), kn, IEEE)
-    tl.store(scratch + 64 * 64 + cc, (D * beta[:, None]).to(DT))
+    dk += beta[:, None] * _dot((D * rk[None, :]).to(DT), k, IEEE)      # D kn
+    tl.store(scratch + 64 * 64 + cc, (D * (beta * rk)[:, None]).to(DT))  # (diag(beta) D)^T kn
     dLL = dL * (beta[:, None] * P * gam)
     dgc += tl.sum(dLL, 1) - tl.sum(dLL, 0)
     tl.debug_barrier()  # the two scratch tiles are written: read them transposed
-    dk = _dot(tl.load(scratch + cc_t), qn, IEEE, dk)              # (dM Gamma)^T q
-    dk = _dot(tl.load(scratch + 64 * 64 + cc_t), kn, IEEE, dk)    # (diag(beta) D)^T k
+    dk = _dot(tl.load(scratch + cc_t), q, IEEE, dk)               # (s dM Gamma)^T qn
+    dk = _dot(tl.load(scratch + 64 * 64 + cc_t), k, IEEE, dk)     # (diag(beta) D)^T kn
     dgc = tl.where(o_c == last, dgc + dg_last, dgc)
     dgc = tl.where(m_c, dgc, 0.0)
     dg = tl.cumsum(dgc, 0, reverse=True)                     # through the within-chunk cumsum
@@ -579,26 +595,27 @@ def _grads_kernel(
     else:
         tl.store(DG + gate_offs, dg.to(DG.dtype.element_ty), mask=m_c)
         tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
-    if GROUP > 1:  # summed over the value heads of each key head by _group_reduce_kernel
-        part_tile = (gate_base * K) + o_c[:, None] * (HV * K) + o_k[None, :]
-        tl.store(DQP + part_tile, dq, mask=qk_mask)
-        tl.store(DKP + part_tile, dk, mask=qk_mask)
-        return
-    if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
-        q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        rq = tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-        dq = rq * (dq - q * rq * tl.sum(q * rq * dq, 1)[:, None])
-        k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        rk = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        dk = rk * (dk - k * rk * tl.sum(k * rk * dk, 1)[:, None])
-    tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_c[:, None] * stride_dqt + o_k[None, :],
-             dq.to(DQ.dtype.element_ty), mask=qk_mask)
-    tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_c[:, None] * stride_dkt + o_k[None, :],
-             dk.to(DK.dtype.element_ty), mask=qk_mask)
+    _store_qk_grad(dk, k, rk, DK + row0 * stride_dkt + hk * stride_dkh, o_c[:, None] * stride_dkt + o_k[None, :],
+                   DKP + part_tile, qk_mask, GROUP, L2NORM)
 
 
+@triton.jit
+def _l2norm_bwd(dy, x, r):
+    """d l2norm(x) = r (dy - y (y . dy)) = r dy - r^3 (x . dy) x, y = l2norm(x) = r x (fp32 rows)."""
+    return r[:, None] * dy - (r * r * r * tl.sum(x * dy, 1))[:, None] * x
+
+
+@triton.jit
+def _store_qk_grad(dx, x, rx, out, tile, partial, mask, GROUP: tl.constexpr, L2NORM: tl.constexpr):
+    """dq or dk of a chunk, from the gradient dx of the (normalised) rows: with one value head per key head the
+    final gradient at `out + tile` (with the l2norm backward), else the fp32 partial at `partial`, which
+    `_group_reduce_kernel` sums over the value heads of each key head (fixed order)."""
+    if GROUP > 1:
+        tl.store(partial, dx, mask=mask)
+    else:
+        if L2NORM:
+            dx = _l2norm_bwd(dx, x.to(tl.float32), rx)
+        tl.store(out + tile, dx.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -618,15 +635,13 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
     for j in range(GROUP):
         dq += tl.load(DQP + part + j * K, mask=mask, other=0.0)
         dk += tl.load(DKP + part + j * K, mask=mask, other=0.0)
-    if L2NORM:  # d l2norm(x) = r (dy - y (y . dy))
+    if L2NORM:
         q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_r[:, None] * stride_qt + o_k[None, :], mask=mask,
                     other=0.0).to(tl.float32)
-        rq = tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-        dq = rq * (dq - q * rq * tl.sum(q * rq * dq, 1)[:, None])
+        dq = _l2norm_bwd(dq, q, tl.rsqrt(tl.sum(q * q, 1) + 1e-6))
         k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_r[:, None] * stride_kt + o_k[None, :], mask=mask,
                     other=0.0).to(tl.float32)
-        rk = tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        dk = rk * (dk - k * rk * tl.sum(k * rk * dk, 1)[:, None])
+        dk = _l2norm_bwd(dk, k, tl.rsqrt(tl.sum(k * k, 1) + 1e-6))
     tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_r[:, None] * stride_dqt + o_k[None, :],
              dq.to(DQ.dtype.element_ty), mask=mask)
     tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_r[:, None] * stride_dkt + o_k[None, :],
@@ -634,13 +649,14 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 
 # ------------------------------------------------------------------ chunked gated delta rule: launch wrappers
 
-# launch settings, swept on an H100 (triton 3.6) at 8x1024 / 2x8192 fwd+bwd: 8-warp grads, 32-wide V blocks in the
-# recurrences and an 8-warp wu were slower; a 2-warp solve was ~7 % faster but has not run the GPU tests yet
+# launch settings, swept on an H100 (triton 3.6) at 8x1024 / 2x8192 fwd+bwd: 32-wide V blocks in the recurrences and
+# an 8-warp wu were slower; a 2-warp solve was ~7 % faster but has not run the GPU tests yet. The grads kernel's
+# loop over V blocks (block_v) has not been swept yet (an 8-warp grads was slower before it had that loop)
 CONFIG = {
     "solve": dict(num_warps=4, num_stages=2, block_k=32),
     "wu": dict(num_warps=4, num_stages=2, block_v=64),
     "recurrence": dict(num_warps=4, num_stages=3, block_v=64),
-    "grads": dict(num_warps=4, num_stages=2),
+    "grads": dict(num_warps=4, num_stages=2, block_v=64),
 }
 
 
@@ -672,7 +688,7 @@ class _Problem:
         self.BK = _block(self.K, least=self.least)
 
     def block_v(self, cap: int = 1 << 30) -> int:
-        return _block(self.V, cap, self.least)
+        return _block(self.V, cap, min(self.least, cap))
 
 
 def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
@@ -782,11 +798,11 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     dk_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
     cfg = CONFIG["grads"]
     launch(_grads_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
-           dt_bias if gate else g_in, p.cu, p.chunk_info, qn, kn, gc, A, hs, dhs, vn, dvn, do, scratch,
-           dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.H, p.HV, p.K, p.V, scale,
+           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, hs, dhs, vn, dvn, do, scratch,
+           dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.HV, p.K, p.V, scale,
            q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
            dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-           GROUP=p.group, BK=p.BK, BV=p.block_v(), L2NORM=l2norm, GATE=gate,
+           GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
            ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if grouped:
