@@ -649,14 +649,15 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 
 # ------------------------------------------------------------------ chunked gated delta rule: launch wrappers
 
-# launch settings, swept on an H100 (triton 3.6) at 8x1024 / 2x8192 fwd+bwd: 32-wide V blocks in the recurrences and
-# an 8-warp wu were slower; a 2-warp solve was ~7 % faster but has not run the GPU tests yet. The grads kernel's
-# loop over V blocks (block_v) has not been swept yet (an 8-warp grads was slower before it had that loop)
+# launch settings, swept on an H100 (triton 3.6) at 8x1024 / 2x8192 / 1x32768 fwd+bwd: 32-wide V blocks in the
+# recurrences and an 8-warp wu were slower; a 2-warp solve was ~7 % faster but has not run the GPU tests yet. The
+# grads kernel: 8 warps, 2 stages, 32-wide V blocks was the fastest of block_v 32/64 x warps 4/8 x stages 1/2
+# (3.25 / 6.44 / 14.40 ms against 3.70 / 7.35 / 16.21 with 4 warps and 64-wide blocks)
 CONFIG = {
     "solve": dict(num_warps=4, num_stages=2, block_k=32),
     "wu": dict(num_warps=4, num_stages=2, block_v=64),
     "recurrence": dict(num_warps=4, num_stages=3, block_v=64),
-    "grads": dict(num_warps=4, num_stages=2, block_v=64),
+    "grads": dict(num_warps=8, num_stages=2, block_v=32),
 }
 
 
