@@ -46,12 +46,15 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, G, RSTD, DX, DG, DW_PARTIAL, M, N, rows_per_program,
-    stride_dy, stride_x, stride_g, stride_dx, stride_dg,
-    MODE: tl.constexpr, ROUND_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DY, X, W, G, RSTD, DX, DG, DW_PARTIAL, Y, M, N, rows_per_program,
+    stride_dy, stride_x, stride_g, stride_dx, stride_dg, stride_y,
+    MODE: tl.constexpr, ROUND_T: tl.constexpr, STORE_Y: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # Each program owns a contiguous slab of rows and writes one fp32 partial of dweight: the partials
     # are summed afterwards in a fixed order, so dweight is deterministic (no atomics).
+    # STORE_Y (standard mode): also writes the forward's output y again, bit for bit (same x, rstd and w), for a
+    # caller that did not keep it; Y may be DY (each tile of dy is read before its y is stored).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -71,7 +74,10 @@ def _rms_norm_bwd_kernel(
         n = x * rstd
         if MODE == 0:
             dn = dy * w
-            dw_acc += tl.sum(dy * n.to(x_raw.dtype).to(tl.float32), axis=0)
+            n_cast = n.to(x_raw.dtype).to(tl.float32)
+            dw_acc += tl.sum(dy * n_cast, axis=0)
+            if STORE_Y:
+                tl.store(Y + rows64 * stride_y + cols[None, :], (n_cast * w).to(Y.dtype.element_ty), mask=mask)
         elif MODE == 1:
             dn = dy * (1.0 + w)
             dw_acc += tl.sum(dy * n, axis=0)
@@ -130,7 +136,8 @@ def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype)
     return y, rstd
 
 
-def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int):
+def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int, y=None):
+    """(dx, dweight, dgate); with `y` (standard mode) the forward's output is also written into it."""
     M, N = x.shape
     block_m, block_n, num_warps, programs = _bwd_config(N, x.device)
     rows_per_program = cdiv(cdiv(M, min(programs, cdiv(M, block_m))), block_m) * block_m
@@ -140,9 +147,11 @@ def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int):
     dw_partial = torch.empty((grid, N), dtype=torch.float32, device=x.device)
     g = gate if gate is not None else x
     dg = dgate if gate is not None else dx
+    y_out = y if y is not None else dx
     launch(_rms_norm_bwd_kernel, (grid,),
-        dy, x, weight, g, rstd, dx, dg, dw_partial, M, N, rows_per_program,
-        dy.stride(0), x.stride(0), g.stride(0), dx.stride(0), dg.stride(0),
-        MODE=mode, ROUND_T=_round_t(x, weight, mode), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        dy, x, weight, g, rstd, dx, dg, dw_partial, y_out, M, N, rows_per_program,
+        dy.stride(0), x.stride(0), g.stride(0), dx.stride(0), dg.stride(0), y_out.stride(0),
+        MODE=mode, ROUND_T=_round_t(x, weight, mode), STORE_Y=y is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return dx, dw_partial.sum(0).to(weight.dtype), dgate
