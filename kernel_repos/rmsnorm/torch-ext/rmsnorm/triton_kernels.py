@@ -99,6 +99,42 @@ def _rms_norm_bwd_kernel(
     tl.store(DW_PARTIAL + pid * N + cols, dw_acc, mask=col_mask)
 
 
+@triton.jit
+def _sum_partials_kernel(P, OUT_A, OUT_B, split, rows, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # program (group, column block): column sums of P[0:split] into OUT_A (group 0) or of P[split:rows] into
+    # OUT_B (group 1), in fp32, tile by tile in a fixed order (deterministic), cast to the outputs' dtype
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    begin = group * split
+    end = tl.where(group == 0, split, rows)
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    for start in range(begin, end, BLOCK_R):
+        r = start + tl.arange(0, BLOCK_R)
+        mask = (r < end)[:, None] & col_mask[None, :]
+        acc += tl.load(P + r.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if group == 0:
+        tl.store(OUT_A + cols, total.to(OUT_A.dtype.element_ty), mask=col_mask)
+    else:
+        tl.store(OUT_B + cols, total.to(OUT_B.dtype.element_ty), mask=col_mask)
+
+
+def sum_partials(partials: torch.Tensor, split: int, dtype: torch.dtype):
+    """Column sums of the fp32 (rows, N) `partials` (per-program partial weight gradients), cast to `dtype`, in
+    one launch (instead of a sum and a cast): (sum of rows [0, split), sum of rows [split, rows)); the second
+    is None when split == rows."""
+    rows, N = partials.shape
+    out_a = torch.empty(N, dtype=dtype, device=partials.device)
+    out_b = torch.empty(N, dtype=dtype, device=partials.device) if split < rows else None
+    block_n = min(256, next_power_of_2(N))
+    launch(_sum_partials_kernel, (1 if out_b is None else 2, cdiv(N, block_n)),
+        partials, out_a, out_b if out_b is not None else out_a, split, rows, N, BLOCK_R=32, BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out_a, out_b
+
+
 def _fwd_config(n_cols: int):
     """(BLOCK_M, BLOCK_N, num_warps): whole rows per program; several rows when rows are short."""
     block_n = next_power_of_2(n_cols)
@@ -154,4 +190,4 @@ def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int, y=None):
         MODE=mode, ROUND_T=_round_t(x, weight, mode), STORE_Y=y is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps,
     )
-    return dx, dw_partial.sum(0).to(weight.dtype), dgate
+    return dx, sum_partials(dw_partial, grid, weight.dtype)[0], dgate

@@ -385,7 +385,7 @@ def _qk_norm_rope_bwd(
         dq, dk = torch.empty_like(q), torch.empty_like(k)  # q's layout when q is dense
         dwq, dwk = qk_rope_bwd(dq_out, dk_out, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2),
                                q.transpose(1, 2), k.transpose(1, 2), q_weight, k_weight, eps, mode)
-        return dq, dk, dwq.to(q_weight.dtype), dwk.to(k_weight.dtype)
+        return dq, dk, dwq, dwk
     rq, rk, dwq, dwk = qk_norm_rope_bwd_reference(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, mode)
     return torch.empty_like(q).copy_(rq), torch.empty_like(k).copy_(rk), dwq, dwk
 

@@ -172,6 +172,7 @@ def _(dgate_up, x, norm_weight, rstd, gate_up_weight, has_gate_up_bias):
 def _rms_norm_gate_up_setup_context(ctx, inputs, output):
     x, norm_weight, _eps, gate_up_weight, gate_up_bias = inputs
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero gradient filled for rstd
     ctx.save_for_backward(x, norm_weight, output[1], gate_up_weight)
     ctx.has_gate_up_bias = gate_up_bias is not None
 
