@@ -97,10 +97,10 @@ def static_bytes(model, layers: int, est_layers: int) -> int:
     return 3 * params
 
 
-def report(config: str, records: list[dict], tokens: int, layers: int, static: float, chunk_bytes: int,
+def report(config: str, records: list[dict], tokens: int, seq: int, layers: int, static: float, chunk_bytes: int,
            est_tokens: int, est_layers: int) -> list[str]:
     per_layer = collections.defaultdict(lambda: [0, 0])  # producer (layer index folded) -> [bytes, storages]
-    outside = collections.defaultdict(lambda: [0, 0])
+    outside = collections.defaultdict(lambda: [0, 0])  # label -> [bytes, scales with the tokens]
     for r in records:
         layer_ids = {m.group(1) for m in _LAYER.finditer(" ".join([r["where"]] + r["also"]))}
         label = f"{_LAYER.sub('layers.*.', r['where'])} [{r['dtype']} {r['shape']}]"
@@ -108,7 +108,7 @@ def report(config: str, records: list[dict], tokens: int, layers: int, static: f
             label += " (also saved by " + "; ".join(_LAYER.sub("layers.*.", a) for a in r["also"]) + ")"
         entry = per_layer[label] if len(layer_ids) == 1 else outside[label + (" (shared by layers)" if layer_ids else "")]
         entry[0] += r["nbytes"]
-        entry[1] += 1
+        entry[1] += 1 if len(layer_ids) == 1 else bool({tokens, seq} & set(r["shape"]))
     lines = [f"## {config}: {tokens} tokens, {layers} layer(s)", "",
              "| saved in every decoder layer (first saver) | storages / layer | bytes / token / layer |",
              "| --- | ---: | ---: |"]
@@ -121,13 +121,14 @@ def report(config: str, records: list[dict], tokens: int, layers: int, static: f
         lines.append(f"| {label} | {b} |")
     gib = 2**30
     est_acts = layer_total * est_tokens * est_layers
-    # outside the layers: per-token tensors scale with the tokens; vocabulary-sized ones (the loss's dW) do not
-    est_outside = sum(b * (est_tokens / tokens if b < 2**24 else 1) for b, _ in outside.values())
+    # outside the layers: tensors with a token or sequence dimension scale with the tokens, the others (the
+    # loss's vocabulary-sized dW, cos / sin of one sequence are counted as per token) do not
+    est_outside = sum(b * (est_tokens / tokens if per_token else 1) for b, per_token in outside.values())
     peak = static + est_acts + est_outside + chunk_bytes
     lines += ["", f"Estimate for {est_tokens} tokens x {est_layers} layers: parameters + AdamW states "
               f"{static / gib:.2f} GiB, layer activations {est_acts / gib:.2f} GiB, outside the layers "
               f"{est_outside / gib:.2f} GiB, loss chunk buffer {chunk_bytes / gib:.2f} GiB: CUDA peak (end of the "
-              f"forward, in the loss) ~{peak / gib:.2f} GiB"]
+              f"forward, in the loss; saved tensors only, no transient buffers) ~{peak / gib:.2f} GiB"]
     return lines
 
 
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
             records, loss = saved_tensors(model, batch)
             loss.backward()
             static = static_bytes(model, args.layers, args.est_layers)
-            print("\n".join(report(config, records, args.batch * args.seq, args.layers, static, chunk,
+            print("\n".join(report(config, records, args.batch * args.seq, args.seq, args.layers, static, chunk,
                                    args.est_tokens, args.est_layers)) + "\n", flush=True)
             del model
     return 0
