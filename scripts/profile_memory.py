@@ -11,6 +11,7 @@ forward (the backward frees a layer's activations before the next one's grads gr
 
     python scripts/profile_memory.py                       # Qwen3-0.6B widths, 2 layers, 2 x 64 tokens, bf16
     python scripts/profile_memory.py --configs ours --layers 1 --seq 128
+    python scripts/profile_memory.py --tiny                # the same structure at tiny widths (a smoke run)
 
 The model is the Qwen3-0.6B slice of scripts/bench.py (built from its config, saved, loaded with
 from_pretrained as there); kernels are the local builds. On CPU our ops run their torch reference paths
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--tiny", action="store_true", help="the --smoke widths of scripts/bench.py (hidden 64)")
     p.add_argument("--est-tokens", type=int, default=8 * 1024)
     p.add_argument("--est-layers", type=int, default=28)
     args = p.parse_args(argv)
@@ -148,7 +150,7 @@ def main(argv=None) -> int:
     from tests.utils import load, register_local_kernels
 
     register_local_kernels(*presets.kernel_repos("qwen3"))
-    cfg = bench.slice_config("qwen3_0_6b", args.layers, smoke=False)
+    cfg = bench.slice_config("qwen3_0_6b", args.layers, smoke=args.tiny)
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
