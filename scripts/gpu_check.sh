@@ -16,6 +16,9 @@
 #                                                    peers --configs ours_compile`); rows add up in $OUT/dense.
 #                                                    A part stops launching runs after its budget (DENSE_PEERS_S,
 #                                                    DENSE_ATTN_S, DENSE_MOE_S seconds); rows left say so.
+#   bash scripts/gpu_check.sh host [args]            host time and launches of one Qwen3-0.6B decoder layer, fwd and
+#                                                    bwd, HF against hubfuse (scripts/host_per_layer.py; e.g.
+#                                                    `host --configs eager ours ours@cudnn ours@flash --table 25`)
 #   bash scripts/gpu_check.sh kernels-benchmark      `kernels benchmark` over every repo
 #   bash scripts/gpu_check.sh demo                   scripts/demo.py
 #   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
@@ -109,6 +112,8 @@ case "$step" in
     echo "=== dense report ($(date +%T))"
     python3 scripts/bench.py --report-only --out "$dense_out" || status=1
     exit $status ;;
+  host)
+    python3 scripts/host_per_layer.py "$@" 2>&1 | tee "$OUT/host_per_layer.log" | grep -v "^\s*$" | tail -n 120 ;;
   kernels-benchmark)
     timeout 150 python3 scripts/kernels_benchmark.py --iterations 50 --warmup 5 >/dev/null 2>&1
     tail -n 3 "$OUT/kernels_benchmark.log" ;;
@@ -173,6 +178,6 @@ case "$step" in
     ls "$OUT"/bench_distributed_*.json "$OUT"/bench_torchtitan_*.json 2>/dev/null
     exit $status ;;
   *)
-    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, dense, kernels-benchmark, demo, dist, scale)" >&2
+    echo "gpu_check.sh: unknown step '$step' (tests, ab, ops, train, dense, host, kernels-benchmark, demo, dist, scale)" >&2
     exit 2 ;;
 esac

@@ -181,3 +181,38 @@ def test_same_dtype_output_equals_hf_eager(variant):
     mismatched = (got != want).float().mean().item()
     assert mismatched < 0.01, f"{variant}: {mismatched:.1%} of elements differ from HF eager"
     torch.testing.assert_close(got, want, atol=0, rtol=2e-3)
+
+
+@pytest.mark.parametrize("triton_path", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_recompute_rebuilds_the_forward_output_bitwise(triton_path, dtype, monkeypatch):
+    # rms_norm_backward_recompute: the same dx / dweight as the plain backward, and y equal to the forward's
+    from hubfuse.rmsnorm import ops
+
+    if not triton_path:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, _, w, dy = _inputs((37, 48), dtype, "cuda" if torch.cuda.is_available() else "cpu", seed=3)
+    y, rstd = ops.rms_norm_forward(x, w, EPS)
+    dx, dw, _ = ops._bwd_impl(dy, x, w, None, rstd, R.STANDARD)
+    dx2, dw2, y2 = ops.rms_norm_backward_recompute(dy.clone(), x, w, rstd)
+    for a, b in ((y2, y), (dx2, dx), (dw2, dw)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows, split, n", [(1, 1, 5), (70, 70, 1024), (77, 33, 130), (5, 4, 300)])
+def test_sum_partials_matches_torch_column_sums(rows, split, n):
+    # the one-launch reduction of the backward's per-program dweight partials, one or two groups of rows
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    from hubfuse.rmsnorm.triton_kernels import sum_partials
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    partials = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).to(device)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):  # bf16: one ulp
+        a, b = sum_partials(partials, split, dtype)
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), partials[:split].double().sum(0), atol=tol, rtol=tol)
+        if split == rows:
+            assert b is None
+        else:
+            torch.testing.assert_close(b.double(), partials[split:].double().sum(0), atol=tol, rtol=tol)

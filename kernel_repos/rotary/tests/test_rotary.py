@@ -522,3 +522,40 @@ def test_qk_norm_rope_gpu_bf16(Hq, Hk, D, R, mode, strided, flip_row_tile, monke
         _close_bf16(a, b, name, 4)
     for name, a, b in zip(("dwq", "dwk"), got[2:], ref[2:]):  # sums over 2.6e5 / 3.3e4 rows, bf16 output
         torch.testing.assert_close(a.double(), b, atol=1e-2 * b.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qkv_projections_vs_float64(dtype, bias):
+    # the attention Layers' q/k/v op: outputs and every gradient against float64 nn.Linear math
+    torch.manual_seed(11)
+    hidden, outs = 24, (32, 16, 16)
+    x = torch.randn(2, 5, hidden, dtype=dtype, device=DEV)
+    mods = [torch.nn.Linear(hidden, n, bias=bias, dtype=dtype, device=DEV) for n in outs]
+    grads_out = [torch.randn(2, 5, n, dtype=dtype, device=DEV) for n in outs]
+    x_leaf = x.clone().requires_grad_()
+    got = ops._qkv_projections(x_leaf, *mods)
+    torch.autograd.backward(got, grads_out)
+    ref_mods = [torch.nn.Linear(hidden, n, bias=bias, dtype=torch.float64, device=DEV) for n in outs]
+    with torch.no_grad():
+        for m, r in zip(mods, ref_mods):
+            r.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    x64 = x.double().requires_grad_()
+    ref = [m(x64) for m in ref_mods]
+    torch.autograd.backward(ref, [g.double() for g in grads_out])
+    atol, rtol = TOL[dtype]
+    pairs = [(x_leaf.grad, x64.grad)] + list(zip(got, ref))
+    for m, r in zip(mods, ref_mods):
+        pairs += [(m.weight.grad, r.weight.grad)] + ([(m.bias.grad, r.bias.grad)] if bias else [])
+    for a, b in pairs:
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, atol=atol * b.abs().max().item(), rtol=rtol)
+
+
+def test_qkv_projections_calls_modules_with_hooks():
+    # a forward hook (an adapter, a profiler) on one projection keeps the modules' own calls
+    mods = [torch.nn.Linear(8, 8, device=DEV) for _ in range(3)]
+    seen = []
+    mods[1].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    ops._qkv_projections(torch.randn(3, 8, device=DEV), *mods)
+    assert seen == [torch.Size([3, 8])]

@@ -157,6 +157,26 @@ def test_rms_norm_swiglu_mlp_vs_float64(x_shape, inter, dtype):
         _assert_close(g, r, dtype, f"d{name}")
 
 
+def test_rms_norm_swiglu_mlp_keeps_no_norm_output_for_backward():
+    # the fusion saves x, rstd and gate_up (and parameters), not the norm's output (the gate/up GEMM's input)
+    torch.manual_seed(4)
+    x, w_gu, w_d, _, _ = _mlp_inputs((3, 7, 32), 24, torch.float32, False)
+    leaves = [_leaf(t) for t in (x, 1.0 + 0.3 * torch.randn(32, device=DEV), w_gu, w_d)]
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = swiglu.rms_norm_swiglu_mlp(leaves[0], leaves[1], 1e-6, leaves[2], leaves[3])
+    params = {t.untyped_storage().data_ptr() for t in leaves[1:]}
+    activations = sum(n for ptr, n in saved.items() if ptr not in params)
+    tokens = 21
+    assert activations == tokens * 4 * (32 + 2 * 24 + 1)  # x, gate_up, rstd (fp32)
+    out.sum().backward()
+
+
 def test_swiglu_mlp_matches_hf_two_gemm_eager():
     # the HF module computes gate_proj and up_proj separately: same result as one GEMM on the fused weight
     torch.manual_seed(3)

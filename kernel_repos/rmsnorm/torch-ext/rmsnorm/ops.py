@@ -33,6 +33,25 @@ def _bwd_impl(dy, x, weight, gate, rstd, mode):
     return rms_norm_bwd_reference(dy, x, weight, gate, rstd, mode)
 
 
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Implementation of the Llama/Qwen RMSNorm forward on 2-D `x` (no autograd, for other ops' implementations):
+    (y, rstd) with rstd in fp32."""
+    return _fwd_impl(x, weight, None, eps, STANDARD)
+
+
+def rms_norm_backward_recompute(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    """Implementation of the Llama/Qwen RMSNorm backward on 2-D tensors that also rebuilds the forward's output
+    bit for bit from (x, weight, rstd), for an op that saved x but not y: (dx, dweight, y). On the Triton path the
+    same kernel writes y (over `dy`, which it no longer needs), so keeping y costs one store, not a pass."""
+    if use_triton(x):
+        from .triton_kernels import rms_norm_bwd
+
+        dx, dw, _ = rms_norm_bwd(dy, x, weight, None, rstd, STANDARD, y=dy)
+        return dx, dw, dy
+    dx, dw, _ = rms_norm_bwd_reference(dy, x, weight, None, rstd, STANDARD)
+    return dx, dw, weight * (x.float() * rstd[:, None]).to(x.dtype)  # rms_norm_hf's y from the saved rstd
+
+
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor, mode: int) -> torch.dtype:
     # HF: standard returns `weight * h.to(x.dtype)` (type promotion); the others cast back to x.dtype
     return torch.promote_types(weight.dtype, x.dtype) if mode == STANDARD else x.dtype
@@ -67,6 +86,7 @@ def _(dy, x, weight, gate, rstd, mode):
 def _setup_context(ctx, inputs, output):
     x, weight, gate, eps, mode = inputs
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # else autograd fills a zero gradient for rstd (a launch) that nothing reads
     ctx.save_for_backward(x, weight, gate, output[1])
     ctx.mode = mode
 
@@ -81,7 +101,8 @@ def _backward(ctx, dy, _drstd):
 _rms_norm = differentiable_op(_rms_norm_fwd, _setup_context, _backward)
 
 
-def _check_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor]) -> None:
+def check_rms_norm_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor]) -> None:
+    """The RMSNorm family's argument checks (also run by ops that fuse an RMSNorm)."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"{name}: hidden_states and weight must be tensors")
     if not x.is_floating_point():
@@ -111,7 +132,7 @@ def _check_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate: Option
 
 
 def _apply(name, x, weight, gate, eps, mode):
-    _check_inputs(name, x, weight, gate)
+    check_rms_norm_inputs(name, x, weight, gate)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     g2 = gate.reshape(-1, shape[-1]).contiguous() if gate is not None else None

@@ -46,12 +46,15 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, G, RSTD, DX, DG, DW_PARTIAL, M, N, rows_per_program,
-    stride_dy, stride_x, stride_g, stride_dx, stride_dg,
-    MODE: tl.constexpr, ROUND_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DY, X, W, G, RSTD, DX, DG, DW_PARTIAL, Y, M, N, rows_per_program,
+    stride_dy, stride_x, stride_g, stride_dx, stride_dg, stride_y,
+    MODE: tl.constexpr, ROUND_T: tl.constexpr, STORE_Y: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # Each program owns a contiguous slab of rows and writes one fp32 partial of dweight: the partials
     # are summed afterwards in a fixed order, so dweight is deterministic (no atomics).
+    # STORE_Y (standard mode): also writes the forward's output y again, bit for bit (same x, rstd and w), for a
+    # caller that did not keep it; Y may be DY (each tile of dy is read before its y is stored).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -71,7 +74,10 @@ def _rms_norm_bwd_kernel(
         n = x * rstd
         if MODE == 0:
             dn = dy * w
-            dw_acc += tl.sum(dy * n.to(x_raw.dtype).to(tl.float32), axis=0)
+            n_cast = n.to(x_raw.dtype).to(tl.float32)
+            dw_acc += tl.sum(dy * n_cast, axis=0)
+            if STORE_Y:
+                tl.store(Y + rows64 * stride_y + cols[None, :], (n_cast * w).to(Y.dtype.element_ty), mask=mask)
         elif MODE == 1:
             dn = dy * (1.0 + w)
             dw_acc += tl.sum(dy * n, axis=0)
@@ -91,6 +97,42 @@ def _rms_norm_bwd_kernel(
         dx = rstd * (dn - n * (tl.sum(dn * n, axis=1) / N)[:, None])
         tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + pid * N + cols, dw_acc, mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(P, OUT_A, OUT_B, split, rows, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # program (group, column block): column sums of P[0:split] into OUT_A (group 0) or of P[split:rows] into
+    # OUT_B (group 1), in fp32, tile by tile in a fixed order (deterministic), cast to the outputs' dtype
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    begin = group * split
+    end = tl.where(group == 0, split, rows)
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    for start in range(begin, end, BLOCK_R):
+        r = start + tl.arange(0, BLOCK_R)
+        mask = (r < end)[:, None] & col_mask[None, :]
+        acc += tl.load(P + r.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if group == 0:
+        tl.store(OUT_A + cols, total.to(OUT_A.dtype.element_ty), mask=col_mask)
+    else:
+        tl.store(OUT_B + cols, total.to(OUT_B.dtype.element_ty), mask=col_mask)
+
+
+def sum_partials(partials: torch.Tensor, split: int, dtype: torch.dtype):
+    """Column sums of the fp32 (rows, N) `partials` (per-program partial weight gradients), cast to `dtype`, in
+    one launch (instead of a sum and a cast): (sum of rows [0, split), sum of rows [split, rows)); the second
+    is None when split == rows."""
+    rows, N = partials.shape
+    out_a = torch.empty(N, dtype=dtype, device=partials.device)
+    out_b = torch.empty(N, dtype=dtype, device=partials.device) if split < rows else None
+    block_n = min(256, next_power_of_2(N))
+    launch(_sum_partials_kernel, (1 if out_b is None else 2, cdiv(N, block_n)),
+        partials, out_a, out_b if out_b is not None else out_a, split, rows, N, BLOCK_R=32, BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out_a, out_b
 
 
 def _fwd_config(n_cols: int):
@@ -130,7 +172,8 @@ def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype)
     return y, rstd
 
 
-def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int):
+def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int, y=None):
+    """(dx, dweight, dgate); with `y` (standard mode) the forward's output is also written into it."""
     M, N = x.shape
     block_m, block_n, num_warps, programs = _bwd_config(N, x.device)
     rows_per_program = cdiv(cdiv(M, min(programs, cdiv(M, block_m))), block_m) * block_m
@@ -140,9 +183,11 @@ def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int):
     dw_partial = torch.empty((grid, N), dtype=torch.float32, device=x.device)
     g = gate if gate is not None else x
     dg = dgate if gate is not None else dx
+    y_out = y if y is not None else dx
     launch(_rms_norm_bwd_kernel, (grid,),
-        dy, x, weight, g, rstd, dx, dg, dw_partial, M, N, rows_per_program,
-        dy.stride(0), x.stride(0), g.stride(0), dx.stride(0), dg.stride(0),
-        MODE=mode, ROUND_T=_round_t(x, weight, mode), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        dy, x, weight, g, rstd, dx, dg, dw_partial, y_out, M, N, rows_per_program,
+        dy.stride(0), x.stride(0), g.stride(0), dx.stride(0), dg.stride(0), y_out.stride(0),
+        MODE=mode, ROUND_T=_round_t(x, weight, mode), STORE_Y=y is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps,
     )
-    return dx, dw_partial.sum(0).to(weight.dtype), dgate
+    return dx, sum_partials(dw_partial, grid, weight.dtype)[0], dgate

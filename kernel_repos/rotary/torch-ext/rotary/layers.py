@@ -25,7 +25,7 @@ from torch import nn
 
 from hubfuse._common.causal_marker import is_causal_marker
 from hubfuse.rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
-from .ops import apply_rotary_pos_emb, qk_norm_rope, qk_norm_rope_zero_centered
+from .ops import _qkv_projections, apply_rotary_pos_emb, qk_norm_rope, qk_norm_rope_zero_centered
 from .reference import apply_rotary_pos_emb_hf
 
 
@@ -117,17 +117,21 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
                        gated: bool, fused: bool, qk_norm: bool = True):
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
+    if fused:  # one op: the backward sums the three input gradients inside its GEMMs
+        q, k, v = _qkv_projections(hidden_states, module.q_proj, module.k_proj, module.v_proj)
+    else:
+        q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
     if not qk_norm:  # Llama / Qwen2: RoPE on the (B, H, S, D) projections, as HF
-        query_states = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = q.view(hidden_shape).transpose(1, 2)
+        key_states = k.view(hidden_shape).transpose(1, 2)
     elif gated:
-        q_raw, gate = torch.chunk(module.q_proj(hidden_states).view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
+        q_raw, gate = torch.chunk(q.view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
         gate = gate.reshape(*input_shape, -1)
     else:
-        q_raw = module.q_proj(hidden_states).view(hidden_shape)
+        q_raw = q.view(hidden_shape)
     if qk_norm:
-        k_raw = module.k_proj(hidden_states).view(hidden_shape)
-    value_states = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k_raw = k.view(hidden_shape)
+    value_states = v.view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
 
     if not qk_norm:

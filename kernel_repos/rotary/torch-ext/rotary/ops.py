@@ -15,10 +15,13 @@ none). When cos or sin require grad (with grad mode on), the out-of-place functi
 expression instead, which autograd differentiates in every input; the in-place one raises.
 """
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 
 from hubfuse._common.checks import first_order
-from hubfuse._common.device import use_triton
+from hubfuse._common.device import autocast_dtype, use_triton
 from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from .reference import (
     NONE, STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_bwd_reference, qk_norm_rope_hf,
@@ -385,7 +388,7 @@ def _qk_norm_rope_bwd(
         dq, dk = torch.empty_like(q), torch.empty_like(k)  # q's layout when q is dense
         dwq, dwk = qk_rope_bwd(dq_out, dk_out, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2),
                                q.transpose(1, 2), k.transpose(1, 2), q_weight, k_weight, eps, mode)
-        return dq, dk, dwq.to(q_weight.dtype), dwk.to(k_weight.dtype)
+        return dq, dk, dwq, dwk
     rq, rk, dwq, dwk = qk_norm_rope_bwd_reference(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, mode)
     return torch.empty_like(q).copy_(rq), torch.empty_like(k).copy_(rk), dwq, dwk
 
@@ -494,6 +497,75 @@ def qk_norm_rope_flat(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, zer
         return torch.cat([q_out.reshape(-1), k_out.reshape(-1)])
     return _qk_norm_rope_flat_op(_last_contig(q), _last_contig(k), q_weight.contiguous(), k_weight.contiguous(),
                                  *_cos_sin(cos, sin), float(eps), mode)
+
+
+# ----------------------------------------------------------------------------- q/k/v projections
+
+@custom_op("qkv_proj_fwd")
+def _qkv_proj_fwd(
+    x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
+    q_bias: Optional[torch.Tensor], k_bias: Optional[torch.Tensor], v_bias: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return F.linear(x, q_weight, q_bias), F.linear(x, k_weight, k_bias), F.linear(x, v_weight, v_bias)
+
+
+@_qkv_proj_fwd.register_fake
+def _(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias):
+    return tuple(x.new_empty((*x.shape[:-1], w.shape[0])) for w in (q_weight, k_weight, v_weight))
+
+
+@custom_op("qkv_proj_bwd")
+def _qkv_proj_bwd(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor, q_weight: torch.Tensor,
+    k_weight: torch.Tensor, v_weight: torch.Tensor, has_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dq_weight, dk_weight, dv_weight, dq_bias, dk_bias, dv_bias; the biases' empty without biases)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    grads = [g.reshape(-1, g.shape[-1]) for g in (dq, dk, dv)]
+    dx = grads[0] @ q_weight
+    dx.addmm_(grads[1], k_weight).addmm_(grads[2], v_weight)  # accumulated in the GEMMs: no add kernels
+    dws = [g.t() @ x2 for g in grads]
+    dbs = [g.sum(0) if has_bias else x.new_empty(0) for g in grads]
+    return (dx.view(x.shape), *dws, *dbs)
+
+
+@_qkv_proj_bwd.register_fake
+def _(dq, dk, dv, x, q_weight, k_weight, v_weight, has_bias):
+    dbs = [x.new_empty(w.shape[0]) if has_bias else x.new_empty(0) for w in (q_weight, k_weight, v_weight)]
+    return (torch.empty_like(x), torch.empty_like(q_weight), torch.empty_like(k_weight), torch.empty_like(v_weight),
+            *dbs)
+
+
+def _qkv_proj_setup_context(ctx, inputs, output):
+    x, q_weight, k_weight, v_weight, q_bias, _, _ = inputs
+    ctx.save_for_backward(x, q_weight, k_weight, v_weight)
+    ctx.has_bias = q_bias is not None
+
+
+@first_order("qkv_projections")
+def _qkv_proj_backward(ctx, dq, dk, dv):
+    x, q_weight, k_weight, v_weight = ctx.saved_tensors
+    dx, dwq, dwk, dwv, dbq, dbk, dbv = call(ctx, _qkv_proj_bwd, dq, dk, dv, x, q_weight, k_weight, v_weight,
+                                            ctx.has_bias)
+    biases = (dbq, dbk, dbv) if ctx.has_bias else (None, None, None)
+    return (dx, dwq, dwk, dwv, *biases)
+
+
+_qkv_proj_op = differentiable_op(_qkv_proj_fwd, _qkv_proj_setup_context, _qkv_proj_backward)
+
+
+def _qkv_projections(x: torch.Tensor, q_proj, k_proj, v_proj) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`q_proj(x), k_proj(x), v_proj(x)` of three `nn.Linear`s as one op whose backward accumulates the three
+    input gradients in its GEMMs (two add kernels fewer). The modules themselves are called (hooks, adapters,
+    other Linear classes, autocast, mixed dtypes or biases kept) unless all three are plain hook-free
+    `nn.Linear`s of x's dtype, all biased or none."""
+    mods = (q_proj, k_proj, v_proj)
+    plain = (all(type(m) is torch.nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in mods)
+             and all(m.weight.dtype == x.dtype for m in mods) and len({m.bias is None for m in mods}) == 1
+             and autocast_dtype(x) is None)
+    if not plain:
+        return q_proj(x), k_proj(x), v_proj(x)
+    return _qkv_proj_op(x, q_proj.weight, k_proj.weight, v_proj.weight, q_proj.bias, k_proj.bias, v_proj.bias)
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "apply_rotary_pos_emb_", "qk_norm_rope",

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from hubfuse._common.device import sm_count
 from hubfuse._common.launch import cdiv, next_power_of_2, launch
+from hubfuse.rmsnorm.triton_kernels import sum_partials
 from .reference import NONE, STANDARD
 
 
@@ -508,7 +509,7 @@ def _num_programs(device: torch.device) -> int:
 
 def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None, k_weight=None, eps=0.0,
                 norm=NONE):
-    """Writes the input grads into dq / dk; with a norm, returns fp32 (dq_weight, dk_weight)."""
+    """Writes the input grads into dq / dk; with a norm, returns (dq_weight, dk_weight) in q_weight's dtype."""
     B, Hq, S, D = dq_out.shape
     Hk = dk_out.shape[1]
     R = cos.shape[-1]
@@ -526,8 +527,8 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
         rpp_k = cdiv(blocks_k, n_k) * block_m
     n_prog_q, n_prog_k = cdiv(Mq, rpp_q), cdiv(Mk, rpp_k)
     if norm != NONE:
-        dwq = torch.empty((n_prog_q, D), dtype=torch.float32, device=dq.device)
-        dwk = torch.empty((n_prog_k, D), dtype=torch.float32, device=dq.device)
+        dw_partials = torch.empty((n_prog_q + n_prog_k, D), dtype=torch.float32, device=dq.device)
+        dwq, dwk = dw_partials[:n_prog_q], dw_partials[n_prog_q:]
         qx, kx, wq, wk = q, k, q_weight, k_weight
     else:
         dwq = dwk = cos
@@ -545,5 +546,5 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
         enable_fp_fusion=False,  # keep autograd's separate roundings (see the module docstring)
     )
     if norm != NONE:
-        return dwq.sum(0), dwk.sum(0)
+        return sum_partials(dw_partials, n_prog_q, q_weight.dtype)
     return None

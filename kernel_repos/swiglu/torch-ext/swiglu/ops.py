@@ -11,6 +11,11 @@ autograd.Function, `_custom_op.differentiable_op`: no dispatcher cost):
   buffer beyond `dh`. `gate_up` is an internal of `swiglu_mlp` (never exposed), and autograd's version counter
   turns a second backward over the same graph (`retain_graph=True`) into an error rather than a wrong result.
 
+- `rms_norm_gate_up_fwd` / `rms_norm_gate_up_bwd`: the RMSNorm followed by the gate/up GEMM, the head of the
+  fused `rms_norm_swiglu_mlp`. It saves the norm's input and rstd but not its output (the GEMM's input): the
+  backward's RMSNorm kernel rebuilds that output bit for bit while it reads the same rows for dx, so the fusion
+  keeps one hidden-sized activation per token instead of two.
+
 `swiglu_mlp(x, ...)` = `F.linear(x, gate_up_weight)` (one GEMM instead of two) + `swiglu_down`.
 Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on CPU under
 `TRITON_INTERPRET=1`), the torch reference otherwise.
@@ -23,7 +28,7 @@ import torch.nn.functional as F
 from hubfuse._common.checks import first_order
 from hubfuse._common.device import autocast_dtype, use_triton
 from hubfuse._common.custom_op import call, custom_op, differentiable_op
-from hubfuse.rmsnorm.ops import rms_norm
+from hubfuse.rmsnorm.ops import check_rms_norm_inputs, rms_norm, rms_norm_backward_recompute, rms_norm_forward
 from .reference import swiglu_bwd_reference, swiglu_fwd_reference
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -130,6 +135,61 @@ def _swiglu_down_backward(ctx, dout):
 _swiglu_down = differentiable_op(_swiglu_down_fwd, _swiglu_down_setup_context, _swiglu_down_backward)
 
 
+# ---------------------------------------------------------------- RMSNorm + gate/up GEMM
+@custom_op("rms_norm_gate_up_fwd")
+def _rms_norm_gate_up_fwd(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    normed, rstd = rms_norm_forward(x, norm_weight, eps)
+    return F.linear(normed, gate_up_weight, gate_up_bias), rstd
+
+
+@_rms_norm_gate_up_fwd.register_fake
+def _(x, norm_weight, eps, gate_up_weight, gate_up_bias):
+    return x.new_empty((x.shape[0], gate_up_weight.shape[0])), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@custom_op("rms_norm_gate_up_bwd")
+def _rms_norm_gate_up_bwd(
+    dgate_up: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor,
+    gate_up_weight: torch.Tensor, has_gate_up_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d norm_weight, d gate_up_weight, d gate_up_bias or an empty tensor)."""
+    dnormed = dgate_up @ gate_up_weight
+    dx, d_norm_weight, normed = rms_norm_backward_recompute(dnormed, x, norm_weight, rstd)
+    d_gate_up_weight = dgate_up.t() @ normed
+    d_gate_up_bias = dgate_up.sum(0) if has_gate_up_bias else dgate_up.new_empty(0)
+    return dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias
+
+
+@_rms_norm_gate_up_bwd.register_fake
+def _(dgate_up, x, norm_weight, rstd, gate_up_weight, has_gate_up_bias):
+    d_bias = dgate_up.new_empty(dgate_up.shape[1]) if has_gate_up_bias else dgate_up.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(gate_up_weight), d_bias
+
+
+def _rms_norm_gate_up_setup_context(ctx, inputs, output):
+    x, norm_weight, _eps, gate_up_weight, gate_up_bias = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero gradient filled for rstd
+    ctx.save_for_backward(x, norm_weight, output[1], gate_up_weight)
+    ctx.has_gate_up_bias = gate_up_bias is not None
+
+
+@first_order("rms_norm_swiglu_mlp")
+def _rms_norm_gate_up_backward(ctx, dgate_up, _drstd):
+    x, norm_weight, rstd, gate_up_weight = ctx.saved_tensors
+    dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias = call(
+        ctx, _rms_norm_gate_up_bwd, dgate_up.contiguous(), x, norm_weight, rstd, gate_up_weight,
+        ctx.has_gate_up_bias)
+    return dx, d_norm_weight, None, d_gate_up_weight, (d_gate_up_bias if ctx.has_gate_up_bias else None)
+
+
+_rms_norm_gate_up = differentiable_op(_rms_norm_gate_up_fwd, _rms_norm_gate_up_setup_context,
+                                      _rms_norm_gate_up_backward)
+
+
 # ---------------------------------------------------------------- input checks
 def _check_tensor(name: str, what: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
@@ -223,6 +283,21 @@ def rms_norm_swiglu_mlp(
     gate_up_bias: Optional[torch.Tensor] = None,
     down_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """`swiglu_mlp(rms_norm(x, norm_weight, eps), ...)`: Llama/Qwen RMSNorm (hubfuse rmsnorm kernel), then the MLP."""
-    normed = rms_norm(hidden_states, norm_weight, eps)
-    return swiglu_mlp(normed, gate_up_weight, down_weight, gate_up_bias, down_bias)
+    """`swiglu_mlp(rms_norm(x, norm_weight, eps), ...)`: Llama/Qwen RMSNorm (hubfuse rmsnorm kernel), then the MLP.
+
+    When the norm's output has the MLP's dtype and autocast is off (a bf16 or fp32 model), the norm and the
+    gate/up GEMM run as one op that does not keep the norm's output for the backward (see the module docstring);
+    otherwise (autocast, mixed dtypes) the two calls above, with the same results.
+    """
+    fused = (isinstance(hidden_states, torch.Tensor) and isinstance(norm_weight, torch.Tensor)
+             and autocast_dtype(hidden_states) is None and hidden_states.dtype == norm_weight.dtype)
+    if not fused:
+        normed = rms_norm(hidden_states, norm_weight, eps)
+        return swiglu_mlp(normed, gate_up_weight, down_weight, gate_up_bias, down_bias)
+    check_rms_norm_inputs("rms_norm_swiglu_mlp", hidden_states, norm_weight, None)
+    _check_mlp("rms_norm_swiglu_mlp", hidden_states, gate_up_weight, down_weight, gate_up_bias, down_bias)
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1]).contiguous()
+    gate_up, _ = _rms_norm_gate_up(x, norm_weight.contiguous(), float(eps), gate_up_weight, gate_up_bias)
+    out = _swiglu_down(gate_up, down_weight, down_bias)
+    return out.view(*shape[:-1], down_weight.shape[0])
