@@ -25,6 +25,9 @@ One forward of an expert-parallel experts module:
      static split sizes, nothing dropped, ep x C rows per rank into the grouped GEMM (whose skipped slots cost
      no GEMM work). The wire carries ep x C rows instead of the ~ep x T x P(a token has an expert on a rank)
      of the sized exchange: 1.1x at 128 experts top-8 over 4 ranks (P = 0.90), 1.5x over 8 ranks (P = 0.66).
+     With `chunks=N` (N > 1) the call's tokens go in N pieces of ceil(C / N) rows per destination, pipelined
+     with the local experts, forward and backward, so that one piece's all-to-alls overlap another's GEMMs
+     (`_PipelinedExperts`, below).
 2. dispatch: one all-to-all of the packed rows (hidden state, the token's top-k weights, its expert ids local to
    the receiving rank, where the experts of other ranks become the sentinel E/ep that the kernel skips).
 3. `moe_experts` (grouped GEMM, SwiGLU, weighted sum over this rank's slots) on the received rows.
@@ -38,14 +41,13 @@ torchtitan and transformers: data-parallel averaging must divide it by the numbe
 dp x ep of them), not by the number of copies of the expert (`hubfuse.distributed.fully_shard_model` sets
 FSDP2's gradient divide factor so). The exchange is eager code: under `torch.compile` it is a graph break.
 """
-import math
 from types import MethodType
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from hubfuse._common.checks import check_range
+from hubfuse._common.checks import check_range, first_order
 
 DISTRIBUTED = torch.distributed.is_available()
 if DISTRIBUTED:
@@ -56,6 +58,7 @@ if DISTRIBUTED:
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _ALIGN = 16  # bytes: each packed field starts aligned, so it can be viewed back as its dtype
 _CAPACITY_ATTR = "_hubfuse_ep_capacity"  # on an experts module: the fixed per-rank token capacity, or None (sized)
+_CHUNKS_ATTR = "_hubfuse_ep_chunks"  # on an experts module: pieces of the fixed-capacity exchange's pipeline
 
 
 # ----------------------------------------------------------------------------------------------- which modules
@@ -144,7 +147,7 @@ def _bind_forward(name: str, module: nn.Module) -> None:
                          "GroupedGemmExperts forward")
 
 
-def shard_experts(model: nn.Module, ep_mesh, *, capacity: int | None = None) -> nn.Module:
+def shard_experts(model: nn.Module, ep_mesh, *, capacity: int | None = None, chunks: int = 1) -> nn.Module:
     """Make every routed-experts module of `model` expert-parallel over `ep_mesh`; returns the model.
 
     ep_mesh: a 1-D DeviceMesh (for FSDP2 on top, the EP dimension of the 2-D (dp, ep) mesh passed to
@@ -153,12 +156,13 @@ def shard_experts(model: nn.Module, ep_mesh, *, capacity: int | None = None) -> 
     and before building the optimizer (the parameters are replaced). The experts then run
     `GroupedGemmExperts.forward` (bound here if kernelize has not). Idempotent for the same mesh.
     capacity: None (sized exchange, one host sync per MoE layer) or the fixed per-rank token capacity of the
-    sync-free exchange (`set_capacity`).
+    sync-free exchange; chunks: its pipeline's pieces (`set_capacity`).
     """
     if not DISTRIBUTED:
         raise RuntimeError("shard_experts: torch.distributed is not available in this build of torch")
     if not dist.is_initialized():
         raise RuntimeError("shard_experts: torch.distributed is not initialized (init_process_group first)")
+    _check_exchange("shard_experts", capacity, chunks)  # before any parameter is replaced
     experts = expert_modules(model)
     if not experts:
         raise ValueError(f"shard_experts: no routed-experts module (3-D gate_up_proj and down_proj parameters) in "
@@ -186,24 +190,38 @@ def shard_experts(model: nn.Module, ep_mesh, *, capacity: int | None = None) -> 
             sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
             setattr(module, pname, nn.Parameter(sharded, requires_grad=p.requires_grad))
         _bind_forward(name, module)
-    return set_capacity(model, capacity)
+    return set_capacity(model, capacity, chunks=chunks)
 
 
-def set_capacity(model: nn.Module, capacity: int | None) -> nn.Module:
+def _check_exchange(caller: str, capacity, chunks) -> None:
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)):
+        raise TypeError(f"{caller}: capacity must be None or an int, got {type(capacity).__name__}")
+    if capacity is not None and capacity < 1:
+        raise ValueError(f"{caller}: capacity must be >= 1 token, got {capacity}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"{caller}: chunks must be an int, got {type(chunks).__name__}")
+    if chunks < 1:
+        raise ValueError(f"{caller}: chunks must be >= 1, got {chunks}")
+    if chunks > 1 and capacity is None:
+        raise ValueError(f"{caller}: chunks={chunks} needs a fixed capacity (the sized exchange is not chunked)")
+
+
+def set_capacity(model: nn.Module, capacity: int | None, *, chunks: int = 1) -> nn.Module:
     """Choose the token exchange of every expert-parallel experts module of `model` (sharded by `shard_experts` or by
     transformers' EP plan); returns the model. capacity=None: sized exchange (one host sync per MoE layer
     forward). capacity=C: sync-free fixed-capacity exchange; every call on every rank of the EP group must pass at
-    most C tokens (e.g. C = micro-batch x sequence length) and every rank must use the same C."""
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)):
-        raise TypeError(f"set_capacity: capacity must be None or an int, got {type(capacity).__name__}")
-    if capacity is not None and capacity < 1:
-        raise ValueError(f"set_capacity: capacity must be >= 1 token, got {capacity}")
+    most C tokens (e.g. C = micro-batch x sequence length) and every rank must use the same C.
+    chunks (fixed capacity only, the same on every rank): 1 = one exchange each way around the local experts;
+    N > 1 = the call's tokens in N pieces of ceil(C / N) rows per destination, pipelined, so that the all-to-alls
+    of one piece run under the expert GEMMs of another (forward and backward). Same result up to summation order."""
+    _check_exchange("set_capacity", capacity, chunks)
     experts = [(n, m) for n, m in expert_modules(model) if is_expert_parallel(m)]
     if not experts:
         raise ValueError(f"set_capacity: no expert-parallel experts module in {type(model).__name__} "
                          "(shard_experts first)")
     for _, module in experts:
         module.__dict__[_CAPACITY_ATTR] = capacity
+        module.__dict__[_CHUNKS_ATTR] = chunks
     return model
 
 
@@ -290,23 +308,44 @@ class _SumRows(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------------------------- exchanges
 
+class _RowFormat(NamedTuple):
+    """Several row-aligned fields side by side in one uint8 row (each starts _ALIGN-aligned, so that its bytes can
+    be viewed back as its dtype): one all-to-all moves them all."""
+    starts: tuple     # byte offset of each field in a row
+    widths: tuple     # bytes of each field
+    dtypes: tuple
+    row_bytes: int
+
+    @staticmethod
+    def of(parts) -> "_RowFormat":
+        """The format of tensors whose last dimension is the field (the leading dimensions are the rows)."""
+        starts, widths, row_bytes = [], [], 0
+        for p in parts:
+            starts.append(row_bytes)
+            widths.append(p.shape[-1] * p.element_size())
+            row_bytes += -(-widths[-1] // _ALIGN) * _ALIGN
+        return _RowFormat(tuple(starts), tuple(widths), tuple(p.dtype for p in parts), row_bytes)
+
+    def pack(self, rows: torch.Tensor, parts) -> None:
+        """Write the fields into `rows` (..., row_bytes); each part broadcasts to rows' leading dimensions."""
+        if rows.numel():  # (an empty gradient may come as a stride-0 expansion, which has no byte view)
+            for p, start, width in zip(parts, self.starts, self.widths):
+                rows[..., start:start + width] = p.contiguous().view(torch.uint8)
+
+    def unpack(self, rows: torch.Tensor) -> list:
+        """Views of the fields of `rows` (..., row_bytes)."""
+        return [rows[..., start:start + width].view(dtype)
+                for start, width, dtype in zip(self.starts, self.widths, self.dtypes)]
+
+
 def _exchange(parts, send_sizes, recv_sizes, group):
-    """One all_to_all_single of several row-aligned tensors packed side by side as bytes; returns views."""
-    n = parts[0].shape[0]
-    dev = parts[0].device
-    widths = [math.prod(p.shape[1:]) * p.element_size() for p in parts]
-    starts, row_bytes = [], 0
-    for w in widths:
-        starts.append(row_bytes)
-        row_bytes += -(-w // _ALIGN) * _ALIGN
-    send = torch.empty(n, row_bytes, dtype=torch.uint8, device=dev)
-    for p, start, w in zip(parts, starts, widths):
-        if n:  # (an empty gradient may come as a stride-0 expansion, which has no byte view)
-            send[:, start:start + w] = p.contiguous().view(torch.uint8).reshape(n, w)
-    recv = torch.empty(sum(recv_sizes), row_bytes, dtype=torch.uint8, device=dev)
+    """One all_to_all_single of several (rows, field) tensors packed side by side as bytes; returns views."""
+    fmt = _RowFormat.of(parts)
+    send = parts[0].new_empty((parts[0].shape[0], fmt.row_bytes), dtype=torch.uint8)
+    fmt.pack(send, parts)
+    recv = send.new_empty((sum(recv_sizes), fmt.row_bytes))
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
-    return [recv[:, start:start + w].view(p.dtype).reshape(recv.shape[0], *p.shape[1:])
-            for p, start, w in zip(parts, starts, widths)]
+    return fmt.unpack(recv)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -369,7 +408,10 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     E = num_local * dist.get_world_size(group)
     check_range(top_k_index, 0, E + 1, f"expert parallelism: top_k_index values must be in [0, {E}) or equal {E} "
                 "(the expert-parallel skip sentinel)")
-    capacity = module.__dict__.get(_CAPACITY_ATTR)
+    capacity, chunks = module.__dict__.get(_CAPACITY_ATTR), module.__dict__.get(_CHUNKS_ATTR, 1)
+    if capacity is not None and chunks > 1:
+        return _chunked_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                               num_local, capacity, chunks, group, local_experts)
     if capacity is not None:
         return _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local, capacity, group,
                                        lambda h, i, w: local_experts(h, i, w, gate_up_proj, down_proj))
@@ -386,6 +428,19 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     return _SumRows.apply(back, route.send_token, route.table, out_rows.dtype)
 
 
+def _destination_ids(top_k_index: torch.Tensor, ep_size: int, num_local: int) -> torch.Tensor:
+    """(ep, T, K) int32: each token's top-k expert ids local to each destination rank (others: the sentinel)."""
+    first = torch.arange(ep_size, device=top_k_index.device)[:, None, None] * num_local
+    ids = top_k_index.long()[None] - first
+    return torch.where((ids >= 0) & (ids < num_local), ids, num_local).to(torch.int32)
+
+
+def _check_capacity(tokens: int, capacity: int) -> None:
+    if tokens > capacity:
+        raise ValueError(f"expert parallelism: {tokens} tokens in this call exceed the fixed capacity {capacity} "
+                         "(set_capacity / shard_experts(capacity=)); raise it to the largest micro-batch")
+
+
 def _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local: int, capacity: int, group,
                             local_experts):
     """The sync-free exchange: every token to every rank, C rows per destination (tokens past T: zeros with the
@@ -393,13 +448,9 @@ def _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local
     partial outputs (fp32, rank order) is the token's output; autograd sums the rows' gradients back likewise."""
     ep_size = dist.get_world_size(group)
     (T, K), H = top_k_index.shape, hidden_states.shape[1]
-    if T > capacity:
-        raise ValueError(f"expert parallelism: {T} tokens in this call exceed the fixed capacity {capacity} "
-                         "(set_capacity / shard_experts(capacity=)); raise it to the largest micro-batch")
+    _check_capacity(T, capacity)
     pad = capacity - T
-    first = torch.arange(ep_size, device=top_k_index.device)[:, None, None] * num_local
-    ids = top_k_index.long()[None] - first  # (ep, T, K): ids local to each destination
-    ids = torch.where((ids >= 0) & (ids < num_local), ids, num_local).to(torch.int32)
+    ids = _destination_ids(top_k_index, ep_size, num_local)
     ids = torch.nn.functional.pad(ids, (0, 0, 0, pad), value=num_local).reshape(ep_size * capacity, K)
     hidden_rows = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))[None].expand(ep_size, capacity, H)
     weight_rows = torch.nn.functional.pad(top_k_weights, (0, 0, 0, pad))[None].expand(ep_size, capacity, K)
@@ -409,6 +460,156 @@ def _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local
     out_rows = local_experts(hidden, ids, weights)
     back = _Return.apply(out_rows, sizes, sizes, group).view(ep_size, capacity, H)[:, :T]
     return torch.sum(back, dim=0, dtype=torch.float32).to(out_rows.dtype)
+
+
+# ------------------------------------------------------------------------- fixed capacity, pipelined in chunks
+#
+# The call's T tokens split into `chunks` consecutive pieces (sizes differ by at most one), each padded to
+# R = ceil(C / chunks) rows per destination (R >= every piece, since T <= C): static split sizes, no host sync.
+# Forward: the dispatch all-to-alls of every chunk are issued at once (async: on a GPU they queue on the
+# communicator's stream); chunk c waits for its own (the compute stream waits, not the host), runs the local
+# experts and issues its return. So chunk c + 1's dispatch runs under chunk c's expert GEMMs and chunk c's return
+# under chunk c + 1's. Autograd would not order the reverse exchanges so, hence one autograd.Function whose
+# backward runs the same pipeline in reverse: the returns' gradients of every chunk out at once, then per chunk its
+# wait, its experts' backward (its own autograd graph, recorded in the forward) and its dispatch's gradient back.
+
+class _Pipeline(NamedTuple):
+    num_local: int
+    ep_size: int
+    rows: int              # R: rows per chunk and destination
+    spans: tuple           # (first token, tokens) of each chunk
+    group: object
+    local_experts: object  # (hidden, ids, weights, gate_up_proj, down_proj) -> rows out
+
+
+def _pipeline(tokens: int, num_local: int, capacity: int, chunks: int, group, local_experts) -> _Pipeline:
+    base, extra = divmod(tokens, chunks)
+    counts = [base + (c < extra) for c in range(chunks)]
+    spans = tuple((sum(counts[:c]), n) for c, n in enumerate(counts))
+    return _Pipeline(num_local, dist.get_world_size(group), -(-capacity // chunks), spans, group, local_experts)
+
+
+def _send_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts):
+    """Pack every chunk (chunk_parts(first, tokens): fields broadcastable to (ep, tokens, ·); pad_parts: one padding
+    row's fields) into (chunks, ep * R, row_bytes) and issue all its all-to-alls; returns (recv, works)."""
+    send = torch.empty((len(pipe.spans), pipe.ep_size, pipe.rows, fmt.row_bytes), dtype=torch.uint8,
+                       device=pad_parts[0].device)
+    for c, (first, n) in enumerate(pipe.spans):
+        fmt.pack(send[c, :, :n], chunk_parts(first, n))
+        fmt.pack(send[c, :, n:], pad_parts)
+    send = send.view(len(pipe.spans), pipe.ep_size * pipe.rows, fmt.row_bytes)
+    recv = torch.empty_like(send)
+    works = [dist.all_to_all_single(recv[c], send[c], group=pipe.group, async_op=True)
+             for c in range(len(pipe.spans))]
+    return recv, works
+
+
+def _sum_over_ranks(pipe: _Pipeline, rows: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
+    """Chunk c's tokens from (ep * R, X) rows grouped by rank: the sum over ranks (fp32, rank order)."""
+    n = pipe.spans[c][1]
+    return torch.sum(rows.view(pipe.ep_size, pipe.rows, -1)[:, :n], dim=0, dtype=torch.float32).to(dtype)
+
+
+def _pipelined_forward(pipe: _Pipeline, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                       graphs: list | None):
+    """The forward pipeline. graphs=None: no backward. A list: the local experts run with grad, each chunk in a
+    graph of its own, and the list gets each chunk's gradient edges: (the experts' output rows, or None where no
+    gradient reaches them; the received hidden rows; the received weight rows)."""
+    ids = _destination_ids(top_k_index, pipe.ep_size, pipe.num_local)
+    K, H = top_k_index.shape[1], hidden_states.shape[1]
+    fields = [hidden_states, top_k_weights, ids]
+    pad = [hidden_states.new_zeros(1, 1, H), top_k_weights.new_zeros(1, 1, K),
+           ids.new_full((1, 1, K), pipe.num_local)]
+    fmt = _RowFormat.of(fields)
+    recv, dispatches = _send_chunks(pipe, fmt, lambda first, n: [f[..., first:first + n, :] for f in fields], pad)
+    if graphs is not None:
+        # zeros that tie each chunk's received rows into its graph: `rows + anchor` is the contiguous copy of the
+        # rows (which the experts make anyway) with a gradient edge that keeps no tensor alive, where a leaf would
+        # stay referenced until the backward (also under activation checkpointing, which frees saved tensors)
+        anchors = [t.new_zeros((), requires_grad=True) for t in (hidden_states, top_k_weights)]
+    returns = []
+    for c, work in enumerate(dispatches):
+        work.wait()
+        hidden, weights, local_ids = fmt.unpack(recv[c])
+        if graphs is None:
+            out = pipe.local_experts(hidden, local_ids, weights, gate_up_proj, down_proj)
+        else:
+            with torch.enable_grad():
+                hidden, weights = hidden + anchors[0], weights + anchors[1]
+                out = pipe.local_experts(hidden, local_ids, weights, gate_up_proj, down_proj)
+            edge = torch.autograd.graph.get_gradient_edge
+            graphs.append((edge(out) if out.requires_grad else None, edge(hidden), edge(weights)))
+        back = torch.empty_like(out)
+        returns.append((dist.all_to_all_single(back, out.detach().contiguous(), group=pipe.group, async_op=True),
+                        back))
+    outs = []
+    for c, (work, back) in enumerate(returns):
+        work.wait()
+        outs.append(_sum_over_ranks(pipe, back, c, back.dtype))
+    return torch.cat(outs)
+
+
+class _PipelinedExperts(torch.autograd.Function):
+    """Exchange + local experts + exchange back, pipelined in chunks, forward and backward (see above)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, pipe):
+        # the expert weights as leaves shared by every chunk's graph: each chunk's backward gives its part
+        expert_weights = [w.detach().requires_grad_(need) for w, need in zip((gate_up_proj, down_proj),
+                                                                             ctx.needs_input_grad[2:4])]
+        ctx.graphs, ctx.pipe, ctx.expert_weights = [], pipe, expert_weights
+        ctx.grad_rows = _RowFormat.of([hidden_states, top_k_weights])  # their gradients' rows on the way back
+        return _pipelined_forward(pipe, hidden_states, top_k_index, top_k_weights, *expert_weights, ctx.graphs)
+
+    @staticmethod
+    @first_order("expert parallelism")
+    def backward(ctx, d_out):
+        pipe, graphs, expert_weights, fmt = ctx.pipe, ctx.graphs, ctx.expert_weights, ctx.grad_rows
+        if graphs is None:
+            raise RuntimeError("expert parallelism: the chunked fixed-capacity exchange was already backpropagated "
+                               "once; a second backward through the same graph (retain_graph=True) is not supported")
+        ctx.graphs = ctx.expert_weights = None  # each chunk's graph goes once its backward ran
+        # the returns' gradients: every destination rank gets the same d_out rows of the chunk
+        d_fmt = _RowFormat.of([d_out])
+        d_recv, returns = _send_chunks(pipe, d_fmt, lambda first, n: [d_out[first:first + n]],
+                                       [d_out.new_zeros(1, 1, d_out.shape[1])])
+        wanted = [w for w in expert_weights if w.requires_grad]
+        sums = [None] * len(wanted)  # the expert weights' gradients, summed over chunks in fp32
+        sent, dispatches = [], []
+        for c, (work, (out_edge, *row_edges)) in enumerate(zip(returns, graphs)):
+            work.wait()
+            grads = [None] * (len(row_edges) + len(wanted))  # no gradient reaches this chunk's experts
+            if out_edge is not None:
+                grads = torch.autograd.grad(out_edge, [*row_edges, *wanted], d_fmt.unpack(d_recv[c])[0],
+                                            allow_unused=True)
+            graphs[c] = None
+            for i, g in enumerate(grads[len(row_edges):]):
+                if g is not None:
+                    sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
+            rows = torch.empty((pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8, device=d_out.device)
+            fmt.pack(rows, [rows.new_zeros(width) if g is None else g for g, width in zip(grads, fmt.widths)])
+            back = torch.empty_like(rows)
+            dispatches.append(dist.all_to_all_single(back, rows, group=pipe.group, async_op=True))
+            sent.append(back)
+        d_rows = [[], []]  # the hidden states' and the top-k weights' gradients, chunk by chunk
+        for c, (work, back) in enumerate(zip(dispatches, sent)):
+            work.wait()
+            for d, rows, dtype in zip(d_rows, fmt.unpack(back), fmt.dtypes):
+                d.append(_sum_over_ranks(pipe, rows, c, dtype))
+        expert_grads = iter(torch.zeros_like(w) if g is None else g.to(w.dtype) for g, w in zip(sums, wanted))
+        d_gate_up, d_down = (next(expert_grads) if w.requires_grad else None for w in expert_weights)
+        return torch.cat(d_rows[0]), torch.cat(d_rows[1]), d_gate_up, d_down, None, None
+
+
+def _chunked_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                    num_local: int, capacity: int, chunks: int, group, local_experts):
+    """The fixed-capacity exchange pipelined in `chunks` (> 1) pieces with the local experts (see above)."""
+    _check_capacity(top_k_index.shape[0], capacity)
+    pipe = _pipeline(top_k_index.shape[0], num_local, capacity, chunks, group, local_experts)
+    inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _PipelinedExperts.apply(*inputs, top_k_index, pipe)
+    return _pipelined_forward(pipe, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, None)
 
 
 __all__ = ["shard_experts", "set_capacity", "expert_modules", "is_expert_parallel", "experts_forward"]
