@@ -236,8 +236,8 @@ def _expert_parallel_functional(world: int) -> list[str]:
     random routing, every token routed to rank 0's experts (the other ranks receive no rows), the sentinel E;
     each with the sized exchange, the fixed-capacity (sync-free) one, and the latter pipelined in 2 and 3 chunks
     (token counts not divisible by them, below the capacity), which must also equal the one-chunk exchange.
-    The pipelined exchange also around HF's expert loop (a GELU act_fn: not the fused kernel; a rank whose
-    chunk reaches no local expert has no graph to backpropagate through) and under activation checkpointing.
+    The pipelined exchange also under activation checkpointing (the backward recomputes the whole pipeline), and
+    chunks set around HF's expert loop (a GELU act_fn: not the fused kernel, which runs the one-chunk exchange).
     Each rank has its own token count; top_k 3 is above the EP size 2 and below 4 (both table widths)."""
     import torch
     import torch.distributed as dist

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from hubfuse._common.checks import check_range, first_order
+from .ops import _check_inputs, _experts_bwd, _experts_fwd, _autocast_inputs
 
 DISTRIBUTED = torch.distributed.is_available()
 if DISTRIBUTED:
@@ -384,18 +385,23 @@ class _Return(torch.autograd.Function):
         return out, None, None, None
 
 
-def _no_rows(hidden, weights, gate_up_proj, down_proj):
-    """(0, H) output for a rank that received no rows, still connected to the received tensors and the local
-    experts, so that this rank's backward runs the reverse all-to-all like the others and its experts get a
-    (zero) gradient like on every data-parallel peer."""
+def _connected(out_rows, hidden, weights, gate_up_proj, down_proj):
+    """The local experts' output rows, connected to the received tensors and the local experts where the experts
+    left them out of the graph (a rank that received no rows; HF's loop when no row reached a local expert), so
+    that this rank's backward runs the reverse all-to-all like the others and its experts get a (zero) gradient
+    like on every data-parallel peer."""
+    if out_rows.requires_grad or not torch.is_grad_enabled():
+        return out_rows
     zero = hidden.sum() + weights.sum() + gate_up_proj.sum() + down_proj.sum()
-    return hidden.new_zeros((0, hidden.shape[1])) + (zero * 0).to(hidden.dtype)
+    return out_rows + (zero * 0).to(out_rows.dtype)
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor, local_experts) -> torch.Tensor:
+                    top_k_weights: torch.Tensor, local_experts, fused: bool = False) -> torch.Tensor:
     """The expert-parallel forward of one experts module (see the module docstring). `local_experts(hidden,
-    top_k_index, top_k_weights, gate_up_proj, down_proj)` computes this rank's experts on the received rows."""
+    top_k_index, top_k_weights, gate_up_proj, down_proj)` computes this rank's experts on the received rows;
+    fused: it is `moe_experts` (the chunked pipeline calls that op's implementations itself; any other local
+    experts, e.g. HF's loop, run the one-chunk exchange)."""
     group, num_local = _ep_layout(module)
     gate_up_proj, down_proj = module.gate_up_proj.to_local(), module.down_proj.to_local()
     if gate_up_proj.shape[0] != num_local:
@@ -409,12 +415,13 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     check_range(top_k_index, 0, E + 1, f"expert parallelism: top_k_index values must be in [0, {E}) or equal {E} "
                 "(the expert-parallel skip sentinel)")
     capacity, chunks = module.__dict__.get(_CAPACITY_ATTR), module.__dict__.get(_CHUNKS_ATTR, 1)
-    if capacity is not None and chunks > 1:
+    if capacity is not None and chunks > 1 and fused:
         return _chunked_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                               num_local, capacity, chunks, group, local_experts)
+                                               num_local, capacity, chunks, group)
     if capacity is not None:
         return _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local, capacity, group,
-                                       lambda h, i, w: local_experts(h, i, w, gate_up_proj, down_proj))
+                                       lambda h, i, w: _connected(local_experts(h, i, w, gate_up_proj, down_proj),
+                                                                  h, w, gate_up_proj, down_proj))
     route = _route(top_k_index, num_local, group)
     hidden_rows = _GatherRows.apply(hidden_states, route.send_token, route.table)
     weight_rows = _GatherRows.apply(top_k_weights, route.send_token, route.table)
@@ -423,7 +430,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     if hidden.shape[0]:
         out_rows = local_experts(hidden, ids, weights, gate_up_proj, down_proj)
     else:
-        out_rows = _no_rows(hidden, weights, gate_up_proj, down_proj)
+        out_rows = hidden.new_zeros((0, hidden.shape[1]))
+    out_rows = _connected(out_rows, hidden, weights, gate_up_proj, down_proj)
     back = _Return.apply(out_rows, route.recv_sizes, route.send_sizes, group)
     return _SumRows.apply(back, route.send_token, route.table, out_rows.dtype)
 
@@ -471,22 +479,23 @@ def _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local
 # experts and issues its return. So chunk c + 1's dispatch runs under chunk c's expert GEMMs and chunk c's return
 # under chunk c + 1's. Autograd would not order the reverse exchanges so, hence one autograd.Function whose
 # backward runs the same pipeline in reverse: the returns' gradients of every chunk out at once, then per chunk its
-# wait, its experts' backward (its own autograd graph, recorded in the forward) and its dispatch's gradient back.
+# wait, its experts' backward and its dispatch's gradient back. The experts are the fused op's implementations
+# (`ops._experts_fwd` / `_experts_bwd`); what each chunk's backward needs is saved with the Function's own
+# save_for_backward, so activation checkpointing frees it and recomputes the whole pipeline once.
 
 class _Pipeline(NamedTuple):
     num_local: int
     ep_size: int
-    rows: int              # R: rows per chunk and destination
-    spans: tuple           # (first token, tokens) of each chunk
+    rows: int      # R: rows per chunk and destination
+    spans: tuple   # (first token, tokens) of each chunk
     group: object
-    local_experts: object  # (hidden, ids, weights, gate_up_proj, down_proj) -> rows out
 
 
-def _pipeline(tokens: int, num_local: int, capacity: int, chunks: int, group, local_experts) -> _Pipeline:
+def _pipeline(tokens: int, num_local: int, capacity: int, chunks: int, group) -> _Pipeline:
     base, extra = divmod(tokens, chunks)
     counts = [base + (c < extra) for c in range(chunks)]
     spans = tuple((sum(counts[:c]), n) for c, n in enumerate(counts))
-    return _Pipeline(num_local, dist.get_world_size(group), -(-capacity // chunks), spans, group, local_experts)
+    return _Pipeline(num_local, dist.get_world_size(group), -(-capacity // chunks), spans, group)
 
 
 def _send_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts):
@@ -511,10 +520,8 @@ def _sum_over_ranks(pipe: _Pipeline, rows: torch.Tensor, c: int, dtype: torch.dt
 
 
 def _pipelined_forward(pipe: _Pipeline, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                       graphs: list | None):
-    """The forward pipeline. graphs=None: no backward. A list: the local experts run with grad, each chunk in a
-    graph of its own, and the list gets each chunk's gradient edges: (the experts' output rows, or None where no
-    gradient reaches them; the received hidden rows; the received weight rows)."""
+                       saved: list | None):
+    """The forward pipeline; `saved` (unless None) gets each chunk's tensors for `_experts_bwd`."""
     ids = _destination_ids(top_k_index, pipe.ep_size, pipe.num_local)
     K, H = top_k_index.shape[1], hidden_states.shape[1]
     fields = [hidden_states, top_k_weights, ids]
@@ -522,26 +529,16 @@ def _pipelined_forward(pipe: _Pipeline, hidden_states, top_k_index, top_k_weight
            ids.new_full((1, 1, K), pipe.num_local)]
     fmt = _RowFormat.of(fields)
     recv, dispatches = _send_chunks(pipe, fmt, lambda first, n: [f[..., first:first + n, :] for f in fields], pad)
-    if graphs is not None:
-        # zeros that tie each chunk's received rows into its graph: `rows + anchor` is the contiguous copy of the
-        # rows (which the experts make anyway) with a gradient edge that keeps no tensor alive, where a leaf would
-        # stay referenced until the backward (also under activation checkpointing, which frees saved tensors)
-        anchors = [t.new_zeros((), requires_grad=True) for t in (hidden_states, top_k_weights)]
     returns = []
     for c, work in enumerate(dispatches):
         work.wait()
-        hidden, weights, local_ids = fmt.unpack(recv[c])
-        if graphs is None:
-            out = pipe.local_experts(hidden, local_ids, weights, gate_up_proj, down_proj)
-        else:
-            with torch.enable_grad():
-                hidden, weights = hidden + anchors[0], weights + anchors[1]
-                out = pipe.local_experts(hidden, local_ids, weights, gate_up_proj, down_proj)
-            edge = torch.autograd.graph.get_gradient_edge
-            graphs.append((edge(out) if out.requires_grad else None, edge(hidden), edge(weights)))
+        hidden, weights, local_ids = (t.contiguous() for t in fmt.unpack(recv[c]))
+        _check_inputs(hidden, local_ids, weights, gate_up_proj, down_proj)
+        out, *state = _experts_fwd(hidden, local_ids, weights, gate_up_proj, down_proj)
+        if saved is not None:
+            saved.append((hidden, local_ids, weights, *state))
         back = torch.empty_like(out)
-        returns.append((dist.all_to_all_single(back, out.detach().contiguous(), group=pipe.group, async_op=True),
-                        back))
+        returns.append((dist.all_to_all_single(back, out, group=pipe.group, async_op=True), back))
     outs = []
     for c, (work, back) in enumerate(returns):
         work.wait()
@@ -554,58 +551,60 @@ class _PipelinedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, pipe):
-        # the expert weights as leaves shared by every chunk's graph: each chunk's backward gives its part
-        expert_weights = [w.detach().requires_grad_(need) for w, need in zip((gate_up_proj, down_proj),
-                                                                             ctx.needs_input_grad[2:4])]
-        ctx.graphs, ctx.pipe, ctx.expert_weights = [], pipe, expert_weights
+        saved = []
+        out = _pipelined_forward(pipe, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, saved)
+        ctx.save_for_backward(gate_up_proj, down_proj, *(t for chunk in saved for t in chunk))
+        ctx.pipe, ctx.backpropagated = pipe, False
         ctx.grad_rows = _RowFormat.of([hidden_states, top_k_weights])  # their gradients' rows on the way back
-        return _pipelined_forward(pipe, hidden_states, top_k_index, top_k_weights, *expert_weights, ctx.graphs)
+        return out
 
     @staticmethod
     @first_order("expert parallelism")
     def backward(ctx, d_out):
-        pipe, graphs, expert_weights, fmt = ctx.pipe, ctx.graphs, ctx.expert_weights, ctx.grad_rows
-        if graphs is None:
+        if ctx.backpropagated:  # the Triton backward overwrites a saved buffer (as the moe_experts op declares)
             raise RuntimeError("expert parallelism: the chunked fixed-capacity exchange was already backpropagated "
                                "once; a second backward through the same graph (retain_graph=True) is not supported")
-        ctx.graphs = ctx.expert_weights = None  # each chunk's graph goes once its backward ran
+        ctx.backpropagated = True
+        pipe, fmt = ctx.pipe, ctx.grad_rows
+        gate_up_proj, down_proj, *flat = ctx.saved_tensors
+        per_chunk = len(flat) // len(pipe.spans)
+        saved = [flat[c * per_chunk:(c + 1) * per_chunk] for c in range(len(pipe.spans))]
+        d_out = d_out.to(gate_up_proj.dtype)
         # the returns' gradients: every destination rank gets the same d_out rows of the chunk
         d_fmt = _RowFormat.of([d_out])
         d_recv, returns = _send_chunks(pipe, d_fmt, lambda first, n: [d_out[first:first + n]],
                                        [d_out.new_zeros(1, 1, d_out.shape[1])])
-        wanted = [w for w in expert_weights if w.requires_grad]
-        sums = [None] * len(wanted)  # the expert weights' gradients, summed over chunks in fp32
+        sums = [None, None]  # the expert weights' gradients, summed over chunks in fp32
         sent, dispatches = [], []
-        for c, (work, (out_edge, *row_edges)) in enumerate(zip(returns, graphs)):
+        for c, work in enumerate(returns):
             work.wait()
-            grads = [None] * (len(row_edges) + len(wanted))  # no gradient reaches this chunk's experts
-            if out_edge is not None:
-                grads = torch.autograd.grad(out_edge, [*row_edges, *wanted], d_fmt.unpack(d_recv[c])[0],
-                                            allow_unused=True)
-            graphs[c] = None
-            for i, g in enumerate(grads[len(row_edges):]):
-                if g is not None:
-                    sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
+            hidden, local_ids, weights, *state = saved[c]
+            d_rows = d_fmt.unpack(d_recv[c])[0].contiguous()
+            d_hidden, d_weights, *d_experts = _experts_bwd(d_rows, hidden, local_ids, weights, gate_up_proj,
+                                                           down_proj, *state)
+            saved[c] = None
+            sums = [g.float() if total is None else total.add_(g) for total, g in zip(sums, d_experts)]
             rows = torch.empty((pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8, device=d_out.device)
-            fmt.pack(rows, [rows.new_zeros(width) if g is None else g for g, width in zip(grads, fmt.widths)])
+            fmt.pack(rows, [d_hidden, d_weights])
             back = torch.empty_like(rows)
             dispatches.append(dist.all_to_all_single(back, rows, group=pipe.group, async_op=True))
             sent.append(back)
-        d_rows = [[], []]  # the hidden states' and the top-k weights' gradients, chunk by chunk
+        d_inputs = [[], []]  # the hidden states' and the top-k weights' gradients, chunk by chunk
         for c, (work, back) in enumerate(zip(dispatches, sent)):
             work.wait()
-            for d, rows, dtype in zip(d_rows, fmt.unpack(back), fmt.dtypes):
+            for d, rows, dtype in zip(d_inputs, fmt.unpack(back), fmt.dtypes):
                 d.append(_sum_over_ranks(pipe, rows, c, dtype))
-        expert_grads = iter(torch.zeros_like(w) if g is None else g.to(w.dtype) for g, w in zip(sums, wanted))
-        d_gate_up, d_down = (next(expert_grads) if w.requires_grad else None for w in expert_weights)
-        return torch.cat(d_rows[0]), torch.cat(d_rows[1]), d_gate_up, d_down, None, None
+        d_gate_up, d_down = (total.to(w.dtype) if need else None
+                             for total, w, need in zip(sums, (gate_up_proj, down_proj), ctx.needs_input_grad[2:4]))
+        return torch.cat(d_inputs[0]), torch.cat(d_inputs[1]), d_gate_up, d_down, None, None
 
 
 def _chunked_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                    num_local: int, capacity: int, chunks: int, group, local_experts):
-    """The fixed-capacity exchange pipelined in `chunks` (> 1) pieces with the local experts (see above)."""
+                                    num_local: int, capacity: int, chunks: int, group) -> torch.Tensor:
+    """The fixed-capacity exchange pipelined in `chunks` (> 1) pieces with the fused local experts (see above)."""
     _check_capacity(top_k_index.shape[0], capacity)
-    pipe = _pipeline(top_k_index.shape[0], num_local, capacity, chunks, group, local_experts)
+    hidden_states, gate_up_proj, down_proj = _autocast_inputs(hidden_states, gate_up_proj, down_proj)
+    pipe = _pipeline(top_k_index.shape[0], num_local, capacity, chunks, group)
     inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _PipelinedExperts.apply(*inputs, top_k_index, pipe)
