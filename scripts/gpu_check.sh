@@ -23,10 +23,11 @@
 #   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
 #                                                    its own timeout (T_SLICE8 180, T_QWEN35 160, T_DEEP 130 s) within
 #                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours with
-#                                                    the fixed and the sized EP exchange, then the 1-GPU reference,
-#                                                    every row profiled), qwen35 (Qwen3.5-MoE, 8 layers), deep (48
-#                                                    layers, AC; 24 if 48 fails), titan (torchtitan 0.3.0 from
-#                                                    .whl/titan/*.whl, if this torch can)
+#                                                    the fixed, the 2-chunk pipelined fixed and the sized EP
+#                                                    exchange, each with FSDP's default and noreshard, then the
+#                                                    1-GPU reference, every row profiled), qwen35 (Qwen3.5-MoE, 8
+#                                                    layers), deep (48 layers, AC; 24 if 48 fails), titan
+#                                                    (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can)
 # Carry `.whl` (the device image's Python 3.12), made with:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
@@ -143,7 +144,7 @@ case "$step" in
     for part in $parts; do
       case "$part" in
         slice8) run_part slice8 "${T_SLICE8:-180}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
-                  --steps 4 --warmup 2 --ep-dispatch fixed sized || status=1 ;;
+                  --steps 4 --warmup 2 --ep-dispatch fixed fixed2 sized --fsdp default noreshard || status=1 ;;
         qwen35) run_part qwen35 "${T_QWEN35:-160}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
                   --warmup 2 --profile 1 || status=1 ;;
         deep)   run_part deep48 "${T_DEEP:-130}" "${bench[@]}" --layers 48 --activation-checkpointing --configs ours \
