@@ -17,8 +17,9 @@ first-step gradients the full (gathered) gradients of the sharded run, within fp
   loads with the same weights; (Qwen3.5-MoE) a torch.distributed.checkpoint (DCP) save loads back into a freshly
   sharded model.
 - Both: the EP exchange on raw tensors against `moe_experts` (routing edge cases; sized and fixed-capacity
-  exchange), EP over all ranks; with 2 processes also the errors for bad configurations. The `FIXED_CAPACITY`
-  scenarios run the models with the sync-free exchange, the other EP scenarios with the sized one.
+  exchange, the latter also pipelined in chunks), EP over all ranks; with 2 processes also the errors for bad
+  configurations. The `FIXED_CAPACITY` scenarios run the models with the sync-free exchange (one of them pipelined
+  in 2 chunks), the other EP scenarios with the sized one.
 - Every scenario: `lm_head`'s forward runs at every step (the fused loss calls it) and FSDP warns about no module
   that skipped its forward.
 

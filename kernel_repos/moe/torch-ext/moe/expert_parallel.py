@@ -499,17 +499,19 @@ def _pipeline(tokens: int, num_local: int, capacity: int, chunks: int, group) ->
 
 
 def _send_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts):
-    """Pack every chunk (chunk_parts(first, tokens): fields broadcastable to (ep, tokens, ·); pad_parts: one padding
-    row's fields) into (chunks, ep * R, row_bytes) and issue all its all-to-alls; returns (recv, works)."""
+    """Pack each chunk (chunk_parts(first, tokens): fields broadcastable to (ep, tokens, ·); pad_parts: one padding
+    row's fields) into (ep, R, row_bytes) and issue its all-to-all (before packing the next); returns (recv,
+    works): recv (chunks, ep * R, row_bytes), chunk c's rows grouped by source rank once works[c] is waited."""
     send = torch.empty((len(pipe.spans), pipe.ep_size, pipe.rows, fmt.row_bytes), dtype=torch.uint8,
                        device=pad_parts[0].device)
+    recv = torch.empty((len(pipe.spans), pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8,
+                       device=send.device)
+    works = []
     for c, (first, n) in enumerate(pipe.spans):
         fmt.pack(send[c, :, :n], chunk_parts(first, n))
         fmt.pack(send[c, :, n:], pad_parts)
-    send = send.view(len(pipe.spans), pipe.ep_size * pipe.rows, fmt.row_bytes)
-    recv = torch.empty_like(send)
-    works = [dist.all_to_all_single(recv[c], send[c], group=pipe.group, async_op=True)
-             for c in range(len(pipe.spans))]
+        works.append(dist.all_to_all_single(recv[c], send[c].view(-1, fmt.row_bytes), group=pipe.group,
+                                            async_op=True))
     return recv, works
 
 
@@ -574,7 +576,10 @@ class _PipelinedExperts(torch.autograd.Function):
         d_fmt = _RowFormat.of([d_out])
         d_recv, returns = _send_chunks(pipe, d_fmt, lambda first, n: [d_out[first:first + n]],
                                        [d_out.new_zeros(1, 1, d_out.shape[1])])
-        sums = [None, None]  # the expert weights' gradients, summed over chunks in fp32
+        # the expert weights' gradients summed over the chunks in fp32, cast at the end; two chunks: their sum in
+        # the weights' dtype is that already (an elementwise add rounds its fp32 result once), with no fp32 copy
+        sum_dtype = torch.float32 if len(pipe.spans) > 2 else None
+        sums = [None, None]
         sent, dispatches = [], []
         for c, work in enumerate(returns):
             work.wait()
@@ -583,7 +588,7 @@ class _PipelinedExperts(torch.autograd.Function):
             d_hidden, d_weights, *d_experts = _experts_bwd(d_rows, hidden, local_ids, weights, gate_up_proj,
                                                            down_proj, *state)
             saved[c] = None
-            sums = [g.float() if total is None else total.add_(g) for total, g in zip(sums, d_experts)]
+            sums = [g.to(sum_dtype or g.dtype) if total is None else total.add_(g) for total, g in zip(sums, d_experts)]
             rows = torch.empty((pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8, device=d_out.device)
             fmt.pack(rows, [d_hidden, d_weights])
             back = torch.empty_like(rows)
