@@ -474,10 +474,10 @@ def _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local
 #
 # The call's T tokens split into `chunks` consecutive pieces (sizes differ by at most one), each padded to
 # R = ceil(C / chunks) rows per destination (R >= every piece, since T <= C): static split sizes, no host sync.
-# Forward: the dispatch all-to-alls of every chunk are issued at once (async: on a GPU they queue on the
-# communicator's stream); chunk c waits for its own (the compute stream waits, not the host), runs the local
-# experts and issues its return. So chunk c + 1's dispatch runs under chunk c's expert GEMMs and chunk c's return
-# under chunk c + 1's. Autograd would not order the reverse exchanges so, hence one autograd.Function whose
+# Forward: the dispatch all-to-alls of every chunk are issued up front, each once packed (async: on a GPU they
+# queue on the communicator's stream); chunk c waits for its own (the compute stream waits, not the host), runs
+# the local experts and issues its return. So chunk c + 1's dispatch runs under chunk c's expert GEMMs and chunk
+# c's return under chunk c + 1's. Autograd would not order the reverse exchanges so, hence one autograd.Function whose
 # backward runs the same pipeline in reverse: the returns' gradients of every chunk out at once, then per chunk its
 # wait, its experts' backward and its dispatch's gradient back. The experts are the fused op's implementations
 # (`ops._experts_fwd` / `_experts_bwd`); what each chunk's backward needs is saved with the Function's own
@@ -587,7 +587,6 @@ class _PipelinedExperts(torch.autograd.Function):
             d_rows = d_fmt.unpack(d_recv[c])[0].contiguous()
             d_hidden, d_weights, *d_experts = _experts_bwd(d_rows, hidden, local_ids, weights, gate_up_proj,
                                                            down_proj, *state)
-            saved[c] = None
             sums = [g.to(sum_dtype or g.dtype) if total is None else total.add_(g) for total, g in zip(sums, d_experts)]
             rows = torch.empty((pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8, device=d_out.device)
             fmt.pack(rows, [d_hidden, d_weights])
