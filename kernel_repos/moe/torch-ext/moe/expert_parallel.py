@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from hubfuse._common.checks import check_range, first_order
-from .ops import _check_inputs, _experts_bwd, _experts_fwd, _autocast_inputs
+from .ops import _autocast_inputs, _check_inputs, _experts_bwd, _experts_fwd
 
 DISTRIBUTED = torch.distributed.is_available()
 if DISTRIBUTED:
