@@ -29,7 +29,9 @@ Sharding (`--sharding`, several GPUs):
 --single-gpu: one process, no process group, no FSDP.
 
 Variants measured on the same loaded model, one row each (several GPUs): `--ep-dispatch` (ours with EP: fixed =
-the sync-free fixed-capacity exchange, capacity batch x seq; sized = split sizes read on the host) and `--fsdp`
+the sync-free fixed-capacity exchange, capacity batch x seq; fixed2 = the same in 2 chunks pipelined with the
+experts, so that one chunk's all-to-alls run under the other's expert GEMMs; sized = split sizes read on the
+host) and `--fsdp`
 (default = FSDP2's implicit prefetch; prefetch2 = explicit forward / backward prefetch of the next / previous 2
 decoder layers and their experts modules; noreshard = reshard_after_forward=False on the decoder layers).
 `--activation-checkpointing`: per decoder layer (transformers' gradient_checkpointing_enable, non-reentrant).
@@ -87,7 +89,7 @@ MODELS = {"qwen3_30b_a3b": ("qwen3_30b_a3b", "qwen3_moe", "Qwen3-30B-A3B widths"
 REVISION = "v1"
 CONFIGS = ("hf", "ours")
 FSDP_MODES = ("default", "prefetch2", "noreshard")
-EP_DISPATCH = ("fixed", "sized")
+EP_DISPATCH = {"fixed": 1, "fixed2": 2, "sized": None}  # --ep-dispatch -> chunks of the fixed-capacity exchange
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "H20": 148.0, "B200": 2250.0, "A100": 312.0}
 
 
@@ -302,7 +304,11 @@ def set_fsdp_mode(model, mode: str) -> None:
 
 def set_ep_dispatch(model, dispatch: str | None, args) -> None:
     if dispatch is not None:
-        moe_kernel().set_capacity(model, args.batch * args.seq if dispatch == "fixed" else None)
+        chunks = EP_DISPATCH[dispatch]
+        if chunks is None:
+            moe_kernel().set_capacity(model, None)
+        else:
+            moe_kernel().set_capacity(model, args.batch * args.seq, chunks=chunks)
 
 
 # ----------------------------------------------------------------------------------------------- one row
@@ -707,7 +713,8 @@ def main(argv=None) -> int:
     p.add_argument("--fsdp", nargs="+", default=["default"], choices=list(FSDP_MODES),
                    help="FSDP2 prefetch / reshard settings, one row each (several GPUs)")
     p.add_argument("--ep-dispatch", nargs="+", default=["fixed"], choices=list(EP_DISPATCH),
-                   help="ours with EP: fixed = sync-free fixed-capacity exchange, sized = host-read split sizes")
+                   help="ours with EP: fixed = sync-free fixed-capacity exchange, fixed2 = the same pipelined in 2 "
+                        "chunks with the experts (all-to-alls under the expert GEMMs), sized = host-read split sizes")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="N steps under torch.profiler after every row's measured steps (per-rank breakdown)")
     p.add_argument("--one-gpu-reference", nargs="?", const="last", choices=("first", "last"), default=None,

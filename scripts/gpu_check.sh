@@ -26,10 +26,13 @@
 #   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
 #                                                    its own timeout (T_SLICE8 180, T_QWEN35 160, T_DEEP 130 s) within
 #                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours with
-#                                                    the fixed and the sized EP exchange, then the 1-GPU reference,
-#                                                    every row profiled), qwen35 (Qwen3.5-MoE, 8 layers), deep (48
-#                                                    layers, AC; 24 if 48 fails), titan (torchtitan 0.3.0 from
-#                                                    .whl/titan/*.whl, if this torch can)
+#                                                    the fixed, the 2-chunk pipelined fixed and the sized EP
+#                                                    exchange, each with FSDP's default and noreshard, then the
+#                                                    1-GPU reference, every row profiled), qwen35 (Qwen3.5-MoE, 8
+#                                                    layers), deep (48 layers, AC; 24 if 48 fails), titan
+#                                                    (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can);
+#                                                    ep, only when named (T_EP 200 s): the NCCL test of the chunked
+#                                                    EP exchange, one layer's experts timed by chunk count
 # Carry `.whl` (the device image's Python 3.12), made with:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
@@ -141,14 +144,16 @@ case "$step" in
       echo "=== $name (timeout ${limit} s): $*"
       timeout --kill-after=20 "$limit" "$@" >"$OUT/scale_$name.log" 2>&1
       local rc=$?
-      grep -E "^\||^\[.*\] (ok|oom|error)|^bench_|Error|error:|did not run forward|^CUDA contexts" "$OUT/scale_$name.log" | tail -n 60
+      grep -E "^\||^\[.*\] (ok|oom|error)|^bench_|Error|error:|did not run forward|^CUDA contexts|tokens per rank, forward|[0-9]+ (passed|failed)" "$OUT/scale_$name.log" | tail -n 60
       echo "=== $name: exit $rc ($(( SECONDS - start )) s so far)"
       return $rc
     }
     for part in $parts; do
       case "$part" in
         slice8) run_part slice8 "${T_SLICE8:-180}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
-                  --steps 4 --warmup 2 --ep-dispatch fixed sized || status=1 ;;
+                  --steps 4 --warmup 2 --ep-dispatch fixed fixed2 sized --fsdp default noreshard || status=1 ;;
+        ep)     run_part ep "${T_EP:-200}" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_distributed.py \
+                  -k pipelined_exchange_nccl || status=1 ;;
         qwen35) run_part qwen35 "${T_QWEN35:-160}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
                   --warmup 2 --profile 1 || status=1 ;;
         deep)   run_part deep48 "${T_DEEP:-130}" "${bench[@]}" --layers 48 --activation-checkpointing --configs ours \
@@ -172,7 +177,7 @@ case "$step" in
           else
             echo "=== titan: skipped (no .whl/titan/*.whl)"
           fi ;;
-        *) echo "gpu_check.sh scale: unknown part '$part' (slice8 qwen35 deep titan)" >&2; status=2 ;;
+        *) echo "gpu_check.sh scale: unknown part '$part' (slice8 qwen35 deep titan ep)" >&2; status=2 ;;
       esac
     done
     ls "$OUT"/bench_distributed_*.json "$OUT"/bench_torchtitan_*.json 2>/dev/null

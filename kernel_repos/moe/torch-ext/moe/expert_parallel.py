@@ -25,6 +25,9 @@ One forward of an expert-parallel experts module:
      static split sizes, nothing dropped, ep x C rows per rank into the grouped GEMM (whose skipped slots cost
      no GEMM work). The wire carries ep x C rows instead of the ~ep x T x P(a token has an expert on a rank)
      of the sized exchange: 1.1x at 128 experts top-8 over 4 ranks (P = 0.90), 1.5x over 8 ranks (P = 0.66).
+     With `chunks=N` (N > 1) the call's tokens go in N pieces of ceil(C / N) rows per destination, pipelined
+     with the local experts, forward and backward, so that one piece's all-to-alls overlap another's GEMMs
+     (`_PipelinedExperts`, below).
 2. dispatch: one all-to-all of the packed rows (hidden state, the token's top-k weights, its expert ids local to
    the receiving rank, where the experts of other ranks become the sentinel E/ep that the kernel skips).
 3. `moe_experts` (grouped GEMM, SwiGLU, weighted sum over this rank's slots) on the received rows.
@@ -38,14 +41,14 @@ torchtitan and transformers: data-parallel averaging must divide it by the numbe
 dp x ep of them), not by the number of copies of the expert (`hubfuse.distributed.fully_shard_model` sets
 FSDP2's gradient divide factor so). The exchange is eager code: under `torch.compile` it is a graph break.
 """
-import math
 from types import MethodType
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from hubfuse._common.checks import check_range
+from hubfuse._common.checks import check_range, first_order
+from .ops import _autocast_inputs, _check_inputs, _experts_bwd, _experts_fwd
 
 DISTRIBUTED = torch.distributed.is_available()
 if DISTRIBUTED:
@@ -56,6 +59,7 @@ if DISTRIBUTED:
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _ALIGN = 16  # bytes: each packed field starts aligned, so it can be viewed back as its dtype
 _CAPACITY_ATTR = "_hubfuse_ep_capacity"  # on an experts module: the fixed per-rank token capacity, or None (sized)
+_CHUNKS_ATTR = "_hubfuse_ep_chunks"  # on an experts module: pieces of the fixed-capacity exchange's pipeline
 
 
 # ----------------------------------------------------------------------------------------------- which modules
@@ -144,7 +148,7 @@ def _bind_forward(name: str, module: nn.Module) -> None:
                          "GroupedGemmExperts forward")
 
 
-def shard_experts(model: nn.Module, ep_mesh, *, capacity: int | None = None) -> nn.Module:
+def shard_experts(model: nn.Module, ep_mesh, *, capacity: int | None = None, chunks: int = 1) -> nn.Module:
     """Make every routed-experts module of `model` expert-parallel over `ep_mesh`; returns the model.
 
     ep_mesh: a 1-D DeviceMesh (for FSDP2 on top, the EP dimension of the 2-D (dp, ep) mesh passed to
@@ -153,12 +157,13 @@ def shard_experts(model: nn.Module, ep_mesh, *, capacity: int | None = None) -> 
     and before building the optimizer (the parameters are replaced). The experts then run
     `GroupedGemmExperts.forward` (bound here if kernelize has not). Idempotent for the same mesh.
     capacity: None (sized exchange, one host sync per MoE layer) or the fixed per-rank token capacity of the
-    sync-free exchange (`set_capacity`).
+    sync-free exchange; chunks: its pipeline's pieces (`set_capacity`).
     """
     if not DISTRIBUTED:
         raise RuntimeError("shard_experts: torch.distributed is not available in this build of torch")
     if not dist.is_initialized():
         raise RuntimeError("shard_experts: torch.distributed is not initialized (init_process_group first)")
+    _check_exchange("shard_experts", capacity, chunks)  # before any parameter is replaced
     experts = expert_modules(model)
     if not experts:
         raise ValueError(f"shard_experts: no routed-experts module (3-D gate_up_proj and down_proj parameters) in "
@@ -186,24 +191,38 @@ def shard_experts(model: nn.Module, ep_mesh, *, capacity: int | None = None) -> 
             sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
             setattr(module, pname, nn.Parameter(sharded, requires_grad=p.requires_grad))
         _bind_forward(name, module)
-    return set_capacity(model, capacity)
+    return set_capacity(model, capacity, chunks=chunks)
 
 
-def set_capacity(model: nn.Module, capacity: int | None) -> nn.Module:
+def _check_exchange(caller: str, capacity, chunks) -> None:
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)):
+        raise TypeError(f"{caller}: capacity must be None or an int, got {type(capacity).__name__}")
+    if capacity is not None and capacity < 1:
+        raise ValueError(f"{caller}: capacity must be >= 1 token, got {capacity}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"{caller}: chunks must be an int, got {type(chunks).__name__}")
+    if chunks < 1:
+        raise ValueError(f"{caller}: chunks must be >= 1, got {chunks}")
+    if chunks > 1 and capacity is None:
+        raise ValueError(f"{caller}: chunks={chunks} needs a fixed capacity (the sized exchange is not chunked)")
+
+
+def set_capacity(model: nn.Module, capacity: int | None, *, chunks: int = 1) -> nn.Module:
     """Choose the token exchange of every expert-parallel experts module of `model` (sharded by `shard_experts` or by
     transformers' EP plan); returns the model. capacity=None: sized exchange (one host sync per MoE layer
     forward). capacity=C: sync-free fixed-capacity exchange; every call on every rank of the EP group must pass at
-    most C tokens (e.g. C = micro-batch x sequence length) and every rank must use the same C."""
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)):
-        raise TypeError(f"set_capacity: capacity must be None or an int, got {type(capacity).__name__}")
-    if capacity is not None and capacity < 1:
-        raise ValueError(f"set_capacity: capacity must be >= 1 token, got {capacity}")
+    most C tokens (e.g. C = micro-batch x sequence length) and every rank must use the same C.
+    chunks (fixed capacity only, the same on every rank): 1 = one exchange each way around the local experts;
+    N > 1 = the call's tokens in N pieces of ceil(C / N) rows per destination, pipelined, so that the all-to-alls
+    of one piece run under the expert GEMMs of another (forward and backward). Same result up to summation order."""
+    _check_exchange("set_capacity", capacity, chunks)
     experts = [(n, m) for n, m in expert_modules(model) if is_expert_parallel(m)]
     if not experts:
         raise ValueError(f"set_capacity: no expert-parallel experts module in {type(model).__name__} "
                          "(shard_experts first)")
     for _, module in experts:
         module.__dict__[_CAPACITY_ATTR] = capacity
+        module.__dict__[_CHUNKS_ATTR] = chunks
     return model
 
 
@@ -290,23 +309,44 @@ class _SumRows(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------------------------- exchanges
 
+class _RowFormat(NamedTuple):
+    """Several row-aligned fields side by side in one uint8 row (each starts _ALIGN-aligned, so that its bytes can
+    be viewed back as its dtype): one all-to-all moves them all."""
+    starts: tuple     # byte offset of each field in a row
+    widths: tuple     # bytes of each field
+    dtypes: tuple
+    row_bytes: int
+
+    @staticmethod
+    def of(parts) -> "_RowFormat":
+        """The format of tensors whose last dimension is the field (the leading dimensions are the rows)."""
+        starts, widths, row_bytes = [], [], 0
+        for p in parts:
+            starts.append(row_bytes)
+            widths.append(p.shape[-1] * p.element_size())
+            row_bytes += -(-widths[-1] // _ALIGN) * _ALIGN
+        return _RowFormat(tuple(starts), tuple(widths), tuple(p.dtype for p in parts), row_bytes)
+
+    def pack(self, rows: torch.Tensor, parts) -> None:
+        """Write the fields into `rows` (..., row_bytes); each part broadcasts to rows' leading dimensions."""
+        if rows.numel():  # (an empty gradient may come as a stride-0 expansion, which has no byte view)
+            for p, start, width in zip(parts, self.starts, self.widths):
+                rows[..., start:start + width] = p.contiguous().view(torch.uint8)
+
+    def unpack(self, rows: torch.Tensor) -> list:
+        """Views of the fields of `rows` (..., row_bytes)."""
+        return [rows[..., start:start + width].view(dtype)
+                for start, width, dtype in zip(self.starts, self.widths, self.dtypes)]
+
+
 def _exchange(parts, send_sizes, recv_sizes, group):
-    """One all_to_all_single of several row-aligned tensors packed side by side as bytes; returns views."""
-    n = parts[0].shape[0]
-    dev = parts[0].device
-    widths = [math.prod(p.shape[1:]) * p.element_size() for p in parts]
-    starts, row_bytes = [], 0
-    for w in widths:
-        starts.append(row_bytes)
-        row_bytes += -(-w // _ALIGN) * _ALIGN
-    send = torch.empty(n, row_bytes, dtype=torch.uint8, device=dev)
-    for p, start, w in zip(parts, starts, widths):
-        if n:  # (an empty gradient may come as a stride-0 expansion, which has no byte view)
-            send[:, start:start + w] = p.contiguous().view(torch.uint8).reshape(n, w)
-    recv = torch.empty(sum(recv_sizes), row_bytes, dtype=torch.uint8, device=dev)
+    """One all_to_all_single of several (rows, field) tensors packed side by side as bytes; returns views."""
+    fmt = _RowFormat.of(parts)
+    send = parts[0].new_empty((parts[0].shape[0], fmt.row_bytes), dtype=torch.uint8)
+    fmt.pack(send, parts)
+    recv = send.new_empty((sum(recv_sizes), fmt.row_bytes))
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
-    return [recv[:, start:start + w].view(p.dtype).reshape(recv.shape[0], *p.shape[1:])
-            for p, start, w in zip(parts, starts, widths)]
+    return fmt.unpack(recv)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -345,18 +385,23 @@ class _Return(torch.autograd.Function):
         return out, None, None, None
 
 
-def _no_rows(hidden, weights, gate_up_proj, down_proj):
-    """(0, H) output for a rank that received no rows, still connected to the received tensors and the local
-    experts, so that this rank's backward runs the reverse all-to-all like the others and its experts get a
-    (zero) gradient like on every data-parallel peer."""
+def _connected(out_rows, hidden, weights, gate_up_proj, down_proj):
+    """The local experts' output rows, connected to the received tensors and the local experts where the experts
+    left them out of the graph (a rank that received no rows; HF's loop when no row reached a local expert), so
+    that this rank's backward runs the reverse all-to-all like the others and its experts get a (zero) gradient
+    like on every data-parallel peer."""
+    if out_rows.requires_grad or not torch.is_grad_enabled():
+        return out_rows
     zero = hidden.sum() + weights.sum() + gate_up_proj.sum() + down_proj.sum()
-    return hidden.new_zeros((0, hidden.shape[1])) + (zero * 0).to(hidden.dtype)
+    return out_rows + (zero * 0).to(out_rows.dtype)
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor, local_experts) -> torch.Tensor:
+                    top_k_weights: torch.Tensor, local_experts, fused: bool = False) -> torch.Tensor:
     """The expert-parallel forward of one experts module (see the module docstring). `local_experts(hidden,
-    top_k_index, top_k_weights, gate_up_proj, down_proj)` computes this rank's experts on the received rows."""
+    top_k_index, top_k_weights, gate_up_proj, down_proj)` computes this rank's experts on the received rows;
+    fused: it is `moe_experts` (the chunked pipeline calls that op's implementations itself; any other local
+    experts, e.g. HF's loop, run the one-chunk exchange)."""
     group, num_local = _ep_layout(module)
     gate_up_proj, down_proj = module.gate_up_proj.to_local(), module.down_proj.to_local()
     if gate_up_proj.shape[0] != num_local:
@@ -369,10 +414,14 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     E = num_local * dist.get_world_size(group)
     check_range(top_k_index, 0, E + 1, f"expert parallelism: top_k_index values must be in [0, {E}) or equal {E} "
                 "(the expert-parallel skip sentinel)")
-    capacity = module.__dict__.get(_CAPACITY_ATTR)
+    capacity, chunks = module.__dict__.get(_CAPACITY_ATTR), module.__dict__.get(_CHUNKS_ATTR, 1)
+    if capacity is not None and chunks > 1 and fused:
+        return _chunked_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                               num_local, capacity, chunks, group)
     if capacity is not None:
         return _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local, capacity, group,
-                                       lambda h, i, w: local_experts(h, i, w, gate_up_proj, down_proj))
+                                       lambda h, i, w: _connected(local_experts(h, i, w, gate_up_proj, down_proj),
+                                                                  h, w, gate_up_proj, down_proj))
     route = _route(top_k_index, num_local, group)
     hidden_rows = _GatherRows.apply(hidden_states, route.send_token, route.table)
     weight_rows = _GatherRows.apply(top_k_weights, route.send_token, route.table)
@@ -381,9 +430,23 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     if hidden.shape[0]:
         out_rows = local_experts(hidden, ids, weights, gate_up_proj, down_proj)
     else:
-        out_rows = _no_rows(hidden, weights, gate_up_proj, down_proj)
+        out_rows = hidden.new_zeros((0, hidden.shape[1]))
+    out_rows = _connected(out_rows, hidden, weights, gate_up_proj, down_proj)
     back = _Return.apply(out_rows, route.recv_sizes, route.send_sizes, group)
     return _SumRows.apply(back, route.send_token, route.table, out_rows.dtype)
+
+
+def _destination_ids(top_k_index: torch.Tensor, ep_size: int, num_local: int) -> torch.Tensor:
+    """(ep, T, K) int32: each token's top-k expert ids local to each destination rank (others: the sentinel)."""
+    first = torch.arange(ep_size, device=top_k_index.device)[:, None, None] * num_local
+    ids = top_k_index.long()[None] - first
+    return torch.where((ids >= 0) & (ids < num_local), ids, num_local).to(torch.int32)
+
+
+def _check_capacity(tokens: int, capacity: int) -> None:
+    if tokens > capacity:
+        raise ValueError(f"expert parallelism: {tokens} tokens in this call exceed the fixed capacity {capacity} "
+                         "(set_capacity / shard_experts(capacity=)); raise it to the largest micro-batch")
 
 
 def _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local: int, capacity: int, group,
@@ -393,13 +456,9 @@ def _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local
     partial outputs (fp32, rank order) is the token's output; autograd sums the rows' gradients back likewise."""
     ep_size = dist.get_world_size(group)
     (T, K), H = top_k_index.shape, hidden_states.shape[1]
-    if T > capacity:
-        raise ValueError(f"expert parallelism: {T} tokens in this call exceed the fixed capacity {capacity} "
-                         "(set_capacity / shard_experts(capacity=)); raise it to the largest micro-batch")
+    _check_capacity(T, capacity)
     pad = capacity - T
-    first = torch.arange(ep_size, device=top_k_index.device)[:, None, None] * num_local
-    ids = top_k_index.long()[None] - first  # (ep, T, K): ids local to each destination
-    ids = torch.where((ids >= 0) & (ids < num_local), ids, num_local).to(torch.int32)
+    ids = _destination_ids(top_k_index, ep_size, num_local)
     ids = torch.nn.functional.pad(ids, (0, 0, 0, pad), value=num_local).reshape(ep_size * capacity, K)
     hidden_rows = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))[None].expand(ep_size, capacity, H)
     weight_rows = torch.nn.functional.pad(top_k_weights, (0, 0, 0, pad))[None].expand(ep_size, capacity, K)
@@ -409,6 +468,151 @@ def _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local
     out_rows = local_experts(hidden, ids, weights)
     back = _Return.apply(out_rows, sizes, sizes, group).view(ep_size, capacity, H)[:, :T]
     return torch.sum(back, dim=0, dtype=torch.float32).to(out_rows.dtype)
+
+
+# ------------------------------------------------------------------------- fixed capacity, pipelined in chunks
+#
+# The call's T tokens split into `chunks` consecutive pieces (sizes differ by at most one), each padded to
+# R = ceil(C / chunks) rows per destination (R >= every piece, since T <= C): static split sizes, no host sync.
+# Forward: the dispatch all-to-alls of every chunk are issued up front, each once packed (async: on a GPU they
+# queue on the communicator's stream); chunk c waits for its own (the compute stream waits, not the host), runs
+# the local experts and issues its return. So chunk c + 1's dispatch runs under chunk c's expert GEMMs and chunk
+# c's return under chunk c + 1's. Autograd would not order the reverse exchanges so, hence one autograd.Function whose
+# backward runs the same pipeline in reverse: the returns' gradients of every chunk out at once, then per chunk its
+# wait, its experts' backward and its dispatch's gradient back. The experts are the fused op's implementations
+# (`ops._experts_fwd` / `_experts_bwd`); what each chunk's backward needs is saved with the Function's own
+# save_for_backward, so activation checkpointing frees it and recomputes the whole pipeline once.
+
+class _Pipeline(NamedTuple):
+    num_local: int
+    ep_size: int
+    rows: int      # R: rows per chunk and destination
+    spans: tuple   # (first token, tokens) of each chunk
+    group: object
+
+
+def _pipeline(tokens: int, num_local: int, capacity: int, chunks: int, group) -> _Pipeline:
+    base, extra = divmod(tokens, chunks)
+    counts = [base + (c < extra) for c in range(chunks)]
+    spans = tuple((sum(counts[:c]), n) for c, n in enumerate(counts))
+    return _Pipeline(num_local, dist.get_world_size(group), -(-capacity // chunks), spans, group)
+
+
+def _send_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts):
+    """Pack each chunk (chunk_parts(first, tokens): fields broadcastable to (ep, tokens, ·); pad_parts: one padding
+    row's fields) into (ep, R, row_bytes) and issue its all-to-all (before packing the next); returns (recv,
+    works): recv (chunks, ep * R, row_bytes), chunk c's rows grouped by source rank once works[c] is waited."""
+    send = torch.empty((len(pipe.spans), pipe.ep_size, pipe.rows, fmt.row_bytes), dtype=torch.uint8,
+                       device=pad_parts[0].device)
+    recv = torch.empty((len(pipe.spans), pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8,
+                       device=send.device)
+    works = []
+    for c, (first, n) in enumerate(pipe.spans):
+        fmt.pack(send[c, :, :n], chunk_parts(first, n))
+        fmt.pack(send[c, :, n:], pad_parts)
+        works.append(dist.all_to_all_single(recv[c], send[c].view(-1, fmt.row_bytes), group=pipe.group,
+                                            async_op=True))
+    return recv, works
+
+
+def _sum_over_ranks(pipe: _Pipeline, rows: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
+    """Chunk c's tokens from (ep * R, X) rows grouped by rank: the sum over ranks (fp32, rank order)."""
+    n = pipe.spans[c][1]
+    return torch.sum(rows.view(pipe.ep_size, pipe.rows, -1)[:, :n], dim=0, dtype=torch.float32).to(dtype)
+
+
+def _pipelined_forward(pipe: _Pipeline, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                       saved: list | None):
+    """The forward pipeline; `saved` (unless None) gets each chunk's tensors for `_experts_bwd`."""
+    ids = _destination_ids(top_k_index, pipe.ep_size, pipe.num_local)
+    K, H = top_k_index.shape[1], hidden_states.shape[1]
+    fields = [hidden_states, top_k_weights, ids]
+    pad = [hidden_states.new_zeros(1, 1, H), top_k_weights.new_zeros(1, 1, K),
+           ids.new_full((1, 1, K), pipe.num_local)]
+    fmt = _RowFormat.of(fields)
+    recv, dispatches = _send_chunks(pipe, fmt, lambda first, n: [f[..., first:first + n, :] for f in fields], pad)
+    returns = []
+    for c, work in enumerate(dispatches):
+        work.wait()
+        hidden, weights, local_ids = (t.contiguous() for t in fmt.unpack(recv[c]))
+        _check_inputs(hidden, local_ids, weights, gate_up_proj, down_proj)
+        out, *state = _experts_fwd(hidden, local_ids, weights, gate_up_proj, down_proj)
+        if saved is not None:
+            saved.append((hidden, local_ids, weights, *state))
+        back = torch.empty_like(out)
+        returns.append((dist.all_to_all_single(back, out, group=pipe.group, async_op=True), back))
+    outs = []
+    for c, (work, back) in enumerate(returns):
+        work.wait()
+        outs.append(_sum_over_ranks(pipe, back, c, back.dtype))
+    return torch.cat(outs)
+
+
+class _PipelinedExperts(torch.autograd.Function):
+    """Exchange + local experts + exchange back, pipelined in chunks, forward and backward (see above)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, pipe):
+        saved = []
+        out = _pipelined_forward(pipe, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, saved)
+        ctx.save_for_backward(gate_up_proj, down_proj, *(t for chunk in saved for t in chunk))
+        ctx.pipe, ctx.backpropagated = pipe, False
+        ctx.grad_rows = _RowFormat.of([hidden_states, top_k_weights])  # their gradients' rows on the way back
+        return out
+
+    @staticmethod
+    @first_order("expert parallelism")
+    def backward(ctx, d_out):
+        if ctx.backpropagated:  # the Triton backward overwrites a saved buffer (as the moe_experts op declares)
+            raise RuntimeError("expert parallelism: the chunked fixed-capacity exchange was already backpropagated "
+                               "once; a second backward through the same graph (retain_graph=True) is not supported")
+        ctx.backpropagated = True
+        pipe, fmt = ctx.pipe, ctx.grad_rows
+        gate_up_proj, down_proj, *flat = ctx.saved_tensors
+        per_chunk = len(flat) // len(pipe.spans)
+        saved = [flat[c * per_chunk:(c + 1) * per_chunk] for c in range(len(pipe.spans))]
+        d_out = d_out.to(gate_up_proj.dtype)
+        # the returns' gradients: every destination rank gets the same d_out rows of the chunk
+        d_fmt = _RowFormat.of([d_out])
+        d_recv, returns = _send_chunks(pipe, d_fmt, lambda first, n: [d_out[first:first + n]],
+                                       [d_out.new_zeros(1, 1, d_out.shape[1])])
+        # the expert weights' gradients summed over the chunks in fp32, cast at the end; two chunks: their sum in
+        # the weights' dtype is that already (an elementwise add rounds its fp32 result once), with no fp32 copy
+        sum_dtype = torch.float32 if len(pipe.spans) > 2 else None
+        sums = [None, None]
+        sent, dispatches = [], []
+        for c, work in enumerate(returns):
+            work.wait()
+            hidden, local_ids, weights, *state = saved[c]
+            d_rows = d_fmt.unpack(d_recv[c])[0].contiguous()
+            d_hidden, d_weights, *d_experts = _experts_bwd(d_rows, hidden, local_ids, weights, gate_up_proj,
+                                                           down_proj, *state)
+            sums = [g.to(sum_dtype or g.dtype) if total is None else total.add_(g) for total, g in zip(sums, d_experts)]
+            rows = torch.empty((pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8, device=d_out.device)
+            fmt.pack(rows, [d_hidden, d_weights])
+            back = torch.empty_like(rows)
+            dispatches.append(dist.all_to_all_single(back, rows, group=pipe.group, async_op=True))
+            sent.append(back)
+        d_inputs = [[], []]  # the hidden states' and the top-k weights' gradients, chunk by chunk
+        for c, (work, back) in enumerate(zip(dispatches, sent)):
+            work.wait()
+            for d, rows, dtype in zip(d_inputs, fmt.unpack(back), fmt.dtypes):
+                d.append(_sum_over_ranks(pipe, rows, c, dtype))
+        d_gate_up, d_down = (total.to(w.dtype) if need else None
+                             for total, w, need in zip(sums, (gate_up_proj, down_proj), ctx.needs_input_grad[2:4]))
+        return torch.cat(d_inputs[0]), torch.cat(d_inputs[1]), d_gate_up, d_down, None, None
+
+
+def _chunked_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                    num_local: int, capacity: int, chunks: int, group) -> torch.Tensor:
+    """The fixed-capacity exchange pipelined in `chunks` (> 1) pieces with the fused local experts (see above)."""
+    _check_capacity(top_k_index.shape[0], capacity)
+    hidden_states, gate_up_proj, down_proj = _autocast_inputs(hidden_states, gate_up_proj, down_proj)
+    pipe = _pipeline(top_k_index.shape[0], num_local, capacity, chunks, group)
+    inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _PipelinedExperts.apply(*inputs, top_k_index, pipe)
+    return _pipelined_forward(pipe, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, None)
 
 
 __all__ = ["shard_experts", "set_capacity", "expert_modules", "is_expert_parallel", "experts_forward"]

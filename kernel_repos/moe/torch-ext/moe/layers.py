@@ -30,9 +30,13 @@ def _is_silu(act_fn) -> bool:
     return act_fn is F.silu or isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
 
+def _fused(module) -> bool:
+    # the fused epilogue is SwiGLU only; any other activation takes the HF reference path
+    return _is_silu(getattr(module, "act_fn", F.silu))
+
+
 def _local_experts(module, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    if not _is_silu(getattr(module, "act_fn", F.silu)):
-        # the fused epilogue is SwiGLU only; any other activation takes the HF reference path
+    if not _fused(module):
         return experts_hf(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, module.act_fn)
     return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
@@ -40,7 +44,7 @@ def _local_experts(module, hidden_states, top_k_index, top_k_weights, gate_up_pr
 def _experts_forward(module, hidden_states, top_k_index, top_k_weights):
     if is_expert_parallel(module):  # experts sharded over an EP mesh: all-to-all around the local experts
         return expert_parallel.experts_forward(module, hidden_states, top_k_index, top_k_weights,
-                                               functools.partial(_local_experts, module))
+                                               functools.partial(_local_experts, module), fused=_fused(module))
     return _local_experts(module, hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
 
 

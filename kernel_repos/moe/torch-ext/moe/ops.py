@@ -165,6 +165,15 @@ def _check_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj) -
     # the values of top_k_index are checked in the op itself (`_experts_fwd`): no host sync on a GPU
 
 
+def _autocast_inputs(hidden_states: torch.Tensor, gate_up_proj, down_proj) -> tuple:
+    """Mixed-precision training (fp32 master weights under autocast): the GEMMs' operands in the autocast dtype, as
+    F.linear runs in HF's eager path (differentiable casts); unchanged without autocast."""
+    dtype = autocast_dtype(hidden_states)
+    if dtype is None:
+        return hidden_states, gate_up_proj, down_proj
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (hidden_states, gate_up_proj, down_proj))
+
+
 def moe_experts(
     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -182,12 +191,8 @@ def moe_experts(
     torch.compile alike: a ValueError on CPU; on a GPU a device-side assert (no host sync), which fails the
     next synchronising call and leaves the CUDA context unusable (as PyTorch's own index checks do).
     """
-    dtype = autocast_dtype(hidden_states) if isinstance(hidden_states, torch.Tensor) else None
-    if dtype is not None:
-        # mixed-precision training (fp32 master weights under autocast): run the GEMMs in the autocast dtype,
-        # as F.linear does in HF's eager path; the casts are differentiable
-        hidden_states, gate_up_proj, down_proj = (t.to(dtype) if isinstance(t, torch.Tensor) else t
-                                                  for t in (hidden_states, gate_up_proj, down_proj))
+    if isinstance(hidden_states, torch.Tensor):
+        hidden_states, gate_up_proj, down_proj = _autocast_inputs(hidden_states, gate_up_proj, down_proj)
     _check_inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     args = (hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(),
             gate_up_proj.contiguous(), down_proj.contiguous())

@@ -14,7 +14,7 @@ def experts_hf(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pro
     num_experts = gate_up_proj.shape[0]
     final_hidden_states = torch.zeros_like(hidden_states)
     with torch.no_grad():
-        expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1)
+        expert_mask = F.one_hot(top_k_index.long(), num_classes=num_experts + 1)  # (int32: the EP exchange's ids)
         expert_mask = expert_mask.permute(2, 1, 0)
         expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
     for expert_idx in expert_hit:
