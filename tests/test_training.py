@@ -134,6 +134,23 @@ def masks_seen(monkeypatch):
     return seen
 
 
+def _assert_loss_and_grads_close(out, grads, ref, ref_grads):
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+    assert grads.keys() >= ref_grads.keys() and ref_grads
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _masks_kept_for_a_padded_batch_and_in_eval(model, batch, masks_seen, n_masked):
+    """A mask passed in is honoured, and eval mode takes transformers' own path: a mask at each attention call."""
+    masks_seen.clear()
+    padded = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
+    padded["attention_mask"][0, :3] = 0
+    model(**padded)
+    model.eval()(**batch, use_cache=False)
+    assert masks_seen[:n_masked] == [(2, 1, 9, 9)] * n_masked and len(masks_seen) == 2 * n_masked
+
+
 @pytest.mark.parametrize("family", ("qwen3", "qwen3_5_moe_text", "qwen2"))
 def test_traced_training_takes_the_causal_path(family, model_dirs, masks_seen):
     plain = load(model_dirs[family]).train()
@@ -146,16 +163,8 @@ def test_traced_training_takes_the_causal_path(family, model_dirs, masks_seen):
     masks_seen.clear()
     out, grads = _loss_and_grads(ours, batch)
     assert masks_seen == [None] * n_attention
-    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-
-    masks_seen.clear()
-    padded = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
-    padded["attention_mask"][0, :3] = 0
-    ours(**padded)  # a mask passed in: honoured
-    ours.eval()(**batch, use_cache=False)  # eval: transformers' own path (with a cache it skips the mask anyway)
-    assert masks_seen == [(2, 1, 9, 9)] * (2 * n_attention)
+    _assert_loss_and_grads_close(out, grads, ref, ref_grads)
+    _masks_kept_for_a_padded_batch_and_in_eval(ours, batch, masks_seen, n_attention)
 
 
 @pytest.mark.parametrize("family", ("qwen3_moe", "llama"))
@@ -189,17 +198,9 @@ def test_kernelized_models_take_the_causal_marker(family, traced, model_dirs, ma
     packing_checks.clear()
     out, grads = _loss_and_grads(ours, batch)
     assert masks_seen == [None] * n_layers and packing_checks == []  # no mask built, positions not read
-    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
-    assert grads.keys() == ref_grads.keys() and grads
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-
-    masks_seen.clear()
-    padded = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
-    padded["attention_mask"][0, :3] = 0
-    ours(**padded)  # a mask passed in: honoured
-    ours.eval()(**batch, use_cache=False)  # eval: transformers' own path
-    assert all(m == (2, 1, 9, 9) for m in masks_seen[:n_layers]) and len(masks_seen) == 2 * n_layers
+    assert grads.keys() == ref_grads.keys()
+    _assert_loss_and_grads_close(out, grads, ref, ref_grads)
+    _masks_kept_for_a_padded_batch_and_in_eval(ours, batch, masks_seen, n_layers)
 
 
 def test_eager_attention_keeps_its_mask(model_dirs, masks_seen):
