@@ -434,9 +434,21 @@ class KernelConfig(transformers.KernelConfig):
             from . import presets
 
             presets.enable_losses(model, load["family"], **self._source)
+        _init_missing_parameters(model)
         from .training import apply_training_defaults  # no KV cache in training, the causal mask path (training.py)
 
         apply_training_defaults(model)
+
+
+def _init_missing_parameters(model) -> None:
+    """The Layouts' parameters the checkpoint lacked get the initialisation transformers gives the classes they
+    replace (`hubfuse._common.missing_init`); loaded parameters are untouched."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    std = getattr(config, "initializer_range", 0.02)
+    for module in model.modules():
+        init = getattr(module, "init_missing_parameters", None)
+        if callable(init):
+            init(std)
 
 
 def _has_lm_head(model) -> bool:

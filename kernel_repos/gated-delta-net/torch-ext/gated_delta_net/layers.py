@@ -20,6 +20,7 @@ transformers is not imported here: the kernel has no dependency on it.
 import torch
 from torch import nn
 
+from hubfuse._common.missing_init import init_missing
 from hubfuse.rmsnorm.layers import RMSNormGatedLayout
 from hubfuse.rmsnorm.ops import rms_norm_gated
 from .ops import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_net_core,
@@ -214,6 +215,11 @@ class GatedDeltaNetLayout(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         _init_gated_delta_net(self, config, layer_idx)
+
+    def init_missing_parameters(self, std: float) -> None:
+        """Qwen3.5's `_init_weights` for the gate parameters not loaded: dt_bias ones, A_log = log U(0.01, 16)."""
+        init_missing(self, {"dt_bias": torch.nn.init.ones_, "A_log": lambda p: p.copy_(
+            torch.empty(p.shape, device=p.device).uniform_(0.01, 16).log_())})
 
     def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
         return _gated_delta_net_forward(self, hidden_states, cache_params, attention_mask, kwargs, fused=False)

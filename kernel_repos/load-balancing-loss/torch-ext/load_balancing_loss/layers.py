@@ -9,6 +9,7 @@ working. The router GEMM stays a cuBLAS `F.linear`; softmax + top-k + renormalis
 import torch
 from torch import nn
 
+from hubfuse._common.missing_init import init_missing
 from .ops import topk_router
 from .reference import topk_router_hf
 
@@ -49,6 +50,10 @@ class TopKRouterLayout(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.hidden_dim = config.hidden_size
         self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim))
+
+    def init_missing_parameters(self, std: float) -> None:
+        """HF's initialisation of the router (normal, `initializer_range`) if the weight was not loaded."""
+        init_missing(self, {"weight": lambda p: p.normal_(0.0, std)})
 
     def forward(self, hidden_states: torch.Tensor):
         return topk_router_hf(hidden_states, self.weight, self.top_k, bool(self.norm_topk_prob))

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hubfuse._common.missing_init import init_missing
 from . import expert_parallel
-from .expert_parallel import is_expert_parallel
+from .expert_parallel import EXPERT_PARAMS, is_expert_parallel
 from .ops import moe_experts
 from .reference import experts_hf
 
@@ -76,6 +77,10 @@ class GroupedGemmExpertsLayout(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
+
+    def init_missing_parameters(self, std: float) -> None:
+        """HF's initialisation of the experts (normal, `initializer_range`) for parameters not loaded."""
+        init_missing(self, dict.fromkeys(EXPERT_PARAMS, lambda p: p.normal_(0.0, std)))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ replaces, so it reads that module's `weight` and epsilon. A `<Name>Layout` owns 
 import torch
 from torch import nn
 
+from hubfuse._common.missing_init import init_missing
 from .ops import rms_norm, rms_norm_gated, rms_norm_zero_centered
 from .reference import rms_norm_gated_hf, rms_norm_hf, rms_norm_zero_centered_hf
 
@@ -29,6 +30,9 @@ class RMSNormLayout(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+
+    def init_missing_parameters(self, std: float) -> None:
+        init_missing(self, {"weight": torch.nn.init.ones_})
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm_hf(hidden_states, self.weight, self.variance_epsilon)
@@ -55,6 +59,10 @@ class RMSNormZeroCenteredLayout(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
+    def init_missing_parameters(self, std: float) -> None:
+        """Zeros, as Qwen3.5's `_init_weights` (transformers' generic "*RMSNorm*" rule would give ones)."""
+        init_missing(self, {"weight": torch.nn.init.zeros_})
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_zero_centered_hf(x, self.weight, self.eps)
 
@@ -80,6 +88,9 @@ class RMSNormGatedLayout(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
         self.activation = "silu"
+
+    def init_missing_parameters(self, std: float) -> None:
+        init_missing(self, {"weight": torch.nn.init.ones_})
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return rms_norm_gated_hf(hidden_states, gate, self.weight, self.variance_epsilon)
