@@ -31,9 +31,6 @@ class RMSNormLayout(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def init_missing_parameters(self, std: float) -> None:
-        init_missing(self, {"weight": torch.nn.init.ones_})
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm_hf(hidden_states, self.weight, self.variance_epsilon)
 
@@ -88,9 +85,6 @@ class RMSNormGatedLayout(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
         self.activation = "silu"
-
-    def init_missing_parameters(self, std: float) -> None:
-        init_missing(self, {"weight": torch.nn.init.ones_})
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return rms_norm_gated_hf(hidden_states, gate, self.weight, self.variance_epsilon)
