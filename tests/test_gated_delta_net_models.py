@@ -296,4 +296,5 @@ def test_low_precision_gradients_as_accurate_as_eager_against_float64(device, dt
         ratios[scope] = (e_ours / e_eager if e_eager > 0 else float("inf") if e_ours > 0 else 1.0, e_ours, e_eager)
     table = "\n".join(f"  {n}: ratio {r:.3f} (ours {o:.3e}, eager {e:.3e})"
                        for n, (r, o, e) in sorted(ratios.items(), key=lambda kv: -kv[1][0]))
+    print(f"gradient error ratios against float64 ({device}, {dtype}):\n{table}")  # shown with -s / -rP
     assert all(r <= 1.2 for r, _, _ in ratios.values()), f"gradient error ratios against float64:\n{table}"

@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Launch-setting sweep of the Gated DeltaNet kernels (GPU): per-kernel GPU time for each setting, one at a time.
+
+    python scripts/sweep_gated_delta_net.py                       # the default variants, both workloads
+    python scripts/sweep_gated_delta_net.py --variants conv_bwd:block_t=32 solve:num_warps=2
+    python scripts/sweep_gated_delta_net.py --root OTHER_TREE     # another checkout's kernels
+
+Workloads (bf16, Qwen3.5-MoE's 16 key / 32 value heads, head dims 128):
+- `layer`: `gated_delta_net_core` (conv1d + SiLU + the chunked rule with the gate from a, b) fwd+bwd at the
+  step's 8 x 2048 tokens (scripts/bench.py's qwen3_5_moe slice);
+- `long`: `chunk_gated_delta_rule` fwd+bwd at 1 x 32768 tokens, q/k l2norm in the kernel.
+A variant `family:key=value,...` overrides the launch settings of one kernel family (`conv_fwd`, `conv_bwd` in
+triton_conv1d.CONV_CONFIG; `solve`, `wu`, `recurrence`, `grads` in triton_chunk.CONFIG) on top of the tree's own;
+`base` is the tree's settings. Each (variant, workload): 3 warm-up steps, then torch.profiler over --steps steps;
+the line gives the summed GPU ms per step and each kernel's. Output: stdout and $OUT/sweep_gated_delta_net.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_ops as h  # noqa: E402
+
+HK, HV, D, W = 16, 32, 128, 4
+FAMILIES = ("conv_fwd", "conv_bwd", "solve", "wu", "recurrence", "output", "grads")
+DEFAULT_VARIANTS = [
+    "base",
+    "conv_fwd:block_t=32,block_c=64", "conv_fwd:block_t=16,block_c=256",
+    "conv_bwd:block_t=32", "conv_bwd:block_t=128,num_warps=8", "conv_bwd:block_t=32,block_c=128",
+    "conv_bwd:block_c=32", "conv_bwd:num_warps=8",
+    "solve:num_warps=1", "solve:num_warps=2", "solve:block_k=64", "solve:num_warps=2,block_k=64", "solve:num_stages=1",
+    "wu:num_warps=8", "wu:block_v=128", "wu:num_stages=3",
+    "recurrence:block_v=32", "recurrence:num_warps=8", "recurrence:num_stages=2", "recurrence:block_v=32,num_warps=2",
+    "recurrence:block_v=32,num_stages=2",
+    "grads:num_warps=16", "grads:num_stages=3", "grads:block_v=16", "grads:block_v=64,num_warps=16",
+]
+
+
+def layer_workload(kg, dev, dt):
+    B, S = 8, 2048
+    C = 2 * HK * D + HV * D
+    torch.manual_seed(0)
+    mixed = torch.randn(B, S, C, device=dev, dtype=dt, requires_grad=True)
+    conv_w = (torch.randn(C, W, device=dev) / W ** 0.5).to(dt).requires_grad_()
+    a = torch.randn(B, S, HV, device=dev, dtype=dt, requires_grad=True)
+    b = torch.randn(B, S, HV, device=dev, dtype=dt, requires_grad=True)
+    A_log = torch.log(torch.empty(HV, device=dev).uniform_(1, 16)).to(dt).requires_grad_()
+    dt_bias = torch.rand(HV, device=dev).to(dt).requires_grad_()
+    grad = torch.randn(B, S, HV, D, device=dev, dtype=dt)
+
+    def step():
+        out = kg.gated_delta_net_core(mixed, conv_w, None, a, b, A_log, dt_bias, HK, D, D)
+        out.backward(grad)
+    return step
+
+
+def long_workload(kg, dev, dt):
+    B, T = 1, 32768
+    torch.manual_seed(0)
+    q = torch.randn(B, T, HK, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(B, T, HK, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(B, T, HV, D, device=dev, dtype=dt, requires_grad=True)
+    g = F.logsigmoid(torch.randn(B, T, HV, device=dev) + 3.0).requires_grad_()
+    beta = torch.sigmoid(torch.randn(B, T, HV, device=dev)).to(dt).requires_grad_()
+    grad = torch.randn(B, T, HV, D, device=dev, dtype=dt)
+
+    def step():
+        out = kg.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+        out.backward(grad)
+    return step
+
+
+def parse_variant(text: str):
+    if text == "base":
+        return None, {}
+    family, _, settings = text.partition(":")
+    if family not in FAMILIES or not settings:
+        raise SystemExit(f"--variants: {text!r}: expected base or FAMILY:key=value,... (FAMILY: {', '.join(FAMILIES)})")
+    return family, {k: int(v) for k, v in (item.split("=") for item in settings.split(","))}
+
+
+def kernel_times(step, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+            name = e.key if e.key.startswith("_") else "other"
+            times[name] = times.get(name, 0.0) + e.self_device_time_total / steps / 1e3
+    return times
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    p.add_argument("--workloads", nargs="+", default=["layer", "long"], choices=["layer", "long"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--root", help="another checkout whose kernels to load")
+    p.add_argument("--budget-s", type=float, default=1e9, help="stop starting variants after this many seconds")
+    args = p.parse_args(argv)
+    variants = [(v, *parse_variant(v)) for v in args.variants]
+    if args.root:
+        h.KERNEL_ROOT = Path(args.root).resolve()
+    kg = h.load_kernel("gated-delta-net")
+    dev, dt = "cuda", torch.bfloat16
+    workloads = {"layer": layer_workload, "long": long_workload}
+    steps = {name: workloads[name](kg, dev, dt) for name in args.workloads}
+    for step in steps.values():  # imports the Triton modules (lazily imported by the ops)
+        step()
+    pkg = kg.__name__
+    conv_config = sys.modules[f"{pkg}.triton_conv1d"].CONV_CONFIG
+    chunk_config = sys.modules[f"{pkg}.triton_chunk"].CONFIG
+    tables = {f"conv_{name}": conv_config[name] for name in conv_config} | dict(chunk_config)
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, base settings: "
+             + ", ".join(f"{k} {v}" for k, v in tables.items())]
+    print(lines[0], flush=True)
+    t0 = time.time()
+    for text, family, settings in variants:
+        if time.time() - t0 > args.budget_s:
+            lines.append(f"{text}: not run (budget)")
+            print(lines[-1], flush=True)
+            continue
+        table = tables.get(family, {})
+        saved = dict(table)
+        table.update(settings)
+        try:
+            for name, step in steps.items():
+                times = kernel_times(step, args.steps)
+                ours = {k: v for k, v in sorted(times.items(), key=lambda kv: -kv[1]) if k != "other"}
+                line = (f"{text:45s} {name:5s} gpu {sum(times.values()):7.3f} ms | "
+                        + " ".join(f"{k} {v:.3f}" for k, v in ours.items()) + f" other {times.get('other', 0):.3f}")
+                lines.append(line)
+                print(line, flush=True)
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit is a result too
+            lines.append(f"{text:45s} error {type(e).__name__}: {str(e)[:200]}")
+            print(lines[-1], flush=True)
+        finally:
+            table.clear()
+            table.update(saved)
+    (out_dir / "sweep_gated_delta_net.txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
