@@ -59,6 +59,36 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _split(x, DT: tl.constexpr):
+    """fp32 x as hi + lo, two 16-bit tiles (hi = x rounded, lo = the rest rounded): a product with x as hi and lo
+    terms carries ~16 (bf16) / 22 (fp16) bits of x instead of 8 / 11, for one more tensor-core dot."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _dot_hilo(a, b, IEEE: tl.constexpr):
+    """a @ b for fp32 a and a 16-bit b (exact fp32 for fp32 inputs): a split by `_split`, two dots."""
+    if IEEE:
+        return _dot(a, b, IEEE)
+    else:
+        a_hi, a_lo = _split(a, b.dtype)
+        return _dot(a_lo, b, IEEE, _dot(a_hi, b, IEEE))
+
+
+@triton.jit
+def _dot_hilo2(a, b, acc, DT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b for fp32 a and b (exact fp32 for fp32 inputs): both split by `_split`, three dots
+    (hi hi + lo hi + hi lo; lo lo is below the fp32 accumulation's error)."""
+    if IEEE:
+        return _dot(a, b, IEEE, acc)
+    else:
+        a_hi, a_lo = _split(a, DT)
+        b_hi, b_lo = _split(b, DT)
+        return _dot(a_hi, b_lo, IEEE, _dot(a_lo, b_hi, IEEE, _dot(a_hi, b_hi, IEEE, acc)))
+
+
+@triton.jit
 def _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN: tl.constexpr):
     """(sequence, chunk within it, first token row, sequence length) of a chunk slot; sequence -1: unused slot."""
     if VARLEN:
@@ -287,19 +317,20 @@ def _wu_kernel(
     att = (scale * rq)[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * _decay_block(gc, gc, m_c, m_c, False,
                                                                                         o_c, o_c))
     cc_tile = o_c[:, None] * (HV * 64) + o_c[None, :]
-    tl.store(M + gate_base * 64 + cc_tile, att.to(M.dtype.element_ty), mask=m_c[:, None])
+    tl.store(M + gate_base * 64 + cc_tile, att, mask=m_c[:, None])
     Tm = tl.load(A + gate_base * 64 + cc_tile, mask=m_c[:, None], other=0.0).to(tl.float32)
     # w = T (beta G kn) = (T diag(beta G rk)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
-    w = _dot((Tm * (beta * tl.exp(gc) * rk)[None, :]).to(DT), k, IEEE)
+    # with the scaled T split in two 16-bit terms (the 16-bit scaled T was a large error of o), u kept in fp32
+    w = _dot_hilo(Tm * (beta * tl.exp(gc) * rk)[None, :], k, IEEE)
     tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
              mask=m_c[:, None] & (o_k[None, :] < K))
-    Tb = (Tm * beta[None, :]).to(DT)
+    Tb = Tm * beta[None, :]
     v_base = V_ + row0 * stride_vt + hv * stride_vh
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         vmask = m_c[:, None] & (o_v[None, :] < V)
         vv = tl.load(v_base + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask, other=0.0)
-        u = _dot(Tb, vv.to(DT), IEEE)
+        u = _dot_hilo(Tb, vv.to(DT), IEEE)
         tl.store(U + gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :], u.to(U.dtype.element_ty), mask=vmask)
 
 
@@ -351,9 +382,9 @@ def _recurrence_fwd_kernel(
         v_base = (row0 * HV + hv) * V
         u = tl.load(U + v_base + vv_tile, mask=vmask, other=0.0).to(tl.float32)
         h_d = h.to(DT)
-        v_new = (u - _dot(w, h_d, IEEE)).to(DT)
+        v_new = u - _dot(w, h_d, IEEE)  # fp32; the backward takes it in 16 bits
         if STORE_STATES:
-            tl.store(VN + v_base + vv_tile, v_new, mask=vmask)
+            tl.store(VN + v_base + vv_tile, v_new.to(DT), mask=vmask)
         gc = tl.load(GC + (row0 * HV + hv) + o_c * HV, mask=m_c, other=0.0)
         g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
         if COMPUTE_O:  # o = s diag(G) qn h + M v' = s diag(G rq) q h + M v'
@@ -362,14 +393,14 @@ def _recurrence_fwd_kernel(
             att = tl.load(M + (row0 * HV + hv) * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], mask=m_c[:, None],
                           other=0.0)
             o = (scale * tl.exp(gc) * _l2norm_scale(q, 1, L2NORM))[:, None] * _dot(q, h_d, IEEE)
-            o = _dot(att, v_new, IEEE, o)
+            o = _dot_hilo2(att, v_new, o, DT, IEEE)  # M, v' in fp32: their 16-bit roundings were o's largest error
             tl.store(O + v_base + vv_tile, o.to(O.dtype.element_ty), mask=vmask)
         # h <- exp(g_last) h + kn^T diag(exp(g_last - g)) v' = exp(g_last) h + k^T diag(rk exp(g_last - g)) v',
         # k^T read through transposed pointers
         kt = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
                      mask=m_k[:, None] & m_c[None, :], other=0.0)
         rk = _l2norm_scale(kt, 0, L2NORM)
-        v_dec = (v_new.to(tl.float32) * tl.where(m_c, tl.exp(g_last - gc) * rk, 0.0)[:, None]).to(DT)
+        v_dec = (v_new * tl.where(m_c, tl.exp(g_last - gc) * rk, 0.0)[:, None]).to(DT)
         h = _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
     if STORE_FINAL:
         tl.store(HT + i_nh.to(tl.int64) * K * V + state_tile, h, mask=state_mask)
@@ -424,7 +455,7 @@ def _recurrence_bwd_kernel(
         do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
         # M^T through transposed pointers: att_t[j, i] = M[i, j]
         att_t = tl.load(M + (row0 * HV + hv) * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :],
-                        other=0.0)
+                        other=0.0).to(DT)
         k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :],
                     mask=m_c[:, None] & m_k[None, :], other=0.0)
         # dv' = M^T do + diag(exp(g_last - g)) kn dh = M^T do + diag(rk exp(g_last - g)) k dh
@@ -711,9 +742,9 @@ def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm):
     """(M, w, u) from T."""
     dev, dt = q.device, q.dtype
     gate = A_log is not None
-    M = torch.empty(p.rows, p.HV, CHUNK, dtype=dt, device=dev)
+    M = torch.empty(p.rows, p.HV, CHUNK, dtype=torch.float32, device=dev)
     w = torch.empty(p.rows, p.HV, p.K, dtype=dt, device=dev)
-    u = torch.empty(p.rows, p.HV, p.V, dtype=dt, device=dev)
+    u = torch.empty(p.rows, p.HV, p.V, dtype=torch.float32, device=dev)
     cfg = CONFIG["wu"]
     launch(_wu_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
            dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, M, w, u,
