@@ -5,10 +5,8 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
   dt_bias) and the WY transform T = (I + strict_lower(beta K K^T * Gamma))^-1: Gram blocks of the raw keys
   (l2norm applied as row scales), forward substitution on 16x16 diagonal blocks, blocks merged in fp32. Few
   warps (latency-bound reductions). The forward's T and g are saved for the backward.
-- `_wu_kernel`: w = T (beta G k), u = T (beta v) and the intra-chunk attention M = s tril(q k^T * Gamma).
-- With the in-kernel l2norm, no kernel rounds the normalised q, k to 16 bits (the largest error of o and of dg):
-  each loads the raw 16-bit q, k as dot operands and applies the l2norm scales in fp32 to the other factor or the
-  product (`_l2norm_scale`).
+- `_wu_kernel`: w = T (beta G k) (16 bits), u = T (beta v) and the intra-chunk attention M = s tril(q k^T * Gamma)
+  (both fp32).
 - `_recurrence_fwd_kernel`, one program per (sequence, value head, V block), sequential over chunks:
   v' = u - w h, o = s (q G) h + M v', h <- G_last h + (k exp(g_last - g))^T v'. The forward writes o directly
   (no per-chunk states); the backward runs it again to store the per-chunk states and v'.
@@ -26,7 +24,14 @@ and D in `_grads_kernel`) go through a per-program scratch tile in global memory
 load), as FLA PR #826 proposed.
 
 Every matmul accumulates in fp32; operands are in the input dtype (bf16 on GPUs, exact fp32 dots for fp32
-inputs). Addresses: int64 scalar bases, int32 offsets within tiles. This module imports triton: import it lazily.
+inputs). The forward keeps o within ~1.1x of the error of transformers' fp32-inside path (16-bit inputs): no
+operand whose 16-bit rounding was a large share of o's error is rounded once:
+- the l2-normalised q, k: every kernel loads the raw 16-bit q, k as dot operands and applies the l2norm scales in
+  fp32 to the other factor or to the product (`_l2norm_scale`);
+- the scaled T in w, u, and M, v' in o's M v': fp32 tiles split in two 16-bit terms (`_dot_hilo`, `_dot_hilo2`:
+  two and three tensor-core dots instead of one); u and M are stored in fp32.
+Still 16-bit: T, w, the per-chunk state operand h (q h, w h) and the decayed v' of the state update.
+Addresses: int64 scalar bases, int32 offsets within tiles. This module imports triton: import it lazily.
 """
 import torch
 import triton
@@ -320,7 +325,6 @@ def _wu_kernel(
     tl.store(M + gate_base * 64 + cc_tile, att, mask=m_c[:, None])
     Tm = tl.load(A + gate_base * 64 + cc_tile, mask=m_c[:, None], other=0.0).to(tl.float32)
     # w = T (beta G kn) = (T diag(beta G rk)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
-    # with the scaled T split in two 16-bit terms (the 16-bit scaled T was a large error of o), u kept in fp32
     w = _dot_hilo(Tm * (beta * tl.exp(gc) * rk)[None, :], k, IEEE)
     tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
              mask=m_c[:, None] & (o_k[None, :] < K))
@@ -739,7 +743,7 @@ def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
 
 
 def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm):
-    """(M, w, u) from T."""
+    """(M fp32, w in q's dtype, u fp32) from T."""
     dev, dt = q.device, q.dtype
     gate = A_log is not None
     M = torch.empty(p.rows, p.HV, CHUNK, dtype=torch.float32, device=dev)
