@@ -28,8 +28,8 @@ inputs). The forward keeps o within ~1.1x of the error of transformers' fp32-ins
 operand whose 16-bit rounding was a large share of o's error is rounded once:
 - the l2-normalised q, k: every kernel loads the raw 16-bit q, k as dot operands and applies the l2norm scales in
   fp32 to the other factor or to the product (`_l2norm_scale`);
-- the scaled T in w, u, and M, v' in o's M v': fp32 tiles split in two 16-bit terms (`_dot_hilo`, `_dot_hilo2`:
-  two and three tensor-core dots instead of one); u and M are stored in fp32.
+- the scaled T in u, and M, v' in o's M v': fp32 tiles split in two 16-bit terms (`_split`, `_dot_hilo2`: two and
+  three tensor-core dots instead of one); u and M are stored in fp32.
 Still 16-bit: T, w, the per-chunk state operand h (q h, w h) and the decayed v' of the state update.
 Addresses: int64 scalar bases, int32 offsets within tiles. This module imports triton: import it lazily.
 """
@@ -69,16 +69,6 @@ def _split(x, DT: tl.constexpr):
     terms carries ~16 (bf16) / 22 (fp16) bits of x instead of 8 / 11, for one more tensor-core dot."""
     hi = x.to(DT)
     return hi, (x - hi.to(tl.float32)).to(DT)
-
-
-@triton.jit
-def _dot_hilo(a, b, IEEE: tl.constexpr):
-    """a @ b for fp32 a and a 16-bit b (exact fp32 for fp32 inputs): a split by `_split`, two dots."""
-    if IEEE:
-        return _dot(a, b, IEEE)
-    else:
-        a_hi, a_lo = _split(a, b.dtype)
-        return _dot(a_lo, b, IEEE, _dot(a_hi, b, IEEE))
 
 
 @triton.jit
@@ -325,16 +315,20 @@ def _wu_kernel(
     tl.store(M + gate_base * 64 + cc_tile, att, mask=m_c[:, None])
     Tm = tl.load(A + gate_base * 64 + cc_tile, mask=m_c[:, None], other=0.0).to(tl.float32)
     # w = T (beta G kn) = (T diag(beta G rk)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
-    w = _dot_hilo(Tm * (beta * tl.exp(gc) * rk)[None, :], k, IEEE)
+    # (the 16-bit scaled T is a small error of w, which is rounded to 16 bits anyway, but a large one of u: u's is
+    # split in two 16-bit terms, two dots, and u is stored in fp32)
+    w = _dot((Tm * (beta * tl.exp(gc) * rk)[None, :]).to(DT), k, IEEE)
     tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
              mask=m_c[:, None] & (o_k[None, :] < K))
-    Tb = Tm * beta[None, :]
+    Tb_hi, Tb_lo = _split(Tm * beta[None, :], DT)
     v_base = V_ + row0 * stride_vt + hv * stride_vh
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         vmask = m_c[:, None] & (o_v[None, :] < V)
         vv = tl.load(v_base + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask, other=0.0)
-        u = _dot_hilo(Tb, vv.to(DT), IEEE)
+        u = _dot(Tb_hi, vv, IEEE)
+        if not IEEE:  # (fp32 inputs: Tb_hi is exact)
+            u = _dot(Tb_lo, vv, IEEE, u)
         tl.store(U + gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :], u.to(U.dtype.element_ty), mask=vmask)
 
 
