@@ -5,8 +5,8 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
   dt_bias) and the WY transform T = (I + strict_lower(beta K K^T * Gamma))^-1: Gram blocks of the raw keys
   (l2norm applied as row scales), forward substitution on 16x16 diagonal blocks, blocks merged in fp32. Few
   warps (latency-bound reductions). The forward's T and g are saved for the backward.
-- `_wu_kernel`: l2-normalised q, k (stored once per key head), w = T (beta G k), u = T (beta v) and the
-  intra-chunk attention M = s tril(q k^T * Gamma).
+- `_wu_kernel`: w = T (beta G k) (16 bits), u = T (beta v) and the intra-chunk attention M = s tril(q k^T * Gamma)
+  (both fp32).
 - `_recurrence_fwd_kernel`, one program per (sequence, value head, V block), sequential over chunks:
   v' = u - w h, o = s (q G) h + M v', h <- G_last h + (k exp(g_last - g))^T v'. The forward writes o directly
   (no per-chunk states); the backward runs it again to store the per-chunk states and v'.
@@ -24,7 +24,14 @@ and D in `_grads_kernel`) go through a per-program scratch tile in global memory
 load), as FLA PR #826 proposed.
 
 Every matmul accumulates in fp32; operands are in the input dtype (bf16 on GPUs, exact fp32 dots for fp32
-inputs). Addresses: int64 scalar bases, int32 offsets within tiles. This module imports triton: import it lazily.
+inputs). The forward keeps o within ~1.1x of the error of transformers' fp32-inside path (16-bit inputs): no
+operand whose 16-bit rounding was a large share of o's error is rounded once:
+- the l2-normalised q, k: every kernel loads the raw 16-bit q, k as dot operands and applies the l2norm scales in
+  fp32 to the other factor or to the product (`_l2norm_scale`);
+- the scaled T in u, and M, v' in o's M v': fp32 tiles split in two 16-bit terms (`_split`, `_dot_hilo2`: two and
+  three tensor-core dots instead of one); u and M are stored in fp32.
+Still 16-bit: T, w, the per-chunk state operand h (q h, w h) and the decayed v' of the state update.
+Addresses: int64 scalar bases, int32 offsets within tiles. This module imports triton: import it lazily.
 """
 import torch
 import triton
@@ -57,6 +64,26 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _split(x, DT: tl.constexpr):
+    """fp32 x as hi + lo, two 16-bit tiles (hi = x rounded, lo = the rest rounded): a product with x as hi and lo
+    terms carries ~16 (bf16) / 22 (fp16) bits of x instead of 8 / 11, for one more tensor-core dot."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _dot_hilo2(a, b, acc, DT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b for fp32 a and b (exact fp32 for fp32 inputs): both split by `_split`, three dots
+    (hi hi + lo hi + hi lo; lo lo is below the fp32 accumulation's error)."""
+    if IEEE:
+        return _dot(a, b, IEEE, acc)
+    else:
+        a_hi, a_lo = _split(a, DT)
+        b_hi, b_lo = _split(b, DT)
+        return _dot(a_hi, b_lo, IEEE, _dot(a_lo, b_hi, IEEE, _dot(a_hi, b_hi, IEEE, acc)))
+
+
+@triton.jit
 def _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN: tl.constexpr):
     """(sequence, chunk within it, first token row, sequence length) of a chunk slot; sequence -1: unused slot."""
     if VARLEN:
@@ -74,14 +101,14 @@ def _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _load_qk(base, o_r, row_mask, stride_t, o_k, K, L2NORM: tl.constexpr):
-    """fp32 [rows, BK] tile of q or k (one head; `base` points at the first row), l2-normalised over K if asked
-    (transformers' l2norm). Scalar int64 bases, int32 in-tile offsets (no 64-bit pointer tensors)."""
-    x = tl.load(base + o_r[:, None] * stride_t + o_k[None, :], mask=row_mask[:, None] & (o_k[None, :] < K),
-                other=0.0).to(tl.float32)
+def _l2norm_scale(x, AXIS: tl.constexpr, L2NORM: tl.constexpr):
+    """fp32 scales r = rsqrt(sum x^2 + eps) over AXIS of a 16-bit q or k tile, l2norm(x) = r x (transformers'
+    l2norm); ones without the in-kernel l2norm. The kernels never round l2norm(x) to 16 bits: they use the raw
+    16-bit x as the dot operand and put r in fp32 on the other factor or on the product."""
     if L2NORM:
-        x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
-    return x
+        return tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), AXIS) + 1e-6)
+    else:
+        return tl.full([x.shape[1 - AXIS]], 1.0, tl.float32)
 
 @triton.jit
 def _decay_block(gr, gc, rmask, cmask, STRICT: tl.constexpr, ri, ci):
@@ -248,14 +275,14 @@ def _solve_kernel(
 @triton.jit
 def _wu_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO, GC, A,
-    QN, KN, M, W, U,
-    T, NT, H, HV, K, V, scale,
+    M, W, U,
+    T, NT, HV, K, V, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
     ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One (chunk, value head), from T: w = T diag(beta G) k, u = T diag(beta) v, the intra-chunk attention
-    M = s q k^T Gamma (diagonal included), and (first value head of a key head) the l2-normalised q, k."""
+    """One (chunk, value head), from T: w = T diag(beta G) kn, u = T diag(beta) v and the intra-chunk attention
+    M = s qn kn^T Gamma (diagonal included), qn, kn the (l2-normalised) q, k."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     hv = i_bh % HV
@@ -272,42 +299,47 @@ def _wu_kernel(
     o_k = tl.arange(0, BK)
     m_c = t0 + o_c < seqlen
     DT = Q.dtype.element_ty
-    q_d = _load_qk(Q + row0 * stride_qt + hk * stride_qh, o_c, m_c, stride_qt, o_k, K, L2NORM).to(DT)
-    k_d = _load_qk(K_ + row0 * stride_kt + hk * stride_kh, o_c, m_c, stride_kt, o_k, K, L2NORM).to(DT)
-    if L2NORM:
-        if hv % GROUP == 0:  # the normalised q, k for the recurrence and gradient kernels, once per key head
-            qk_tile = o_c[:, None] * (H * K) + o_k[None, :]
-            qk_mask = m_c[:, None] & (o_k[None, :] < K)
-            tl.store(QN + (row0 * H + hk) * K + qk_tile, q_d, mask=qk_mask)
-            tl.store(KN + (row0 * H + hk) * K + qk_tile, k_d, mask=qk_mask)
+    qk_mask = m_c[:, None] & (o_k[None, :] < K)
+    q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
+                other=0.0)
+    k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
+                other=0.0)
+    rq = _l2norm_scale(q, 1, L2NORM)
+    rk = _l2norm_scale(k, 1, L2NORM)
     gate_base = row0 * HV + hv
     _, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
     gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
-    att = scale * _dot(q_d, tl.trans(k_d), IEEE) * _decay_block(gc, gc, m_c, m_c, False, o_c, o_c)
+    att = (scale * rq)[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * _decay_block(gc, gc, m_c, m_c, False,
+                                                                                        o_c, o_c))
     cc_tile = o_c[:, None] * (HV * 64) + o_c[None, :]
-    tl.store(M + gate_base * 64 + cc_tile, att.to(M.dtype.element_ty), mask=m_c[:, None])
+    tl.store(M + gate_base * 64 + cc_tile, att, mask=m_c[:, None])
     Tm = tl.load(A + gate_base * 64 + cc_tile, mask=m_c[:, None], other=0.0).to(tl.float32)
-    # w = T (beta G k) = (T diag(beta G)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
-    w = _dot((Tm * (beta * tl.exp(gc))[None, :]).to(DT), k_d, IEEE)
+    # w = T (beta G kn) = (T diag(beta G rk)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
+    # (the 16-bit scaled T is a small error of w, which is rounded to 16 bits anyway, but a large one of u: u's is
+    # split in two 16-bit terms, two dots, and u is stored in fp32)
+    w = _dot((Tm * (beta * tl.exp(gc) * rk)[None, :]).to(DT), k, IEEE)
     tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
              mask=m_c[:, None] & (o_k[None, :] < K))
-    Tb = (Tm * beta[None, :]).to(DT)
+    Tb_hi, Tb_lo = _split(Tm * beta[None, :], DT)
     v_base = V_ + row0 * stride_vt + hv * stride_vh
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         vmask = m_c[:, None] & (o_v[None, :] < V)
         vv = tl.load(v_base + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask, other=0.0)
-        u = _dot(Tb, vv.to(DT), IEEE)
+        u = _dot(Tb_hi, vv, IEEE)
+        if not IEEE:  # (fp32 inputs: Tb_hi is exact)
+            u = _dot(Tb_lo, vv, IEEE, u)
         tl.store(U + gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :], u.to(U.dtype.element_ty), mask=vmask)
 
 
 @triton.jit
 def _recurrence_fwd_kernel(
-    QN, KN, W, U, GC, M, H0, CU, CHUNK_OFFSETS,
+    Q, K_, W, U, GC, M, H0, CU, CHUNK_OFFSETS,
     O, HT, HS, VN,
-    T, H, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+    T, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-    COMPUTE_O: tl.constexpr, STORE_STATES: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
+    COMPUTE_O: tl.constexpr, STORE_STATES: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -348,23 +380,25 @@ def _recurrence_fwd_kernel(
         v_base = (row0 * HV + hv) * V
         u = tl.load(U + v_base + vv_tile, mask=vmask, other=0.0).to(tl.float32)
         h_d = h.to(DT)
-        v_new = (u - _dot(w, h_d, IEEE)).to(DT)
+        v_new = u - _dot(w, h_d, IEEE)  # fp32; the backward takes it in 16 bits
         if STORE_STATES:
-            tl.store(VN + v_base + vv_tile, v_new, mask=vmask)
+            tl.store(VN + v_base + vv_tile, v_new.to(DT), mask=vmask)
         gc = tl.load(GC + (row0 * HV + hv) + o_c * HV, mask=m_c, other=0.0)
         g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
-        if COMPUTE_O:  # o = s diag(G) q h + M v'
-            q = tl.load(QN + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :],
+        if COMPUTE_O:  # o = s diag(G) qn h + M v' = s diag(G rq) q h + M v'
+            q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :],
                         mask=m_c[:, None] & m_k[None, :], other=0.0)
             att = tl.load(M + (row0 * HV + hv) * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], mask=m_c[:, None],
                           other=0.0)
-            o = (scale * tl.exp(gc))[:, None] * _dot(q, h_d, IEEE)
-            o = _dot(att, v_new, IEEE, o)
+            o = (scale * tl.exp(gc) * _l2norm_scale(q, 1, L2NORM))[:, None] * _dot(q, h_d, IEEE)
+            o = _dot_hilo2(att, v_new, o, DT, IEEE)  # M, v' in fp32: their 16-bit roundings were o's largest error
             tl.store(O + v_base + vv_tile, o.to(O.dtype.element_ty), mask=vmask)
-        # h <- exp(g_last) h + k^T diag(exp(g_last - g)) v', k^T read through transposed pointers
-        kt = tl.load(KN + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
+        # h <- exp(g_last) h + kn^T diag(exp(g_last - g)) v' = exp(g_last) h + k^T diag(rk exp(g_last - g)) v',
+        # k^T read through transposed pointers
+        kt = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
                      mask=m_k[:, None] & m_c[None, :], other=0.0)
-        v_dec = (v_new.to(tl.float32) * tl.where(m_c, tl.exp(g_last - gc), 0.0)[:, None]).to(DT)
+        rk = _l2norm_scale(kt, 0, L2NORM)
+        v_dec = (v_new * tl.where(m_c, tl.exp(g_last - gc) * rk, 0.0)[:, None]).to(DT)
         h = _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
     if STORE_FINAL:
         tl.store(HT + i_nh.to(tl.int64) * K * V + state_tile, h, mask=state_mask)
@@ -372,11 +406,11 @@ def _recurrence_fwd_kernel(
 
 @triton.jit
 def _recurrence_bwd_kernel(
-    QN, KN, W, GC, M, DO, DHT, CU, CHUNK_OFFSETS,
+    Q, K_, W, GC, M, DO, DHT, CU, CHUNK_OFFSETS,
     DH0, DHS, DVN,
-    T, H, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+    T, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    VARLEN: tl.constexpr, IEEE: tl.constexpr,
+    L2NORM: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -419,19 +453,20 @@ def _recurrence_bwd_kernel(
         do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
         # M^T through transposed pointers: att_t[j, i] = M[i, j]
         att_t = tl.load(M + (row0 * HV + hv) * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :],
-                        other=0.0)
-        k = tl.load(KN + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :],
+                        other=0.0).to(DT)
+        k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :],
                     mask=m_c[:, None] & m_k[None, :], other=0.0)
-        # dv' = M^T do + diag(exp(g_last - g)) k dh
-        dv_new = tl.where(m_c, tl.exp(g_last - gc), 0.0)[:, None] * _dot(k, dh_d, IEEE)
+        # dv' = M^T do + diag(exp(g_last - g)) kn dh = M^T do + diag(rk exp(g_last - g)) k dh
+        ek = tl.where(m_c, tl.exp(g_last - gc) * _l2norm_scale(k, 1, L2NORM), 0.0)
+        dv_new = ek[:, None] * _dot(k, dh_d, IEEE)
         dv_new = _dot(att_t, do, IEEE, dv_new).to(DT)
         tl.store(DVN + v_base + vv_tile, dv_new, mask=vmask)
-        # dh <- exp(g_last) dh + s q^T diag(G) do - w^T dv'
-        qt = tl.load(QN + row0 * stride_qt + hk * stride_qh + o_c[None, :] * stride_qt + o_k[:, None],
+        # dh <- exp(g_last) dh + s qn^T diag(G) do - w^T dv' (qn^T diag(G) = q^T diag(rq G))
+        qt = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[None, :] * stride_qt + o_k[:, None],
                      mask=m_k[:, None] & m_c[None, :], other=0.0)
         wt = tl.load(W + (row0 * HV + hv) * K + o_c[None, :] * (HV * K) + o_k[:, None],
                      mask=m_k[:, None] & m_c[None, :], other=0.0)
-        do_g = (do.to(tl.float32) * (scale * tl.exp(gc))[:, None]).to(DT)
+        do_g = (do.to(tl.float32) * (scale * tl.exp(gc) * _l2norm_scale(qt, 0, L2NORM))[:, None]).to(DT)
         dh = _dot(qt, do_g, IEEE, dh * tl.exp(g_last))
         dh = _dot(wt, -dv_new, IEEE, dh)
     if STORE_DH0:
@@ -532,12 +567,8 @@ def _grads_kernel(
                 other=0.0)
     k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
                 other=0.0)
-    if L2NORM:
-        rq = tl.rsqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), 1) + 1e-6)
-        rk = tl.rsqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), 1) + 1e-6)
-    else:
-        rq = tl.full([64], 1.0, tl.float32)
-        rk = tl.full([64], 1.0, tl.float32)
+    rq = _l2norm_scale(q, 1, L2NORM)
+    rk = _l2norm_scale(k, 1, L2NORM)
     gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
     # o = s diag(G) q h + M v'
     dq = (scale * Gd)[:, None] * do_h
@@ -706,28 +737,24 @@ def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
 
 
 def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm):
-    """(q_n, k_n and their (token, head) strides, M, w, u) from T."""
+    """(M fp32, w in q's dtype, u fp32) from T."""
     dev, dt = q.device, q.dtype
     gate = A_log is not None
-    qn = torch.empty(p.rows, p.H, p.K, dtype=dt, device=dev) if l2norm else q
-    kn = torch.empty(p.rows, p.H, p.K, dtype=dt, device=dev) if l2norm else k
-    M = torch.empty(p.rows, p.HV, CHUNK, dtype=dt, device=dev)
+    M = torch.empty(p.rows, p.HV, CHUNK, dtype=torch.float32, device=dev)
     w = torch.empty(p.rows, p.HV, p.K, dtype=dt, device=dev)
-    u = torch.empty(p.rows, p.HV, p.V, dtype=dt, device=dev)
+    u = torch.empty(p.rows, p.HV, p.V, dtype=torch.float32, device=dev)
     cfg = CONFIG["wu"]
     launch(_wu_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
-           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, qn, kn, M, w, u,
-           p.T, p.NT, p.H, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2),
+           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, M, w, u,
+           p.T, p.NT, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2),
            v.stride(1), v.stride(2), GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
            ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    qn_strides = (p.H * p.K, p.K) if l2norm else (q.stride(1), q.stride(2))
-    kn_strides = (p.H * p.K, p.K) if l2norm else (k.stride(1), k.stride(2))
-    return qn, kn, qn_strides, kn_strides, M, w, u
+    return M, w, u
 
 
-def _recurrence_fwd(p, qn, kn, qn_strides, kn_strides, w, u, gc, M, h0, scale, compute_o, store_states,
-                    output_final_state, o_dtype):
+def _recurrence_fwd(p, q, k, w, u, gc, M, h0, scale, l2norm, compute_o, store_states, output_final_state,
+                    o_dtype):
     dev, dt = w.device, w.dtype
     cfg = CONFIG["recurrence"]
     BV = p.block_v(cfg["block_v"])
@@ -735,11 +762,12 @@ def _recurrence_fwd(p, qn, kn, qn_strides, kn_strides, w, u, gc, M, h0, scale, c
     ht = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if output_final_state else w
     hs = torch.empty(p.n_chunks, p.HV, p.K, p.V, dtype=dt, device=dev) if store_states else w
     vn = torch.empty(p.rows, p.HV, p.V, dtype=dt, device=dev) if store_states else w
-    launch(_recurrence_fwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), qn, kn, w, u, gc, M,
+    launch(_recurrence_fwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), q, k, w, u, gc, M,
            h0 if h0 is not None else w, p.cu, p.chunk_offsets, o, ht, hs, vn,
-           p.T, p.H, p.HV, p.K, p.V, scale, *qn_strides, *kn_strides, GROUP=p.group, BK=p.BK, BV=BV,
-           USE_H0=h0 is not None, STORE_FINAL=output_final_state, COMPUTE_O=compute_o, STORE_STATES=store_states,
-           VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           p.T, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK,
+           BV=BV, USE_H0=h0 is not None, STORE_FINAL=output_final_state, COMPUTE_O=compute_o,
+           STORE_STATES=store_states, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"],
+           num_stages=cfg["num_stages"])
     return o, ht, hs, vn
 
 
@@ -750,9 +778,8 @@ def chunk_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: 
     q, k, v, g_in, b_in = _rule_inputs(q, k, v, g_in, b_in)
     p = _Problem(q, v, cu_seqlens, meta)
     A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
-    qn, kn, qs, ks, M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
-    o, ht, _, _ = _recurrence_fwd(p, qn, kn, qs, ks, w, u, gc, M, h0, scale, True, False, output_final_state,
-                                  q.dtype)
+    M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
+    o, ht, _, _ = _recurrence_fwd(p, q, k, w, u, gc, M, h0, scale, l2norm, True, False, output_final_state, q.dtype)
     return o, ht, A, gc
 
 
@@ -768,19 +795,19 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     gate = A_log is not None
     if A is None or gc is None:
         A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
-    qn, kn, qs, ks, M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
-    _, _, hs, vn = _recurrence_fwd(p, qn, kn, qs, ks, w, u, gc, M, h0, scale, False, True, False, dt)
+    M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
+    _, _, hs, vn = _recurrence_fwd(p, q, k, w, u, gc, M, h0, scale, l2norm, False, True, False, dt)
     del u
     cfg = CONFIG["recurrence"]
     BV = p.block_v(cfg["block_v"])
     dhs = torch.empty_like(hs)
     dvn = torch.empty_like(vn)
     dh0 = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if h0 is not None else None
-    launch(_recurrence_bwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), qn, kn, w, gc, M, do,
+    launch(_recurrence_bwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), q, k, w, gc, M, do,
            dht if dht is not None else w, p.cu, p.chunk_offsets, dh0 if dh0 is not None else w, dhs, dvn,
-           p.T, p.H, p.HV, p.K, p.V, scale, *qs, *ks, GROUP=p.group, BK=p.BK, BV=BV, USE_DHT=dht is not None,
-           STORE_DH0=dh0 is not None, VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"],
-           num_stages=cfg["num_stages"])
+           p.T, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK,
+           BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     del w, M
     # the given output views where they have the row layout, else new buffers copied into them at the end
     given = (dq, dk, dv)
