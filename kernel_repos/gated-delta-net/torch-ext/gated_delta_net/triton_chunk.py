@@ -4,12 +4,15 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
 - `_solve_kernel`: the within-chunk cumulative decay g (optionally from Qwen3.5's raw gate inputs a, b, A_log,
   dt_bias) and the WY transform T = (I + strict_lower(beta K K^T * Gamma))^-1: Gram blocks of the raw keys
   (l2norm applied as row scales), forward substitution on 16x16 diagonal blocks, blocks merged in fp32. Few
-  warps (latency-bound reductions). The forward's T and g are saved for the backward.
+  warp (latency-bound reductions). The forward's T and g are saved for the backward.
 - `_wu_kernel`: w = T (beta G k) (16 bits), u = T (beta v) and the intra-chunk attention M = s tril(q k^T * Gamma)
   (both fp32).
 - `_recurrence_fwd_kernel`, one program per (sequence, value head, V block), sequential over chunks:
-  v' = u - w h, o = s (q G) h + M v', h <- G_last h + (k exp(g_last - g))^T v'. The forward writes o directly
-  (no per-chunk states); the backward runs it again to store the per-chunk states and v'.
+  v' = u - w h, h <- G_last h + (k exp(g_last - g))^T v'; stores the state at each chunk's start and v' (fp32 for
+  the forward's output, 16-bit when the backward runs it again).
+- `_output_kernel`, one program per (chunk, value head, V block), chunk-parallel: o = s (q G) h + M v'. The
+  serial loop carries only the two state products, so long sequences (few sequence x head programs) are not
+  held back by the output's work.
 - `_recurrence_bwd_kernel`, same grid, reverse: dv' = M^T do + (k e) dh, dh <- G_last dh + s (q G)^T do - w^T dv'.
 - `_grads_kernel`: every input gradient of a chunk (q, k, v, g or a, beta or b, A_log / dt_bias partial sums);
   with one value head per key head also the l2norm backward, else fp32 per-value-head partials of dq, dk that
@@ -334,12 +337,11 @@ def _wu_kernel(
 
 @triton.jit
 def _recurrence_fwd_kernel(
-    Q, K_, W, U, GC, M, H0, CU, CHUNK_OFFSETS,
-    O, HT, HS, VN,
-    T, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+    K_, W, U, GC, H0, CU, CHUNK_OFFSETS,
+    HT, HS, VN,
+    T, HV, K, V, stride_kt, stride_kh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-    COMPUTE_O: tl.constexpr, STORE_STATES: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
-    IEEE: tl.constexpr,
+    L2NORM: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -373,26 +375,16 @@ def _recurrence_fwd_kernel(
         t0 = it * 64
         row0 = bos + t0
         m_c = t0 + o_c < seqlen
-        if STORE_STATES:
-            tl.store(HS + ((first_chunk + it) * HV + hv) * K * V + state_tile, h.to(DT), mask=state_mask)
+        tl.store(HS + ((first_chunk + it) * HV + hv) * K * V + state_tile, h.to(DT), mask=state_mask)
         w = tl.load(W + (row0 * HV + hv) * K + kv_tile, mask=m_c[:, None] & m_k[None, :], other=0.0)
         vmask = m_c[:, None] & m_v[None, :]
         v_base = (row0 * HV + hv) * V
         u = tl.load(U + v_base + vv_tile, mask=vmask, other=0.0).to(tl.float32)
         h_d = h.to(DT)
-        v_new = u - _dot(w, h_d, IEEE)  # fp32; the backward takes it in 16 bits
-        if STORE_STATES:
-            tl.store(VN + v_base + vv_tile, v_new.to(DT), mask=vmask)
+        v_new = u - _dot(w, h_d, IEEE)  # fp32: the output kernel takes it in fp32, the backward in 16 bits
+        tl.store(VN + v_base + vv_tile, v_new.to(VN.dtype.element_ty), mask=vmask)
         gc = tl.load(GC + (row0 * HV + hv) + o_c * HV, mask=m_c, other=0.0)
         g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
-        if COMPUTE_O:  # o = s diag(G) qn h + M v' = s diag(G rq) q h + M v'
-            q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :],
-                        mask=m_c[:, None] & m_k[None, :], other=0.0)
-            att = tl.load(M + (row0 * HV + hv) * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], mask=m_c[:, None],
-                          other=0.0)
-            o = (scale * tl.exp(gc) * _l2norm_scale(q, 1, L2NORM))[:, None] * _dot(q, h_d, IEEE)
-            o = _dot_hilo2(att, v_new, o, DT, IEEE)  # M, v' in fp32: their 16-bit roundings were o's largest error
-            tl.store(O + v_base + vv_tile, o.to(O.dtype.element_ty), mask=vmask)
         # h <- exp(g_last) h + kn^T diag(exp(g_last - g)) v' = exp(g_last) h + k^T diag(rk exp(g_last - g)) v',
         # k^T read through transposed pointers
         kt = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
@@ -402,6 +394,53 @@ def _recurrence_fwd_kernel(
         h = _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
     if STORE_FINAL:
         tl.store(HT + i_nh.to(tl.int64) * K * V + state_tile, h, mask=state_mask)
+
+
+@triton.jit
+def _output_kernel(
+    Q, HS, VN, GC, M, CU, CHUNK_INFO, O,
+    T, NT, HV, K, V, scale, stride_qt, stride_qh,
+    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One (chunk, value head, V block), chunk-parallel: o = s diag(G) qn h + M v' = s diag(G rq) q h + M v' from
+    the state at the chunk's start and v' (fp32), both stored by the recurrence."""
+    slot = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_v = tl.program_id(2)
+    hv = i_bh % HV
+    hk = hv // GROUP
+    n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
+    if n < 0:
+        return
+    if not VARLEN:
+        bos = (i_bh // HV).to(tl.int64) * T
+        it = slot
+        chunk = (i_bh // HV).to(tl.int64) * NT + slot
+    else:
+        chunk = slot.to(tl.int64)
+    t0 = it * 64
+    row0 = bos + t0
+    o_c = tl.arange(0, 64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_c = t0 + o_c < seqlen
+    m_k = o_k < K
+    m_v = o_v < V
+    DT = Q.dtype.element_ty
+    gate_base = row0 * HV + hv
+    q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :],
+                mask=m_c[:, None] & m_k[None, :], other=0.0)
+    h = tl.load(HS + (chunk * HV + hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                mask=m_k[:, None] & m_v[None, :], other=0.0)
+    gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
+    vmask = m_c[:, None] & m_v[None, :]
+    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
+    v_new = tl.load(VN + gate_base * V + vv_tile, mask=vmask, other=0.0)
+    att = tl.load(M + gate_base * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], mask=m_c[:, None], other=0.0)
+    o = (scale * tl.exp(gc) * _l2norm_scale(q, 1, L2NORM))[:, None] * _dot(q, h, IEEE)
+    o = _dot_hilo2(att, v_new, o, DT, IEEE)  # M, v' in fp32: their 16-bit roundings were o's largest error
+    tl.store(O + gate_base * V + vv_tile, o.to(O.dtype.element_ty), mask=vmask)
 
 
 @triton.jit
@@ -680,15 +719,18 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 
 # ------------------------------------------------------------------ chunked gated delta rule: launch wrappers
 
-# launch settings, swept on an H100 (triton 3.6) at 8x1024 / 2x8192 / 1x32768 fwd+bwd: 32-wide V blocks in the
-# recurrences and an 8-warp wu were slower; a 2-warp solve was ~7 % faster but has not run the GPU tests yet. The
-# grads kernel: 8 warps, 2 stages, 32-wide V blocks was the fastest of block_v 32/64 x warps 4/8 x stages 1/2
-# (3.25 / 6.44 / 14.40 ms against 3.70 / 7.35 / 16.21 with 4 warps and 64-wide blocks)
+# launch settings, swept on an H100 (triton 3.6, scripts/sweep_gated_delta_net.py) at Qwen3.5's 8 x 2048 tokens
+# (gated_delta_net_core) and 1 x 32768 (the rule): a one-warp solve 1.07 -> 0.29 ms (its 16 x 16 substitutions are
+# latency-bound reductions); 3 stages in the grads kernel 3.27 -> 3.03 ms; one 128-wide V block in wu 0.76 -> 0.70
+# ms. The serial recurrences take 64-wide V blocks, 32-wide where the (sequence, value head, V block) programs would
+# not fill the GPU twice over (long sequences: 1 x 32768 fwd 2.27 -> 1.43, bwd 1.41 -> 1.19 ms; at 8 x 2048 the
+# 32-wide blocks were slower). 16 warps in the grads kernel were 2x slower, 16-wide V blocks slower.
 CONFIG = {
-    "solve": dict(num_warps=4, num_stages=2, block_k=32),
-    "wu": dict(num_warps=4, num_stages=2, block_v=64),
-    "recurrence": dict(num_warps=4, num_stages=3, block_v=64),
-    "grads": dict(num_warps=8, num_stages=2, block_v=32),
+    "solve": dict(num_warps=1, num_stages=2, block_k=32),
+    "wu": dict(num_warps=4, num_stages=2, block_v=128),
+    "recurrence": dict(num_warps=4, num_stages=3, block_v=64, block_v_few=32),
+    "output": dict(num_warps=4, num_stages=2, block_v=64),
+    "grads": dict(num_warps=8, num_stages=3, block_v=32),
 }
 
 
@@ -718,9 +760,18 @@ class _Problem:
         # dims are padded and masked)
         self.least = 16 if self.ieee else 64
         self.BK = _block(self.K, least=self.least)
+        self.sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
 
     def block_v(self, cap: int = 1 << 30) -> int:
         return _block(self.V, cap, min(self.least, cap))
+
+    def recurrence_block_v(self) -> int:
+        """V block of the serial recurrences: narrower where the wide blocks' programs would not fill the GPU twice."""
+        cfg = CONFIG["recurrence"]
+        bv = self.block_v(cfg["block_v"])
+        if self.N * self.HV * triton.cdiv(self.V, bv) < 2 * self.sms:
+            bv = self.block_v(cfg["block_v_few"])
+        return bv
 
 
 def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
@@ -753,22 +804,32 @@ def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm):
     return M, w, u
 
 
-def _recurrence_fwd(p, q, k, w, u, gc, M, h0, scale, l2norm, compute_o, store_states, output_final_state,
-                    o_dtype):
+def _recurrence_fwd(p, k, w, u, gc, h0, l2norm, output_final_state, vn_dtype):
+    """(fp32 final state or an unused tensor, the state at each chunk's start in w's dtype, v' in vn_dtype): the
+    serial recurrence."""
     dev, dt = w.device, w.dtype
     cfg = CONFIG["recurrence"]
-    BV = p.block_v(cfg["block_v"])
-    o = torch.empty(p.B, p.T, p.HV, p.V, dtype=o_dtype, device=dev) if compute_o else w
+    BV = p.recurrence_block_v()
     ht = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if output_final_state else w
-    hs = torch.empty(p.n_chunks, p.HV, p.K, p.V, dtype=dt, device=dev) if store_states else w
-    vn = torch.empty(p.rows, p.HV, p.V, dtype=dt, device=dev) if store_states else w
-    launch(_recurrence_fwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), q, k, w, u, gc, M,
-           h0 if h0 is not None else w, p.cu, p.chunk_offsets, o, ht, hs, vn,
-           p.T, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK,
-           BV=BV, USE_H0=h0 is not None, STORE_FINAL=output_final_state, COMPUTE_O=compute_o,
-           STORE_STATES=store_states, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"],
-           num_stages=cfg["num_stages"])
-    return o, ht, hs, vn
+    hs = torch.empty(p.n_chunks, p.HV, p.K, p.V, dtype=dt, device=dev)
+    vn = torch.empty(p.rows, p.HV, p.V, dtype=vn_dtype, device=dev)
+    launch(_recurrence_fwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), k, w, u, gc,
+           h0 if h0 is not None else w, p.cu, p.chunk_offsets, ht, hs, vn,
+           p.T, p.HV, p.K, p.V, k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK, BV=BV, USE_H0=h0 is not None,
+           STORE_FINAL=output_final_state, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return ht, hs, vn
+
+
+def _output(p, q, hs, vn, gc, M, scale, l2norm):
+    """o (B, T, HV, V) in q's dtype from the per-chunk states and v' (chunk-parallel)."""
+    cfg = CONFIG["output"]
+    BV = p.block_v(cfg["block_v"])
+    o = torch.empty(p.B, p.T, p.HV, p.V, dtype=q.dtype, device=q.device)
+    launch(_output_kernel, (p.slots, p.B * p.HV, triton.cdiv(p.V, BV)), q, hs, vn, gc, M, p.cu, p.chunk_info, o,
+           p.T, p.NT, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), GROUP=p.group, BK=p.BK, BV=BV, L2NORM=l2norm,
+           VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o
 
 
 def chunk_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: float, l2norm: bool,
@@ -779,8 +840,9 @@ def chunk_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: 
     p = _Problem(q, v, cu_seqlens, meta)
     A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
     M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
-    o, ht, _, _ = _recurrence_fwd(p, q, k, w, u, gc, M, h0, scale, l2norm, True, False, output_final_state, q.dtype)
-    return o, ht, A, gc
+    ht, hs, vn = _recurrence_fwd(p, k, w, u, gc, h0, l2norm, output_final_state, torch.float32)
+    del w, u
+    return _output(p, q, hs, vn, gc, M, scale, l2norm), ht, A, gc
 
 
 def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: float, l2norm: bool,
@@ -796,10 +858,10 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     if A is None or gc is None:
         A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
     M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
-    _, _, hs, vn = _recurrence_fwd(p, q, k, w, u, gc, M, h0, scale, l2norm, False, True, False, dt)
+    _, hs, vn = _recurrence_fwd(p, k, w, u, gc, h0, l2norm, False, dt)
     del u
     cfg = CONFIG["recurrence"]
-    BV = p.block_v(cfg["block_v"])
+    BV = p.recurrence_block_v()
     dhs = torch.empty_like(hs)
     dvn = torch.empty_like(vn)
     dh0 = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if h0 is not None else None
