@@ -19,6 +19,8 @@
 #   bash scripts/gpu_check.sh host [args]            host time and launches of one Qwen3-0.6B decoder layer, fwd and
 #                                                    bwd, HF against hubfuse (scripts/host_per_layer.py; e.g.
 #                                                    `host --configs eager ours ours@cudnn ours@flash --table 25`)
+#   bash scripts/gpu_check.sh sweep [args]           per-kernel GPU time of the Gated DeltaNet kernels for each launch
+#                                                    setting (scripts/sweep_gated_delta_net.py)
 #   bash scripts/gpu_check.sh kernels-benchmark      `kernels benchmark` over every repo
 #   bash scripts/gpu_check.sh demo                   scripts/demo.py
 #   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
@@ -115,6 +117,8 @@ case "$step" in
     echo "=== dense report ($(date +%T))"
     python3 scripts/bench.py --report-only --out "$dense_out" || status=1
     exit $status ;;
+  sweep)
+    python3 scripts/sweep_gated_delta_net.py "$@" 2>&1 | grep -v -i "warn" ;;
   host)
     python3 scripts/host_per_layer.py "$@" 2>&1 | tee "$OUT/host_per_layer.log" | grep -v "^\s*$" | tail -n 120 ;;
   kernels-benchmark)
