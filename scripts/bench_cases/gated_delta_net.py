@@ -10,6 +10,9 @@ refuses to run on Hopper with Triton >= 3.4, < 3.7.1 (its issue #640: its result
 with that guard bypassed, as a timing anchor only. Floor: the bytes the op must move (q, k, v, g, beta, o; do, dq,
 dk, dv, dg, dbeta) over the measured copy bandwidth.
 """
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +21,12 @@ HK, HV, D = 16, 32, 128
 
 
 def _fla():
-    """FLA's chunk_gated_delta_rule with the Hopper guard of its gated backward bypassed, or None."""
+    """FLA's chunk_gated_delta_rule with the Hopper guard of its gated backward bypassed, or None. FLA comes from
+    its own site dir ($HUBFUSE_FLA_SITE) where one is given (scripts/gpu_check.sh keeps it out of the common site:
+    with FLA installed, transformers' Qwen3.5 would run it)."""
+    site = os.environ.get("HUBFUSE_FLA_SITE")
+    if site and site not in sys.path:
+        sys.path.insert(0, site)
     try:
         import fla.ops.common.chunk_o as chunk_o
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
