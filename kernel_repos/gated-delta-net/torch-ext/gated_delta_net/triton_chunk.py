@@ -766,10 +766,13 @@ class _Problem:
         return _block(self.V, cap, min(self.least, cap))
 
     def recurrence_block_v(self) -> int:
-        """V block of the serial recurrences: narrower where the wide blocks' programs would not fill the GPU twice."""
+        """V block of the serial recurrences: narrower where the wide blocks' programs would not fill the GPU twice,
+        unless the key lanes are padded (K < BK): there the narrow blocks gave non-finite gradients from
+        `_recurrence_bwd_kernel` on an H100 (triton 3.6, K = 20, fp16 / bf16; not under the interpreter; the
+        wide blocks are exact there, tests/test_gated_delta_net.py's V-block cases)."""
         cfg = CONFIG["recurrence"]
         bv = self.block_v(cfg["block_v"])
-        if self.N * self.HV * triton.cdiv(self.V, bv) < 2 * self.sms:
+        if self.K == self.BK and self.N * self.HV * triton.cdiv(self.V, bv) < 2 * self.sms:
             bv = self.block_v(cfg["block_v_few"])
         return bv
 
