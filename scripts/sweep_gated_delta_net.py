@@ -10,8 +10,8 @@ Workloads (bf16, Qwen3.5-MoE's 16 key / 32 value heads, head dims 128):
   step's 8 x 2048 tokens (scripts/bench.py's qwen3_5_moe slice);
 - `long`: `chunk_gated_delta_rule` fwd+bwd at 1 x 32768 tokens, q/k l2norm in the kernel.
 A variant `family:key=value,...` overrides the launch settings of one kernel family (`conv_fwd`, `conv_bwd` in
-triton_conv1d.CONV_CONFIG; `solve`, `wu`, `recurrence`, `grads` in triton_chunk.CONFIG) on top of the tree's own;
-`base` is the tree's settings. Each (variant, workload): 3 warm-up steps, then torch.profiler over --steps steps;
+triton_conv1d.CONV_CONFIG; `solve`, `wu`, `recurrence`, `output`, `grads` in triton_chunk.CONFIG) on top of the
+tree's own; `base` is the tree's settings. Each (variant, workload): 3 warm-up steps, then torch.profiler over --steps steps;
 the line gives the summed GPU ms per step and each kernel's. Output: stdout and $OUT/sweep_gated_delta_net.txt.
 """
 from __future__ import annotations
@@ -87,15 +87,8 @@ def parse_variant(text: str):
 
 
 def kernel_times(step, steps: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+    """GPU ms per step of each of our kernels (names starting with "_"), the rest as "other"."""
+    _, prof = h.wall_and_profile(step, steps, warmup=3)
     times = {}
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and e.self_device_time_total > 0:

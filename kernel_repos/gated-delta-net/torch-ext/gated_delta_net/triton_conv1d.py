@@ -30,16 +30,19 @@ def _conv_rows(X, WT, BIAS, SEQ, b, rows, m_rows, seq_rows, c, m_c, S, stride_xb
 
 
 @triton.jit
+def _tile(S, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(batch row, token rows, channels, their masks) of this program's (BLOCK_T, BLOCK_C) tile; grid (t, c, b)."""
+    b = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return b, t, c, t < S, c < C
+
+
+@triton.jit
 def _conv_fwd_kernel(X, WT, BIAS, SEQ, OUT, S, C, stride_xb, stride_xt, stride_xc,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
                      VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_t = t < S
-    m_c = c < C
+    b, t, c, m_t, m_c = _tile(S, C, BLOCK_T, BLOCK_C)
     WDT = WT.dtype.element_ty
     seq = t  # the sequence id of each row: only read when VARLEN
     if VARLEN:
@@ -59,14 +62,8 @@ def _conv_dy_kernel(X, WT, BIAS, SEQ, DOUT, DY, DW_PART, DB_PART, S, C, stride_x
                     ROUND: tl.constexpr, VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     # backward, first pass: dy = dout * silu'(y) at this program's rows (y recomputed once), stored in fp32, and
     # the dweight / dbias partial sums of these rows from the same x tiles (summed afterwards: deterministic)
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    b, t, c, m_t, m_c = _tile(S, C, BLOCK_T, BLOCK_C)
     o_w = tl.arange(0, WP)
-    m_t = t < S
-    m_c = c < C
     WDT = WT.dtype.element_ty
     seq = t
     if VARLEN:
@@ -88,7 +85,7 @@ def _conv_dy_kernel(X, WT, BIAS, SEQ, DOUT, DY, DW_PART, DB_PART, S, C, stride_x
         x = tl.load(X + b * stride_xb + rr[:, None].to(tl.int64) * stride_xt + c[None, :] * stride_xc,
                     mask=m[:, None] & m_c[None, :], other=0.0).to(WDT).to(tl.float32)
         dw += tl.where(o_w[None, :] == j, tl.sum(x * dy, 0)[:, None], 0.0)
-    part = b * tl.num_programs(0) + pid_t
+    part = b * tl.num_programs(0) + tl.program_id(0)
     tl.store(DW_PART + (part * C + c[:, None]) * W + o_w[None, :], dw, mask=m_c[:, None] & (o_w[None, :] < W))
     if HAS_BIAS:
         tl.store(DB_PART + part * C + c, tl.sum(dy, 0), mask=m_c)
@@ -98,13 +95,7 @@ def _conv_dy_kernel(X, WT, BIAS, SEQ, DOUT, DY, DW_PART, DB_PART, S, C, stride_x
 def _conv_dx_kernel(DY, WT, SEQ, DX, S, C, W: tl.constexpr, VARLEN: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_C: tl.constexpr):
     # backward, second pass: dx[t] = sum_s w[W-1-s] dy[t+s] over the rows t+s of t's sequence (fp32)
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_t = t < S
-    m_c = c < C
+    b, t, c, m_t, m_c = _tile(S, C, BLOCK_T, BLOCK_C)
     if VARLEN:
         seq = tl.load(SEQ + b * S + t, mask=m_t, other=-1)
     dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
