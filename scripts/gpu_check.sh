@@ -139,7 +139,8 @@ case "$step" in
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --tb=short -rA --runxfail -m gpu \
       tests/test_gated_delta_net_models.py >"$logs/models.log" 2>&1
     for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; grep -E "^(FAILED|ERROR)|passed|failed|error|xfail|ratio 1\.[1-9]" "$f" | tail -n 12; done
-    timeout "${GDN_SWEEP_S:-60}" python3 scripts/sweep_gated_delta_net.py --variants base 2>&1 | grep -v -i "warn"
+    timeout "${GDN_SWEEP_S:-80}" python3 scripts/sweep_gated_delta_net.py --variants base --workloads layer long dense packed \
+      2>&1 | grep -v -i "warn"
     timeout "${GDN_OPS_S:-280}" python3 scripts/bench_ops.py gated_delta_net 2>&1 | tee "$OUT/bench_ops.log" | grep -v "^{"
     exit $status ;;
   host)
