@@ -541,6 +541,16 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
                              f"({prof['host_sync_ms']:.1f}) | "
                              + "; ".join(f"{site} x{n}" for site, n in list(prof.get("host_sync_sites", {}).items())[:2])
                              + " |")
+    for r in profiled:
+        top = r["profile"][0].get("top_kernels")
+        if top:
+            lines += ["", f"{r['row']} x {r['gpus']}, rank 0: compute kernels with the most GPU time (ms per step, "
+                          "calls per step); all-to-all calls per step, median and min ms: "
+                          + ", ".join(f"{k} {r['profile'][0][k]['calls']:.0f} x {r['profile'][0][k]['median_ms']:.2f}"
+                                      f" (min {r['profile'][0][k]['min_ms']:.2f})" for k in COMM_KINDS
+                                      if r["profile"][0][k].get("calls")), "",
+                      "| kernel | ms | calls |", "| --- | ---: | ---: |"]
+            lines += [f"| `{name}` | {ms:.2f} | {calls:.0f} |" for name, ms, calls in top]
     if d.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -662,8 +672,24 @@ def summarize_trace(trace: dict, steps: int) -> dict:
                host_sync_sites=dict(sorted(sites.items(), key=lambda kv: -kv[1])))
     for kind, ivs in comm.items():
         u = _union(ivs)
-        out[kind] = dict(busy_ms=_length(u) / steps / 1e3, exposed_ms=(_length(u) - _overlap(u, busy)) / steps / 1e3)
+        durs = sorted(b - a for a, b in ivs)
+        out[kind] = dict(busy_ms=_length(u) / steps / 1e3, exposed_ms=(_length(u) - _overlap(u, busy)) / steps / 1e3,
+                         calls=len(ivs) / steps, median_ms=durs[len(durs) // 2] / 1e3 if durs else 0.0,
+                         min_ms=durs[0] / 1e3 if durs else 0.0)
+    out["top_kernels"] = _top_kernels(trace, steps)
     return out
+
+
+def _top_kernels(trace: dict, steps: int, n: int = 15) -> list[list]:
+    """The n compute kernels with the most GPU time: [name (first 90 chars), ms per step, calls per step]."""
+    total: dict[str, list] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "kernel" and e.get("dur") is not None and _comm_kind(e.get("name", "")) is None:
+            t = total.setdefault(e["name"][:90], [0.0, 0])
+            t[0] += float(e["dur"])
+            t[1] += 1
+    top = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [[name, round(us / steps / 1e3, 3), c / steps] for name, (us, c) in top]
 
 
 def profile(step, steps: int, d: Dist) -> list[dict]:

@@ -30,8 +30,8 @@
 #   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
 #                                                    its own timeout (T_SLICE8 180, T_QWEN35 160, T_DEEP 130 s) within
 #                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours with
-#                                                    the fixed, the 2-chunk pipelined fixed and the sized EP
-#                                                    exchange, each with FSDP's default and noreshard, then the
+#                                                    the fixed and the 2-chunk pipelined fixed EP exchange, each
+#                                                    with FSDP's default and explicit prefetch, then the
 #                                                    1-GPU reference, every row profiled), qwen35 (Qwen3.5-MoE, 8
 #                                                    layers), deep (48 layers, AC; 24 if 48 fails), titan
 #                                                    (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can);
@@ -179,7 +179,7 @@ case "$step" in
     for part in $parts; do
       case "$part" in
         slice8) run_part slice8 "${T_SLICE8:-180}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
-                  --steps 4 --warmup 2 --ep-dispatch fixed fixed2 sized --fsdp default noreshard || status=1 ;;
+                  --steps 8 --warmup 3 --ep-dispatch fixed fixed2 --fsdp default prefetch2 || status=1 ;;
         ep)     run_part ep "${T_EP:-200}" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_distributed.py \
                   -k pipelined_exchange_nccl || status=1 ;;
         qwen35) run_part qwen35 "${T_QWEN35:-160}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \

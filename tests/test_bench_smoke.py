@@ -197,10 +197,15 @@ def test_bench_distributed_profile_breakdown():
     approx = pytest.approx
     # GPU busy: [0, 150] + [200, 230] + [235, 240] of a 240 us span
     assert (got["span_ms"], got["compute_ms"], got["idle_ms"]) == approx((0.12, 0.0525, 0.0275))
-    assert got["all_gather"] == dict(busy_ms=approx(0.05), exposed_ms=approx(0.025))  # half under the GEMM
-    assert got["all_to_all"] == dict(busy_ms=approx(0.015), exposed_ms=approx(0.015))
-    assert got["reduce_scatter"] == dict(busy_ms=approx(0.005), exposed_ms=approx(0.005))
-    assert got["all_reduce"] == dict(busy_ms=0.0, exposed_ms=0.0)
+    # busy / exposed per step; calls per step, median and min duration of one call
+    assert got["all_gather"] == dict(busy_ms=approx(0.05), exposed_ms=approx(0.025),  # half under the GEMM
+                                     calls=0.5, median_ms=approx(0.1), min_ms=approx(0.1))
+    assert got["all_to_all"] == dict(busy_ms=approx(0.015), exposed_ms=approx(0.015), calls=0.5,
+                                     median_ms=approx(0.03), min_ms=approx(0.03))
+    assert got["reduce_scatter"] == dict(busy_ms=approx(0.005), exposed_ms=approx(0.005), calls=0.5,
+                                         median_ms=approx(0.01), min_ms=approx(0.01))
+    assert got["all_reduce"] == dict(busy_ms=0.0, exposed_ms=0.0, calls=0.0, median_ms=0.0, min_ms=0.0)
+    assert got["top_kernels"] == [["gemm", approx(0.05), 0.5]]  # compute kernels only (memcpy is not a kernel)
     assert (got["host_syncs"], got["host_sync_ms"]) == approx((1.0, 0.021))
     # the CPU ops around each sync, outermost first (a sync outside every op has none)
     assert got["host_sync_sites"] == {"route > aten::tolist > aten::_local_scalar_dense": 1, "(no CPU op)": 1}
