@@ -460,8 +460,11 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
                                               step_ms=round(statistics.median(times) * 1e3, 1), **allocs)))
             if not all(math.isfinite(x) for x in losses):
                 row.update(status="error", note=f"non-finite loss {losses}")
+            if config == "ours":
+                row["expert_load"] = expert_load(model, batches[0], args, d)
             if args.profile:
-                row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d)
+                trace = Path(args.trace) / f"trace_{name}_{d.world}gpu_rank{d.rank}.json.gz" if args.trace else None
+                row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d, trace)
         finally:
             gc.enable()
         record(row, d)
@@ -470,6 +473,37 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
     if cuda:
         torch.cuda.empty_cache()
     d.barrier()
+
+
+def expert_load(model, batch, args, d: Dist) -> dict | None:
+    """Routed slots that each EP rank's experts get, per MoE layer, summed over every rank's tokens, from one extra
+    forward (no grad) of the first batch: max / mean over the EP ranks per layer. Every layer's exchanges wait
+    for the slowest rank, so an uneven routing (a fresh router) is a straggler of its own."""
+    import torch
+    import torch.distributed as dist
+
+    modules = [m for _, m in moe_kernel().expert_parallel.expert_modules(model)]
+    if d.world == 1 or args.ep <= 1 or not modules:
+        return None
+    counts = []
+
+    def count(module, inputs, kwargs):
+        index = inputs[1] if len(inputs) > 1 else kwargs["top_k_index"]
+        per_rank = module.gate_up_proj.shape[0] // args.ep  # global shape: DTensor
+        ranks = torch.div(index.reshape(-1).long(), per_rank, rounding_mode="floor").clamp(0, args.ep)
+        counts.append(torch.bincount(ranks, minlength=args.ep + 1)[:args.ep].float())
+
+    handles = [m.register_forward_pre_hook(count, with_kwargs=True) for m in modules]
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    load = torch.stack(counts)  # (MoE layers, ep): this rank's tokens' slots per destination rank
+    dist.all_reduce(load)
+    ratio = (load.max(1).values / load.mean(1)).tolist()
+    return dict(max_over_mean=[round(x, 3) for x in ratio], mean=round(sum(ratio) / len(ratio), 3))
 
 
 def one_gpu_reference(rows, meta, args) -> dict:
@@ -524,6 +558,12 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
                      f"{f(r.get('step_ms_median'), '.0f')} | {f(r.get('loss_step1'), '.3f')} | "
                      f"{f(r.get('loss_last'), '.3f')} | {r.get('note') or r.get('sharding', '')} |")
     lines += per_rank_lines(rows)
+    loads = [r for r in rows if r.get("expert_load")]
+    if loads:
+        lines += ["", "Expert load (one extra forward of the first batch: routed slots per EP rank, summed over every "
+                      "rank's tokens; max / mean over the EP ranks, per MoE layer, and its mean over the layers):", ""]
+        lines += [f"- {r['row']} x {r['gpus']}: mean {r['expert_load']['mean']:.3f}; per layer "
+                  + ", ".join(f"{x:.2f}" for x in r["expert_load"]["max_over_mean"]) for r in loads]
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
         lines += ["", f"Profile (torch.profiler, {args.profile} step(s) per row after the measured ones; ms per step "
@@ -692,8 +732,9 @@ def _top_kernels(trace: dict, steps: int, n: int = 15) -> list[list]:
     return [[name, round(us / steps / 1e3, 3), c / steps] for name, (us, c) in top]
 
 
-def profile(step, steps: int, d: Dist) -> list[dict]:
-    """`steps` calls of `step` under torch.profiler on every rank; every rank's summary (gathered), rank order."""
+def profile(step, steps: int, d: Dist, trace: Path | None = None) -> list[dict]:
+    """`steps` calls of `step` under torch.profiler on every rank; every rank's summary (gathered), rank order.
+    trace: also write this rank's chrome trace there (gzip)."""
     import tempfile
 
     import torch
@@ -714,7 +755,14 @@ def profile(step, steps: int, d: Dist) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        summary = summarize_trace(json.loads(path.read_text()), steps)
+        text = path.read_text()
+        summary = summarize_trace(json.loads(text), steps)
+        if trace is not None:
+            import gzip
+
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            with gzip.open(trace, "wt") as f:
+                f.write(text)
     summary["rank"] = d.rank
     if d.world == 1:
         return [summary]
@@ -743,6 +791,8 @@ def main(argv=None) -> int:
                         "chunks with the experts (all-to-alls under the expert GEMMs), sized = host-read split sizes")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="N steps under torch.profiler after every row's measured steps (per-rank breakdown)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: each rank's chrome trace of every profiled row, gzipped, into DIR")
     p.add_argument("--one-gpu-reference", nargs="?", const="last", choices=("first", "last"), default=None,
                    help="several GPUs: rank 0 also runs the configs alone on its GPU (the others wait at a barrier), "
                         "for the scaling efficiency (the model must fit one GPU); last (the default) after the "

@@ -55,7 +55,7 @@ def test_bench_distributed_smoke(tmp_path):
                TRITON_INTERPRET="0")  # the kernels' torch path: the script, not the kernels, is under test
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), "--smoke", "--steps", "1",
            "--out", str(tmp_path), "--model-dir", str(tmp_path / "models"), "--one-gpu-reference",
-           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1"]
+           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1", "--trace", str(tmp_path / "traces")]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
@@ -90,6 +90,12 @@ def test_bench_distributed_smoke(tmp_path):
     assert "| ours[fixed] | 2 | 1 |" in logs[0]  # the per-rank table: rank 1 of ours[fixed] on 2 ranks
     profile = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2_profile.json").read_text())
     assert [p["rank"] for p in profile["ours[fixed] x 2"]] == [0, 1]  # every rank's breakdown
+    # the expert load of every MoE layer (2 layers), max / mean over the 2 EP ranks in [1, 2]
+    load = rows[(2, "ours")]["expert_load"]
+    assert len(load["max_over_mean"]) == 2 and all(1.0 <= x <= 2.0 for x in load["max_over_mean"]), load
+    # --trace: each rank's gzipped chrome trace of the profiled rows
+    assert sorted(p.name for p in (tmp_path / "traces").glob("trace_ours*")) == \
+        ["trace_ours[fixed]_2gpu_rank0.json.gz", "trace_ours[fixed]_2gpu_rank1.json.gz", "trace_ours_1gpu_rank0.json.gz"]
 
 
 def _bench_module():
