@@ -15,6 +15,9 @@ Configurations, in the same run, same weights and batches:
   hf    transformers 5.22.2 stock: experts_implementation="grouped_mm", sdpa attention, HF losses
   ours  hubfuse.KernelConfig(presets.kernel_mapping(family)) + presets.enable_losses (fused linear cross-entropy
         through lm_head, fused aux loss with its statistics reduced over all ranks)
+  ours_fsdp  ours, always sharded the hubfuse way (below) whatever --sharding says: next to the transformers-
+        sharded rows in one run (with dp 1, fully_shard_model leaves the experts out of FSDP). Its one-GPU
+        reference is ours'.
 
 Sharding (`--sharding`, several GPUs):
   transformers (default)  from_pretrained(distributed_config=DistributedConfig(fsdp_size=N, ep_size=--ep,
@@ -73,6 +76,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -87,7 +91,7 @@ for p in (ROOT / "scripts", ROOT / "torch-ext", ROOT):
 MODELS = {"qwen3_30b_a3b": ("qwen3_30b_a3b", "qwen3_moe", "Qwen3-30B-A3B widths"),
           "qwen3_5_moe": ("qwen3_5_moe", "qwen3_5_moe", "Qwen3.5-MoE widths (256 experts + shared, Gated DeltaNet)")}
 REVISION = "v1"
-CONFIGS = ("hf", "ours")
+CONFIGS = ("hf", "ours", "ours_fsdp")  # ours_fsdp: our kernels, sharded by hubfuse whatever --sharding says
 FSDP_MODES = ("default", "prefetch2", "noreshard")
 EP_DISPATCH = {"fixed": 1, "fixed2": 2, "sized": None}  # --ep-dispatch -> chunks of the fixed-capacity exchange
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "H20": 148.0, "B200": 2250.0, "A100": 312.0}
@@ -212,7 +216,7 @@ def load(config: str, path: Path, args, d: Dist, cfg):
         kw["experts_implementation"] = "grouped_mm"
     else:
         kw.update(use_kernels=True, kernel_config=KernelConfig(presets.kernel_mapping(family, revision=REVISION)))
-    tf_sharded = d.world > 1 and args.sharding == "transformers"
+    tf_sharded = d.world > 1 and args.sharding == "transformers" and config != "ours_fsdp"
     if tf_sharded:
         from transformers.distributed import DistributedConfig
 
@@ -224,7 +228,7 @@ def load(config: str, path: Path, args, d: Dist, cfg):
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    if config == "ours":
+    if config != "hf":
         presets.enable_losses(model, family, revision=REVISION,
                               aux_loss_group=dist.group.WORLD if d.world > 1 else None)
     if d.world == 1:
@@ -236,7 +240,7 @@ def load(config: str, path: Path, args, d: Dist, cfg):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if config == "ours" and args.ep > 1:
+    if config != "hf" and args.ep > 1:
         mesh = init_device_mesh(d.device.type, (d.world // args.ep, args.ep), mesh_dim_names=("dp", "ep"))
         moe_kernel().shard_experts(model, mesh["ep"])
         how = f"hubfuse: shard_experts ep {args.ep} + fully_shard_model (dp {d.world // args.ep} x ep {args.ep})"
@@ -276,7 +280,7 @@ def variants(config: str, args, d: Dist) -> list[tuple[str, str | None]]:
     """(FSDP mode, EP dispatch or None) of every row measured on one loaded model."""
     if d.world == 1:
         return [("default", None)]
-    dispatch = args.ep_dispatch if config == "ours" and args.ep > 1 else [None]
+    dispatch = args.ep_dispatch if config != "hf" and args.ep > 1 else [None]
     return [(mode, ep) for ep in dispatch for mode in args.fsdp]
 
 
@@ -403,7 +407,7 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
     t0 = time.time()
     model, how = load(config, path, args, d, cfg)
     load_s = round(time.time() - t0, 1)
-    kernels = bound_kernels(model) if config == "ours" else None
+    kernels = bound_kernels(model) if config != "hf" else None
     cuda = d.device.type == "cuda"
     opt = torch.optim.AdamW(param_groups(model), lr=1e-5, weight_decay=0.01, fused=cuda)
     for mode, dispatch in variants(config, args, d):
@@ -460,10 +464,11 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
                                               step_ms=round(statistics.median(times) * 1e3, 1), **allocs)))
             if not all(math.isfinite(x) for x in losses):
                 row.update(status="error", note=f"non-finite loss {losses}")
-            if config == "ours":
+            if config != "hf":
                 row["expert_load"] = expert_load(model, batches[0], args, d)
             if args.profile:
-                trace = Path(args.trace) / f"trace_{name}_{d.world}gpu_rank{d.rank}.json.gz" if args.trace else None
+                safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")  # plain file names: ours[fixed] -> ours_fixed
+                trace = Path(args.trace) / f"trace_{safe}_{d.world}gpu_rank{d.rank}.json.gz" if args.trace else None
                 row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d, trace)
         finally:
             gc.enable()
@@ -519,6 +524,11 @@ def one_gpu_reference(rows, meta, args) -> dict:
     return ref
 
 
+def _one_gpu_config(config: str) -> str:
+    """The one-GPU row a configuration scales from (ours_fsdp differs from ours only in the sharding)."""
+    return "ours" if config == "ours_fsdp" else config
+
+
 def tag_of(args, d: Dist) -> str:
     return f"{args.model}_{args.layers}l_" + ("1gpu" if d.world == 1 else f"{d.world}gpu_ep{args.ep}")
 
@@ -536,7 +546,7 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
         hf = hf_tps.get(r["gpus"])
         r["x_hf"] = round(r["tokens_per_s_per_gpu"] / hf, 2) if hf else None
         r["scaling_efficiency"] = 1.0 if r["gpus"] == 1 else (
-            round(r["tokens_per_s_per_gpu"] / ref[r["config"]], 3) if r["config"] in ref else None)
+            round(r["tokens_per_s_per_gpu"] / ref[one], 3) if (one := _one_gpu_config(r["config"])) in ref else None)
     lines = [f"{MODELS[args.model][2]}, {args.layers} layers, {meta['device']} x {d.world}, "
              f"{args.batch} x {args.seq} tokens per GPU per step, bf16 weights and AdamW states"
              f"{', activation checkpointing per layer' if args.activation_checkpointing else ''}, median of "
@@ -886,7 +896,7 @@ def main(argv=None) -> int:
 
         def one_gpu_rows():
             if d.rank == 0:  # alone on its GPU: no collective until the barrier below
-                for config in args.configs:
+                for config in dict.fromkeys(_one_gpu_config(c) for c in args.configs):
                     run_one(config, model_dir, batches, args, Dist.alone(d), cfg, record)
             d.barrier()  # the other ranks wait here meanwhile
 

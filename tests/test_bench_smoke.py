@@ -69,8 +69,8 @@ def test_bench_distributed_smoke(tmp_path):
         assert p.returncode == 0, log[-4000:]
     data = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.json").read_text())
     rows = {(r["gpus"], r["config"]): r for r in data["results"]}
-    assert set(rows) == {(g, c) for g in (1, 2) for c in ("hf", "ours")}
-    assert [r["gpus"] for r in data["results"]] == [2, 2, 1, 1]  # the one-GPU reference after the 2-GPU rows
+    assert set(rows) == {(g, c) for g in (1, 2) for c in ("hf", "ours")} | {(2, "ours_fsdp")}
+    assert [r["gpus"] for r in data["results"]] == [2, 2, 2, 1, 1]  # the one-GPU reference after the 2-GPU rows
     for (gpus, config), r in rows.items():
         assert r["status"] == "ok", r
         for key in ("tokens_per_s_per_gpu", "step_ms_median", "loss_step1", "scaling_efficiency", "x_hf"):
@@ -79,8 +79,11 @@ def test_bench_distributed_smoke(tmp_path):
         for p in r["per_rank"]:
             assert 0 < p["enqueue_ms"] <= p["step_ms"] * 1.01, p
         if gpus == 2:
-            assert r["ep"] == 2 and "distributed_config" in r["sharding"]
-            want = round(r["tokens_per_s_per_gpu"] / rows[(1, config)]["tokens_per_s_per_gpu"], 3)
+            assert r["ep"] == 2
+            # --sharding transformers (the default), except ours_fsdp: shard_experts + fully_shard_model
+            assert ("distributed_config" in r["sharding"]) == (config != "ours_fsdp"), r["sharding"]
+            one = "ours" if config == "ours_fsdp" else config
+            want = round(r["tokens_per_s_per_gpu"] / rows[(1, one)]["tokens_per_s_per_gpu"], 3)
             assert r["scaling_efficiency"] == want, (r, want)
     assert "GroupedGemmExperts" in rows[(2, "ours")]["kernels"]
     assert abs(rows[(2, "ours")]["loss_step1"] - rows[(2, "hf")]["loss_step1"]) < 0.05
@@ -94,8 +97,9 @@ def test_bench_distributed_smoke(tmp_path):
     load = rows[(2, "ours")]["expert_load"]
     assert len(load["max_over_mean"]) == 2 and all(1.0 <= x <= 2.0 for x in load["max_over_mean"]), load
     # --trace: each rank's gzipped chrome trace of the profiled rows
-    assert sorted(p.name for p in (tmp_path / "traces").glob("trace_ours*")) == \
-        ["trace_ours[fixed]_2gpu_rank0.json.gz", "trace_ours[fixed]_2gpu_rank1.json.gz", "trace_ours_1gpu_rank0.json.gz"]
+    assert sorted(p.name for p in (tmp_path / "traces").glob("trace_ours*")) == [
+        "trace_ours_1gpu_rank0.json.gz", "trace_ours_fixed_2gpu_rank0.json.gz", "trace_ours_fixed_2gpu_rank1.json.gz",
+        "trace_ours_fsdp_fixed_2gpu_rank0.json.gz", "trace_ours_fsdp_fixed_2gpu_rank1.json.gz"]
 
 
 def _bench_module():
