@@ -216,8 +216,12 @@ def _facts(model, local_rows) -> dict:
 
     bound = sorted({getattr(m.__dict__["forward"], "__func__", m.__dict__["forward"]).__qualname__.split(".")[0]
                     for name, m in model.named_modules() if name and "forward" in m.__dict__})
+    from torch.distributed.fsdp import FSDPModule
+
     return {"bound": bound, "sharded": sum(isinstance(p, DTensor) for p in model.parameters()),
-            "params": sum(1 for _ in model.parameters()), "experts_local_rows": local_rows}
+            "params": sum(1 for _ in model.parameters()), "experts_local_rows": local_rows,
+            "experts_fsdp": [isinstance(m, FSDPModule) for name, m in model.named_modules()
+                             if name.endswith("mlp.experts")]}
 
 
 def _bare_experts(gate_up_proj, down_proj):
@@ -650,6 +654,9 @@ def _check_against_reference(name: str, run) -> list[dict]:
         if ep > 1 and sharding != "transformers":
             n = _num_experts(family)
             assert r["experts_local_rows"] and all(x == n // ep for x in r["experts_local_rows"]), r
+        if ep > 1 and sharding == "fsdp":
+            # fully_shard_model: one rank per expert (dp 1) leaves the experts out of FSDP, dp > 1 wraps them
+            assert r["experts_fsdp"] and set(r["experts_fsdp"]) == {world // ep > 1}, r["experts_fsdp"]
         if family != "qwen3":
             assert "GroupedGemmExperts" in r["bound"], r["bound"]
     return results
@@ -659,6 +666,25 @@ def _num_experts(family: str) -> int:
     from tests.utils import tiny_config
 
     return tiny_config(FAMILIES[family]).num_experts
+
+
+def test_experts_left_out_of_fsdp_only_when_fsdp_has_nothing_to_do():
+    """fully_shard_model's rule for EP experts with one rank each (dp 1): out of FSDP unless FSDP must cast their
+    parameters (a mixed-precision param dtype other than theirs) or offload them to the CPU."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    from hubfuse.distributed import _plain_experts_fit
+
+    experts = nn.Module()
+    experts.gate_up_proj = nn.Parameter(torch.randn(4, 6, 3, dtype=torch.bfloat16))
+    experts.down_proj = nn.Parameter(torch.randn(4, 3, 3, dtype=torch.bfloat16))
+    assert _plain_experts_fit(experts, None, None)
+    assert _plain_experts_fit(experts, MixedPrecisionPolicy(param_dtype=torch.bfloat16), OffloadPolicy())
+    assert _plain_experts_fit(experts, MixedPrecisionPolicy(reduce_dtype=torch.float32), None)
+    assert not _plain_experts_fit(experts, MixedPrecisionPolicy(param_dtype=torch.float32), None)
+    assert not _plain_experts_fit(experts, None, CPUOffloadPolicy())
 
 
 @pytest.mark.parametrize("world", [2, 4])
