@@ -8,8 +8,9 @@ first-step gradients the full (gathered) gradients of the sharded run, within fp
 
 - 2 processes: FSDP2 alone over Qwen3 / Qwen3-MoE / Qwen3.5-MoE (per-decoder-layer + root, a MixedPrecisionPolicy
   in fp32); EP alone over Qwen3-MoE (2 of 4 experts per rank, no FSDP: dense gradients averaged by hand); EP over
-  both ranks + FSDP2 (dp 1 x ep 2) over Qwen3.5-MoE; transformers' own `distributed_config` (fsdp 2, ep 2, with
-  `fix_single_rank_expert_reduction`) over Qwen3-MoE.
+  both ranks + FSDP2 (dp 1 x ep 2: the experts out of FSDP) over Qwen3.5-MoE, also with each rank's rows packed
+  into one row (`PACKED`: positions restarting, cu_seq_lens) against the reference's unpacked rows;
+  transformers' own `distributed_config` (fsdp 2, ep 2, with `fix_single_rank_expert_reduction`) over Qwen3-MoE.
 - 4 processes: dp2 x ep2 (`moe.shard_experts` on mesh["ep"], `hubfuse.distributed.fully_shard_model` on the
   2-D mesh) over Qwen3-MoE and Qwen3.5-MoE; transformers' own `distributed_config` (fsdp 4, ep 2) over Qwen3-MoE,
   with our kernels (their EP forward) instead of its dispatch. After the Qwen3.5-MoE and the transformers runs,
@@ -60,6 +61,7 @@ SCENARIOS = {
     "fsdp2_qwen3_5_moe": ("qwen3_5_moe", 2, 1, "fsdp"),
     "ep_qwen3_moe": ("qwen3_moe", 2, 2, "none"),
     "fsdp2_ep_qwen3_5_moe_ep2": ("qwen3_5_moe", 2, 2, "fsdp"),
+    "fsdp2_ep_qwen3_5_moe_ep2_packed": ("qwen3_5_moe", 2, 2, "fsdp"),
     "transformers_fsdp2_ep2_qwen3_moe": ("qwen3_moe", 2, 2, "transformers"),
     "fsdp2_ep_qwen3_moe": ("qwen3_moe", 4, 2, "fsdp"),
     "fsdp2_ep_qwen3_5_moe": ("qwen3_5_moe", 4, 2, "fsdp"),
@@ -73,7 +75,27 @@ CHECKPOINT_SCENARIOS = {"fsdp2_ep_qwen3_5_moe": ("hf", "dcp"), "transformers_fsd
 INTERPRETED = {"fsdp2_qwen3", "fsdp2_ep_qwen3_moe"}
 # Scenarios whose experts use the sync-free fixed-capacity exchange (moe.set_capacity, capacity = the micro-batch's
 # tokens), name -> its pipeline's chunks (set_capacity(chunks=)); the other EP scenarios use the sized one
-FIXED_CAPACITY = {"fsdp2_ep_qwen3_5_moe_ep2": 2, "transformers_fsdp2_ep_qwen3_moe": 1}
+FIXED_CAPACITY = {"fsdp2_ep_qwen3_5_moe_ep2": 2, "fsdp2_ep_qwen3_5_moe_ep2_packed": 1,
+                  "transformers_fsdp2_ep_qwen3_moe": 1}
+# Scenarios whose ranks feed each micro-batch's rows as one packed row (transformers' packing kwargs), against the
+# reference's unpacked rows: the Gated DeltaNet layers keep the documents apart by cu_seq_lens, the attention
+# layers by the restarting positions, the exchange is per token
+PACKED = {"fsdp2_ep_qwen3_5_moe_ep2_packed"}
+
+
+def _packed(micro: dict) -> dict:
+    """A (rows, seq) micro-batch as one packed row: positions restarting per document, cu_seq_lens, and no target
+    across documents (the label of each later document's first token ignored): the targets of the rows."""
+    import torch
+
+    ids = micro["input_ids"]
+    rows, seq = ids.shape
+    labels = micro["labels"].clone()
+    labels[1:, 0] = -100
+    cu = torch.arange(rows + 1, dtype=torch.int32) * seq
+    return dict(input_ids=ids.reshape(1, -1), labels=labels.reshape(1, -1),
+                position_ids=torch.arange(seq).repeat(rows)[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                max_length_q=seq, max_length_k=seq)
 
 
 def _model_overrides(family: str) -> dict:
@@ -516,6 +538,8 @@ def _worker(spec_file: str) -> None:
             t0 = time.time()
             os.environ["TRITON_INTERPRET"] = "1" if name in INTERPRETED else "0"  # read by the kernels at every call
             batches = torch.load(out_dir / f"batches_{family}.pt")
+            if name in PACKED:
+                batches = [[_packed(micro) for micro in step] for step in batches]
             model, local_rows = _build(family, path, world, ep, sharding,
                                        capacity=ROWS * SEQ if name in FIXED_CAPACITY else None,
                                        chunks=FIXED_CAPACITY.get(name, 1))
