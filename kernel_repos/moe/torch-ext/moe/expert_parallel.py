@@ -57,6 +57,9 @@ if DISTRIBUTED:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
+    # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); torch 2.11 has only the latter
+    _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _ALIGN = 16  # bytes: each packed field starts aligned, so it can be viewed back as its dtype
 _CAPACITY_ATTR = "_hubfuse_ep_capacity"  # on an experts module: the fixed per-rank token capacity, or None (sized)
@@ -521,7 +524,7 @@ def _gather_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts):
     for c, (first, n) in enumerate(pipe.spans):
         fmt.pack(send[c, :n], chunk_parts(first, n))
         fmt.pack(send[c, n:], pad_parts)
-        works.append(dist.all_gather_into_tensor(recv[c], send[c], group=pipe.group, async_op=True))
+        works.append(_all_gather(recv[c], send[c], group=pipe.group, async_op=True))
     return recv, works
 
 
