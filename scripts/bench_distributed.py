@@ -464,6 +464,8 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
                                               step_ms=round(statistics.median(times) * 1e3, 1), **allocs)))
             if not all(math.isfinite(x) for x in losses):
                 row.update(status="error", note=f"non-finite loss {losses}")
+            if args.back_to_back:
+                row.update(back_to_back(model, opt, batches[args.warmup:] or batches, args, d, row))
             if config != "hf":
                 row["expert_load"] = expert_load(model, batches[0], args, d)
             if args.profile:
@@ -478,6 +480,25 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
     if cuda:
         torch.cuda.empty_cache()
     d.barrier()
+
+
+def back_to_back(model, opt, batches, args, d: Dist, row) -> dict:
+    """--back-to-back: args.steps more steps with no synchronisation between them (the host may run ahead across
+    step boundaries, as in a loop that reads the loss every N steps); one synchronize at the end. The rate over
+    the whole run, the slowest rank's."""
+    import torch
+
+    cuda = d.device.type == "cuda"
+    d.barrier()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        train_step(model, opt, batches[i % len(batches)])
+    if cuda:
+        torch.cuda.synchronize()
+    step_s = d.reduce((time.perf_counter() - start) / args.steps, "max")
+    return dict(b2b_step_ms=round(step_s * 1e3, 1), b2b_tokens_per_s_per_gpu=round(row["tokens_per_gpu_step"] / step_s, 1))
 
 
 def expert_load(model, batch, args, d: Dist) -> dict | None:
@@ -567,6 +588,18 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
                      f"{f(r.get('peak_mem_GiB_per_gpu'), '.1f')} | {f(r.get('scaling_efficiency'), '.2f')} | "
                      f"{f(r.get('step_ms_median'), '.0f')} | {f(r.get('loss_step1'), '.3f')} | "
                      f"{f(r.get('loss_last'), '.3f')} | {r.get('note') or r.get('sharding', '')} |")
+    b2b = [r for r in rows if r.get("b2b_step_ms")]
+    if b2b:
+        ref_b2b = {r["config"]: r["b2b_tokens_per_s_per_gpu"] for r in b2b if r["gpus"] == 1}
+        lines += ["", f"Back to back (--back-to-back: {args.steps} more steps with one synchronize at the end; the host "
+                      "may run ahead across steps; scaling against the one-GPU row measured so):", "",
+                  "| config | GPUs | tok/s/GPU | step ms | scaling eff. |", "| --- | ---: | ---: | ---: | ---: |"]
+        for r in b2b:
+            one = ref_b2b.get(_one_gpu_config(r["config"]))
+            eff = 1.0 if r["gpus"] == 1 else (round(r["b2b_tokens_per_s_per_gpu"] / one, 3) if one else None)
+            r["b2b_scaling_efficiency"] = eff
+            lines.append(f"| {r['row']} | {r['gpus']} | {r['b2b_tokens_per_s_per_gpu']:.0f} | {r['b2b_step_ms']:.1f} | "
+                         f"{f(eff, '.2f')} |")
     lines += per_rank_lines(rows)
     loads = [r for r in rows if r.get("expert_load")]
     if loads:
@@ -801,6 +834,8 @@ def main(argv=None) -> int:
                         "chunks with the experts (all-to-alls under the expert GEMMs), sized = host-read split sizes")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="N steps under torch.profiler after every row's measured steps (per-rank breakdown)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="after the measured steps, as many more with no synchronisation between them (a table of its own)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="with --profile: each rank's chrome trace of every profiled row, gzipped, into DIR")
     p.add_argument("--one-gpu-reference", nargs="?", const="last", choices=("first", "last"), default=None,

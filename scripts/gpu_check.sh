@@ -31,7 +31,8 @@
 #                                                    its own timeout (T_SLICE8 200, T_QWEN35 160, T_DEEP 200 s) within
 #                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours
 #                                                    sharded by transformers and by hubfuse (ours_fsdp), then the
-#                                                    1-GPU reference, every row profiled, traces in
+#                                                    1-GPU reference, every row profiled and also timed back to
+#                                                    back (--back-to-back), traces in
 #                                                    $OUT/traces; SLICE8_ARGS adds bench args, e.g. --ep-dispatch
 #                                                    fixed fixed2 --fsdp default prefetch2), qwen35 (Qwen3.5-MoE,
 #                                                    8 layers, the same three configs), deep (48 layers, hubfuse
@@ -181,7 +182,8 @@ case "$step" in
     for part in $parts; do
       case "$part" in
         slice8) run_part slice8 "${T_SLICE8:-200}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
-                  --trace "$OUT/traces" --steps 8 --warmup 3 --configs hf ours ours_fsdp ${SLICE8_ARGS:-} || status=1 ;;
+                  --trace "$OUT/traces" --back-to-back --steps 8 --warmup 3 --configs hf ours ours_fsdp ${SLICE8_ARGS:-} \
+                  || status=1 ;;
         ep)     run_part ep "${T_EP:-200}" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_distributed.py \
                   -k pipelined_exchange_nccl || status=1 ;;
         qwen35) run_part qwen35 "${T_QWEN35:-160}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \

@@ -55,7 +55,7 @@ def test_bench_distributed_smoke(tmp_path):
                TRITON_INTERPRET="0")  # the kernels' torch path: the script, not the kernels, is under test
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), "--smoke", "--steps", "1",
            "--out", str(tmp_path), "--model-dir", str(tmp_path / "models"), "--one-gpu-reference",
-           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1", "--trace", str(tmp_path / "traces")]
+           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1", "--trace", str(tmp_path / "traces"), "--back-to-back"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
@@ -96,6 +96,11 @@ def test_bench_distributed_smoke(tmp_path):
     # the expert load of every MoE layer (2 layers), max / mean over the 2 EP ranks in [1, 2]
     load = rows[(2, "ours")]["expert_load"]
     assert len(load["max_over_mean"]) == 2 and all(1.0 <= x <= 2.0 for x in load["max_over_mean"]), load
+    # --back-to-back: every row's rate over steps with no synchronisation between them, and its scaling
+    for (gpus, config), r in rows.items():
+        assert r["b2b_step_ms"] > 0 and r["b2b_tokens_per_s_per_gpu"] > 0, r
+        assert (r["b2b_scaling_efficiency"] == 1.0) == (gpus == 1) and r["b2b_scaling_efficiency"] > 0, r
+    assert "Back to back" in (tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.md").read_text()
     # --trace: each rank's gzipped chrome trace of the profiled rows
     assert sorted(p.name for p in (tmp_path / "traces").glob("trace_ours*")) == [
         "trace_ours_1gpu_rank0.json.gz", "trace_ours_fixed_2gpu_rank0.json.gz", "trace_ours_fixed_2gpu_rank1.json.gz",
