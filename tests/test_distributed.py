@@ -13,8 +13,8 @@ first-step gradients the full (gathered) gradients of the sharded run, within fp
   transformers' own `distributed_config` (fsdp 2, ep 2, with `fix_single_rank_expert_reduction`) over Qwen3-MoE.
 - 4 processes: dp2 x ep2 (`moe.shard_experts` on mesh["ep"], `hubfuse.distributed.fully_shard_model` on the
   2-D mesh) over Qwen3-MoE and Qwen3.5-MoE; transformers' own `distributed_config` (fsdp 4, ep 2) over Qwen3-MoE,
-  with our kernels (their EP forward) instead of its dispatch. After the Qwen3.5-MoE and the transformers runs,
-  checkpoint round trips: `hubfuse.distributed.save_pretrained` writes a checkpoint that plain `from_pretrained`
+  with our kernels (their EP forward) instead of its dispatch. After the Qwen3.5-MoE runs (dp2 x ep2, and dp1 x
+  ep2 with 2 processes) and the transformers run, checkpoint round trips: `hubfuse.distributed.save_pretrained` writes a checkpoint that plain `from_pretrained`
   loads with the same weights; (Qwen3.5-MoE) a torch.distributed.checkpoint (DCP) save loads back into a freshly
   sharded model.
 - Both: the EP exchange on raw tensors against `moe_experts` (routing edge cases; sized and fixed-capacity
@@ -68,7 +68,8 @@ SCENARIOS = {
     "transformers_fsdp2_ep_qwen3_moe": ("qwen3_moe", 4, 2, "transformers"),
 }
 # the checkpoint round trips run after these (EP experts + a fused shared expert; transformers' sharding)
-CHECKPOINT_SCENARIOS = {"fsdp2_ep_qwen3_5_moe": ("hf", "dcp"), "transformers_fsdp2_ep_qwen3_moe": ("hf",)}
+CHECKPOINT_SCENARIOS = {"fsdp2_ep_qwen3_5_moe": ("hf", "dcp"), "fsdp2_ep_qwen3_5_moe_ep2": ("hf", "dcp"),
+                        "transformers_fsdp2_ep_qwen3_moe": ("hf",)}
 # Scenarios whose kernels run as Triton under the interpreter; the others take the kernels' torch reference path
 # (TRITON_INTERPRET=0: same ops, dispatch and sharding code, ~5x less time on the CI's 2 cores). The kernels'
 # numerics are the kernel and model tests' business; here the sharding and the exchanges are under test.
@@ -749,21 +750,22 @@ def test_four_processes_dp2_ep2(four_ranks, name):
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINT_SCENARIOS))
-def test_checkpoint_round_trip(four_ranks, name):
-    """After training (dp2 x ep2 Qwen3.5-MoE; transformers-sharded Qwen3-MoE): the HF checkpoint written by
-    hubfuse.distributed.save_pretrained loads with plain from_pretrained to the same weights (original keys: the
-    experts per expert, the fused shared-expert MLP split back), and the DCP checkpoint loads back."""
+def test_checkpoint_round_trip(request, name):
+    """After training (dp2 x ep2 and dp1 x ep2 Qwen3.5-MoE, the latter's experts out of FSDP; transformers-sharded
+    Qwen3-MoE): the HF checkpoint written by hubfuse.distributed.save_pretrained loads with plain from_pretrained
+    to the same weights (original keys: the experts per expert, the fused shared-expert MLP split back), and the
+    DCP checkpoint loads back."""
     import torch
     from safetensors.torch import load_file
 
     from hubfuse import presets
     from tests.utils import load
 
-    out_dir, paths = four_ranks
-    family = SCENARIOS[name][0]
-    result = _results(out_dir, name, 4)[0]
+    family, world = SCENARIOS[name][:2]
+    out_dir, paths = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    result = _results(out_dir, name, world)[0]
     if "dcp" in CHECKPOINT_SCENARIOS[name]:
-        assert all(r["dcp_equal"] for r in _results(out_dir, name, 4)), \
+        assert all(r["dcp_equal"] for r in _results(out_dir, name, world)), \
             "DCP save -> load into a freshly sharded model changed the weights"
     hf_dir = Path(result["hf_dir"])
     config = json.loads((hf_dir / "config.json").read_text())
