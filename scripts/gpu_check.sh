@@ -35,8 +35,9 @@
 #                                                    back (--back-to-back), traces in
 #                                                    $OUT/traces; SLICE8_ARGS adds bench args, e.g. --ep-dispatch
 #                                                    fixed fixed2 --fsdp default prefetch2), qwen35 (Qwen3.5-MoE,
-#                                                    8 layers, the same three configs), deep (48 layers, hubfuse
-#                                                    sharding, per-layer AC below 100 GB a GPU), titan
+#                                                    8 layers, the same three configs), deep (48 layers: hubfuse
+#                                                    sharding above 100 GB a GPU, else transformers' with
+#                                                    per-layer AC), titan
 #                                                    (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can);
 #                                                    ep, only when named (T_EP 200 s): the NCCL test of the chunked
 #                                                    EP exchange, one layer's experts timed by chunk count
@@ -188,12 +189,14 @@ case "$step" in
                   -k pipelined_exchange_nccl || status=1 ;;
         qwen35) run_part qwen35 "${T_QWEN35:-160}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
                   --warmup 2 --profile 1 --configs hf ours ours_fsdp || status=1 ;;
-        deep)   # 48 layers need per-layer activation checkpointing within 80 GB; not within 141 GB (H200)
-          ac=--activation-checkpointing
-          [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] && ac=
-          run_part deep48 "${T_DEEP:-200}" "${bench[@]}" --layers 48 $ac --configs ours_fsdp --steps 3 --warmup 1 \
-            || run_part deep48ac "${T_DEEP:-200}" "${bench[@]}" --layers 48 --activation-checkpointing \
-            --configs ours_fsdp --steps 2 --warmup 1 || status=1 ;;
+        deep)   # within 141 GB (H200): 48 layers sharded by hubfuse (each GPU loads the whole model first), no
+          # recompute; within 80 GB: transformers' sharding (each rank reads its shard) and per-layer checkpointing
+          if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
+            run_part deep48 "${T_DEEP:-200}" "${bench[@]}" --layers 48 --configs ours_fsdp --steps 3 --warmup 1
+          else
+            false
+          fi || run_part deep48ac "${T_DEEP:-200}" "${bench[@]}" --layers 48 --activation-checkpointing \
+            --configs ours --steps 2 --warmup 1 || status=1 ;;
         titan)
           if ls .whl/titan/*.whl >/dev/null 2>&1; then
             [ -f /tmp/site_titan/.hubfuse_wheels ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
