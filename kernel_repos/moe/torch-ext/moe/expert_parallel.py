@@ -421,7 +421,7 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     capacity, chunks = module.__dict__.get(_CAPACITY_ATTR), module.__dict__.get(_CHUNKS_ATTR, 1)
     if capacity is not None and fused:
         return _fused_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                               num_local, capacity, chunks, group)
+                                             num_local, capacity, chunks, group)
     if capacity is not None:
         return _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local, capacity, group,
                                        lambda h, i, w: _connected(local_experts(h, i, w, gate_up_proj, down_proj),
