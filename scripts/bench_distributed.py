@@ -201,7 +201,7 @@ def local_kernels(d: Dist, repos) -> None:
     utils.register_local_kernels(*repos)
 
 
-def load(config: str, path: Path, args, d: Dist, cfg):
+def load(config: str, path: Path, args, d: Dist, cfg, units: int = 1):
     """(model, how it is sharded) for one configuration."""
     import bench
     import torch
@@ -247,7 +247,9 @@ def load(config: str, path: Path, args, d: Dist, cfg):
     else:
         mesh = init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("dp",))
         how = f"hubfuse: fully_shard_model over {d.world} ranks (no EP)"
-    distributed.fully_shard_model(model, mesh, mp_policy=mp)
+    distributed.fully_shard_model(model, mesh, mp_policy=mp, layers_per_unit=units)
+    if units > 1:
+        how += f", {units} layers per FSDP unit"
     return model, how
 
 
@@ -284,8 +286,8 @@ def variants(config: str, args, d: Dist) -> list[tuple[str, str | None]]:
     return [(mode, ep) for ep in dispatch for mode in args.fsdp]
 
 
-def variant_name(config: str, mode: str, dispatch: str | None) -> str:
-    tags = [t for t in (dispatch, None if mode == "default" else mode) if t]
+def variant_name(config: str, mode: str, dispatch: str | None, units: int = 1) -> str:
+    tags = [t for t in (dispatch, None if mode == "default" else mode, f"u{units}" if units > 1 else None) if t]
     return config + (f"[{','.join(tags)}]" if tags else "")
 
 
@@ -317,13 +319,13 @@ def set_ep_dispatch(model, dispatch: str | None, args) -> None:
 
 # ----------------------------------------------------------------------------------------------- one row
 
-def run_one(config: str, path: Path, batches, args, d: Dist, cfg, record) -> None:
+def run_one(config: str, path: Path, batches, args, d: Dist, cfg, record, units: int = 1) -> None:
     """run_config; in a process on its own an exception (an OOM) becomes the row and the run goes on (with
     several ranks it cannot: the others would wait in a collective)."""
     import torch
 
     try:
-        run_config(config, path, batches, args, d, cfg, record)
+        run_config(config, path, batches, args, d, cfg, record, units)
     except Exception as e:
         if d.world > 1:
             raise
@@ -398,20 +400,20 @@ def nvidia_smi_apps() -> list:
         return [f"nvidia-smi: {type(e).__name__}: {e}"]
 
 
-def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> None:
+def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record, units: int = 1) -> None:
     """Load one configuration, then measure each of its variants (one row each) on the same model."""
     import gc
 
     import torch
 
     t0 = time.time()
-    model, how = load(config, path, args, d, cfg)
+    model, how = load(config, path, args, d, cfg, units)
     load_s = round(time.time() - t0, 1)
     kernels = bound_kernels(model) if config != "hf" else None
     cuda = d.device.type == "cuda"
     opt = torch.optim.AdamW(param_groups(model), lr=1e-5, weight_decay=0.01, fused=cuda)
     for mode, dispatch in variants(config, args, d):
-        name = variant_name(config, mode, dispatch)
+        name = variant_name(config, mode, dispatch, units)
         row = dict(config=config, row=name, fsdp=mode, ep_dispatch=dispatch, gpus=d.world,
                    ep=args.ep if d.world > 1 else 1, layers=args.layers, seq=args.seq, batch=args.batch,
                    tokens_per_gpu_step=args.batch * args.seq, sharding=how, load_s=load_s,
@@ -834,6 +836,9 @@ def main(argv=None) -> int:
                         "chunks with the experts (all-to-alls under the expert GEMMs), sized = host-read split sizes")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="N steps under torch.profiler after every row's measured steps (per-rank breakdown)")
+    p.add_argument("--layers-per-unit", type=int, nargs="+", default=[1], metavar="N",
+                   help="hubfuse-sharded rows (ours_fsdp, --sharding hubfuse): decoder layers per FSDP unit "
+                        "(fully_shard_model(layers_per_unit=N)), one loaded model and row set per N (tag uN)")
     p.add_argument("--back-to-back", action="store_true",
                    help="after the measured steps, as many more with no synchronisation between them (a table of its own)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -939,7 +944,9 @@ def main(argv=None) -> int:
         if reference == "first":
             one_gpu_rows()
         for config in args.configs:
-            run_one(config, model_dir, batches, args, d, cfg, record)
+            hubfuse_sharded = d.world > 1 and (config == "ours_fsdp" or args.sharding == "hubfuse")
+            for units in (args.layers_per_unit if hubfuse_sharded else [1]):
+                run_one(config, model_dir, batches, args, d, cfg, record, units)
         if reference == "last":
             one_gpu_rows()
         if d.rank == 0:

@@ -30,7 +30,8 @@
 #   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
 #                                                    its own timeout (T_SLICE8 200, T_QWEN35 160, T_DEEP 200 s) within
 #                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours
-#                                                    sharded by transformers and by hubfuse (ours_fsdp), then the
+#                                                    sharded by transformers and by hubfuse (ours_fsdp, with 1 and
+#                                                    8 decoder layers per FSDP unit), then the
 #                                                    1-GPU reference, every row profiled and also timed back to
 #                                                    back (--back-to-back), traces in
 #                                                    $OUT/traces; SLICE8_ARGS adds bench args, e.g. --ep-dispatch
@@ -183,7 +184,8 @@ case "$step" in
     for part in $parts; do
       case "$part" in
         slice8) run_part slice8 "${T_SLICE8:-200}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
-                  --trace "$OUT/traces" --back-to-back --steps 8 --warmup 3 --configs hf ours ours_fsdp ${SLICE8_ARGS:-} \
+                  --trace "$OUT/traces" --back-to-back --layers-per-unit 1 8 --steps 8 --warmup 3 \
+                  --configs hf ours ours_fsdp ${SLICE8_ARGS:-} \
                   || status=1 ;;
         ep)     run_part ep "${T_EP:-200}" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_distributed.py \
                   -k pipelined_exchange_nccl || status=1 ;;

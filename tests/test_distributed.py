@@ -62,6 +62,7 @@ SCENARIOS = {
     "ep_qwen3_moe": ("qwen3_moe", 2, 2, "none"),
     "fsdp2_ep_qwen3_5_moe_ep2": ("qwen3_5_moe", 2, 2, "fsdp"),
     "fsdp2_ep_qwen3_5_moe_ep2_packed": ("qwen3_5_moe", 2, 2, "fsdp"),
+    "fsdp2_ep_qwen3_moe_ep2_units2": ("qwen3_moe", 2, 2, "fsdp"),
     "transformers_fsdp2_ep2_qwen3_moe": ("qwen3_moe", 2, 2, "transformers"),
     "fsdp2_ep_qwen3_moe": ("qwen3_moe", 4, 2, "fsdp"),
     "fsdp2_ep_qwen3_5_moe": ("qwen3_5_moe", 4, 2, "fsdp"),
@@ -82,6 +83,8 @@ FIXED_CAPACITY = {"fsdp2_ep_qwen3_5_moe_ep2": 2, "fsdp2_ep_qwen3_5_moe_ep2_packe
 # reference's unpacked rows: the Gated DeltaNet layers keep the documents apart by cu_seq_lens, the attention
 # layers by the restarting positions, the exchange is per token
 PACKED = {"fsdp2_ep_qwen3_5_moe_ep2_packed"}
+# Scenarios whose decoder layers go to fully_shard_model in FSDP units of several layers (layers_per_unit)
+LAYERS_PER_UNIT = {"fsdp2_ep_qwen3_moe_ep2_units2": 2}
 
 
 def _packed(micro: dict) -> dict:
@@ -146,7 +149,8 @@ def _average_grads(model, world: int) -> None:
             p.grad.div_(world)
 
 
-def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int | None = None, chunks: int = 1):
+def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int | None = None, chunks: int = 1,
+           layers_per_unit: int = 1):
     import torch
     import torch.distributed as dist
     from kernels import get_kernel
@@ -179,7 +183,8 @@ def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     if sharding == "fsdp":
         distributed.fully_shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
-                                                                                  reduce_dtype=torch.float32))
+                                                                                  reduce_dtype=torch.float32),
+                                      layers_per_unit=layers_per_unit)
     return model, local_rows
 
 
@@ -237,14 +242,16 @@ def _steps(model, batches, rank: int, world: int, sharding: str):
 def _facts(model, local_rows) -> dict:
     from torch.distributed.tensor import DTensor
 
-    bound = sorted({getattr(m.__dict__["forward"], "__func__", m.__dict__["forward"]).__qualname__.split(".")[0]
-                    for name, m in model.named_modules() if name and "forward" in m.__dict__})
     from torch.distributed.fsdp import FSDPModule
 
+    bound = sorted({getattr(m.__dict__["forward"], "__func__", m.__dict__["forward"]).__qualname__.split(".")[0]
+                    for name, m in model.named_modules() if name and "forward" in m.__dict__})
+    decoder_units = {id(m._get_fsdp_state()) for m in model.model.layers if isinstance(m, FSDPModule)}
     return {"bound": bound, "sharded": sum(isinstance(p, DTensor) for p in model.parameters()),
             "params": sum(1 for _ in model.parameters()), "experts_local_rows": local_rows,
             "experts_fsdp": [isinstance(m, FSDPModule) for name, m in model.named_modules()
-                             if name.endswith("mlp.experts")]}
+                             if name.endswith("mlp.experts")],
+            "decoder_units": len(decoder_units), "decoder_layers": len(model.model.layers)}
 
 
 def _bare_experts(gate_up_proj, down_proj):
@@ -454,6 +461,12 @@ def _configuration_errors(world: int) -> list[str]:
          "chunks=2 needs a fixed capacity"),
         ("chunks not an int (shard_experts)", lambda: moe.shard_experts(model, mesh["ep"], capacity=8, chunks="2"),
          TypeError, "chunks must be an int"),
+        ("layers_per_unit not an int", lambda: distributed.fully_shard_model(dense, mesh["ep"], layers_per_unit=2.0),
+         TypeError, "layers_per_unit must be an int"),
+        ("layers_per_unit a bool", lambda: distributed.fully_shard_model(dense, mesh["ep"], layers_per_unit=True),
+         TypeError, "layers_per_unit must be an int"),
+        ("layers_per_unit below 1", lambda: distributed.fully_shard_model(dense, mesh["ep"], layers_per_unit=0),
+         ValueError, "layers_per_unit must be >= 1"),
     ]
     problems = _unmet_errors(cases)
     moe.shard_experts(model, mesh["ep"])
@@ -543,7 +556,7 @@ def _worker(spec_file: str) -> None:
                 batches = [[_packed(micro) for micro in step] for step in batches]
             model, local_rows = _build(family, path, world, ep, sharding,
                                        capacity=ROWS * SEQ if name in FIXED_CAPACITY else None,
-                                       chunks=FIXED_CAPACITY.get(name, 1))
+                                       chunks=FIXED_CAPACITY.get(name, 1), layers_per_unit=LAYERS_PER_UNIT.get(name, 1))
             facts = _facts(model, local_rows)
             losses, grads, head = _train(model, batches, rank, world, sharding)
             result = dict(facts, **head, losses=losses)
@@ -679,6 +692,9 @@ def _check_against_reference(name: str, run) -> list[dict]:
         if ep > 1 and sharding != "transformers":
             n = _num_experts(family)
             assert r["experts_local_rows"] and all(x == n // ep for x in r["experts_local_rows"]), r
+        if sharding == "fsdp":  # fully_shard_model: one FSDP unit per layers_per_unit decoder layers
+            per_unit = LAYERS_PER_UNIT.get(name, 1)
+            assert r["decoder_units"] == -(-r["decoder_layers"] // per_unit), r
         if ep > 1 and sharding == "fsdp":
             # fully_shard_model: one rank per expert (dp 1) leaves the experts out of FSDP, dp > 1 wraps them
             assert r["experts_fsdp"] and set(r["experts_fsdp"]) == {world // ep > 1}, r["experts_fsdp"]

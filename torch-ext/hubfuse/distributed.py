@@ -56,10 +56,11 @@ def _flattened(mesh, dims: tuple[str, ...]):
 
 
 def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=None, offload_policy=None,
-                      reshard_after_forward: bool = True) -> nn.Module:
-    """FSDP2 over a (kernelized) causal LM: each decoder layer, then the root (embeddings, final norm and
-    `lm_head`; the fused loss calls `lm_head`, so it could also be a group of its own). Returns the model.
-    The mesh must cover every rank of the world (ValueError otherwise).
+                      reshard_after_forward: bool = True, layers_per_unit: int = 1) -> nn.Module:
+    """FSDP2 over a (kernelized) causal LM: each decoder layer (or each run of `layers_per_unit` consecutive
+    layers, one FSDP unit: fewer hooks and collectives a step, more parameters unsharded at once), then the root
+    (embeddings, final norm and `lm_head`; the fused loss calls `lm_head`, so it could also be a group of its
+    own). Returns the model. The mesh must cover every rank of the world (ValueError otherwise).
 
     mesh: a 1-D DeviceMesh: every parameter is sharded over all its ranks. Or a 2-D mesh with dims (dp, `ep_dim`)
     after `moe.shard_experts(model, mesh[ep_dim])`: the dense parameters are sharded over all dp x ep ranks (the
@@ -68,10 +69,15 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
     sum over the EP group (moe.expert_parallel), reduced as a sum (`set_force_sum_reduction_for_comms`: gloo
     has no pre-multiplied sum) when dp > 1. With dp = 1 (every expert on one rank) and no offload or dtype cast
     for FSDP to do, the experts stay out of FSDP (`ignored_params`), their gradients divided by dp x ep by a
-    hook: a one-rank FSDP group would copy every expert weight and gradient at every step. `mp_policy`, `offload_policy`, `reshard_after_forward` go to every layer's
-    `fully_shard` (the root keeps FSDP2's default).
+    hook: a one-rank FSDP group would copy every expert weight and gradient at every step. `mp_policy`,
+    `offload_policy`, `reshard_after_forward` go to every layer's `fully_shard` (the root keeps FSDP2's default).
     """
     from torch.distributed.fsdp import fully_shard
+
+    if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int):
+        raise TypeError(f"fully_shard_model: layers_per_unit must be an int, got {type(layers_per_unit).__name__}")
+    if layers_per_unit < 1:
+        raise ValueError(f"fully_shard_model: layers_per_unit must be >= 1, got {layers_per_unit}")
 
     kw = {}
     if mp_policy is not None:
@@ -122,8 +128,10 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
                 # a plain sum, then the division (gloo has no pre-multiplied sum). Not with one rank per expert
                 # (dp 1): torch 2.13's FSDP2 then divides twice (its copy for a 1-rank group and the post-divide)
                 module.set_force_sum_reduction_for_comms(True)
-        fully_shard(layer, mesh=dense_mesh, reshard_after_forward=reshard_after_forward,
-                    ignored_params=unwrapped & set(layer.parameters()), **kw)
+    for first in range(0, len(layers), layers_per_unit):
+        unit = list(layers[first:first + layers_per_unit])
+        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=dense_mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params=unwrapped & {p for m in unit for p in m.parameters()}, **kw)
     fully_shard(model, mesh=dense_mesh, ignored_params=unwrapped, **kw)
     return model
 
