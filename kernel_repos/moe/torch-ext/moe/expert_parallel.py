@@ -440,11 +440,17 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     return _SumRows.apply(back, route.send_token, route.table, out_rows.dtype)
 
 
+def _local_ids(global_ids: torch.Tensor, first, num_local: int) -> torch.Tensor:
+    """int32 expert ids local to the rank whose experts start at `first` (a tensor broadcasts over ranks); the
+    experts of other ranks (and the padding's id E) become the sentinel num_local."""
+    ids = global_ids.long() - first
+    return torch.where((ids >= 0) & (ids < num_local), ids, num_local).to(torch.int32)
+
+
 def _destination_ids(top_k_index: torch.Tensor, ep_size: int, num_local: int) -> torch.Tensor:
     """(ep, T, K) int32: each token's top-k expert ids local to each destination rank (others: the sentinel)."""
     first = torch.arange(ep_size, device=top_k_index.device)[:, None, None] * num_local
-    ids = top_k_index.long()[None] - first
-    return torch.where((ids >= 0) & (ids < num_local), ids, num_local).to(torch.int32)
+    return _local_ids(top_k_index[None], first, num_local)
 
 
 def _check_capacity(tokens: int, capacity: int) -> None:
@@ -528,12 +534,6 @@ def _gather_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts):
     return recv, works
 
 
-def _own_ids(pipe: _Pipeline, global_ids: torch.Tensor) -> torch.Tensor:
-    """Global expert ids -> this rank's local ids (other ranks' experts and the padding's id E: the sentinel)."""
-    ids = global_ids - pipe.rank * pipe.num_local
-    return torch.where((ids >= 0) & (ids < pipe.num_local), ids, pipe.num_local).to(torch.int32)
-
-
 def _sum_over_ranks(pipe: _Pipeline, rows: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
     """Chunk c's tokens from (ep * R, X) rows grouped by rank: the sum over ranks (fp32, rank order)."""
     n = pipe.spans[c][1]
@@ -553,7 +553,8 @@ def _pipelined_forward(pipe: _Pipeline, hidden_states, top_k_index, top_k_weight
     for c, work in enumerate(dispatches):
         work.wait()
         hidden, weights, global_ids = fmt.unpack(recv[c])
-        hidden, weights, local_ids = hidden.contiguous(), weights.contiguous(), _own_ids(pipe, global_ids)
+        hidden, weights = hidden.contiguous(), weights.contiguous()
+        local_ids = _local_ids(global_ids, pipe.rank * pipe.num_local, pipe.num_local)
         _check_inputs(hidden, local_ids, weights, gate_up_proj, down_proj)
         out, *state = _experts_fwd(hidden, local_ids, weights, gate_up_proj, down_proj)
         if saved is not None:
