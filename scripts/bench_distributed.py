@@ -630,7 +630,7 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
         top = r["profile"][0].get("top_kernels")
         if top:
             lines += ["", f"{r['row']} x {r['gpus']}, rank 0: compute kernels with the most GPU time (ms per step, "
-                          "calls per step); all-to-all calls per step, median and min ms: "
+                          "calls per step); collectives by kind: calls per step x median ms (min ms): "
                           + ", ".join(f"{k} {r['profile'][0][k]['calls']:.0f} x {r['profile'][0][k]['median_ms']:.2f}"
                                       f" (min {r['profile'][0][k]['min_ms']:.2f})" for k in COMM_KINDS
                                       if r["profile"][0][k].get("calls")), "",
