@@ -201,7 +201,7 @@ def local_kernels(d: Dist, repos) -> None:
     utils.register_local_kernels(*repos)
 
 
-def load(config: str, path: Path, args, d: Dist, cfg, units: int = 1):
+def load(config: str, path: Path, args, d: Dist, cfg, units: tuple = (1, True)):
     """(model, how it is sharded) for one configuration."""
     import bench
     import torch
@@ -247,9 +247,12 @@ def load(config: str, path: Path, args, d: Dist, cfg, units: int = 1):
     else:
         mesh = init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("dp",))
         how = f"hubfuse: fully_shard_model over {d.world} ranks (no EP)"
-    distributed.fully_shard_model(model, mesh, mp_policy=mp, layers_per_unit=units)
-    if units > 1:
-        how += f", {units} layers per FSDP unit"
+    per_unit, head_unit = units
+    distributed.fully_shard_model(model, mesh, mp_policy=mp, layers_per_unit=per_unit, head_unit=head_unit)
+    if per_unit > 1:
+        how += f", {per_unit} layers per FSDP unit"
+    if not head_unit:
+        how += ", lm_head in the root unit"
     return model, how
 
 
@@ -286,8 +289,9 @@ def variants(config: str, args, d: Dist) -> list[tuple[str, str | None]]:
     return [(mode, ep) for ep in dispatch for mode in args.fsdp]
 
 
-def variant_name(config: str, mode: str, dispatch: str | None, units: int = 1) -> str:
-    tags = [t for t in (dispatch, None if mode == "default" else mode, f"u{units}" if units > 1 else None) if t]
+def variant_name(config: str, mode: str, dispatch: str | None, units: tuple = (1, True)) -> str:
+    tags = [t for t in (dispatch, None if mode == "default" else mode, f"u{units[0]}" if units[0] > 1 else None,
+                        None if units[1] else "headroot") if t]
     return config + (f"[{','.join(tags)}]" if tags else "")
 
 
@@ -319,7 +323,7 @@ def set_ep_dispatch(model, dispatch: str | None, args) -> None:
 
 # ----------------------------------------------------------------------------------------------- one row
 
-def run_one(config: str, path: Path, batches, args, d: Dist, cfg, record, units: int = 1) -> None:
+def run_one(config: str, path: Path, batches, args, d: Dist, cfg, record, units: tuple = (1, True)) -> None:
     """run_config; in a process on its own an exception (an OOM) becomes the row and the run goes on (with
     several ranks it cannot: the others would wait in a collective)."""
     import torch
@@ -400,7 +404,7 @@ def nvidia_smi_apps() -> list:
         return [f"nvidia-smi: {type(e).__name__}: {e}"]
 
 
-def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record, units: int = 1) -> None:
+def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record, units: tuple = (1, True)) -> None:
     """Load one configuration, then measure each of its variants (one row each) on the same model."""
     import gc
 
@@ -839,6 +843,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers-per-unit", type=int, nargs="+", default=[1], metavar="N",
                    help="hubfuse-sharded rows (ours_fsdp, --sharding hubfuse): decoder layers per FSDP unit "
                         "(fully_shard_model(layers_per_unit=N)), one loaded model and row set per N (tag uN)")
+    p.add_argument("--head-unit", nargs="+", default=["own"], choices=("own", "root"),
+                   help="hubfuse-sharded rows: lm_head as its own FSDP unit (fully_shard_model(head_unit=True), "
+                        "the default) or inside the root unit (tag headroot); one loaded model per choice")
     p.add_argument("--back-to-back", action="store_true",
                    help="after the measured steps, as many more with no synchronisation between them (a table of its own)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -945,8 +952,9 @@ def main(argv=None) -> int:
             one_gpu_rows()
         for config in args.configs:
             hubfuse_sharded = d.world > 1 and (config == "ours_fsdp" or args.sharding == "hubfuse")
-            for units in (args.layers_per_unit if hubfuse_sharded else [1]):
-                run_one(config, model_dir, batches, args, d, cfg, record, units)
+            for per_unit in (args.layers_per_unit if hubfuse_sharded else [1]):
+                for head in (args.head_unit if hubfuse_sharded else ["own"]):
+                    run_one(config, model_dir, batches, args, d, cfg, record, (per_unit, head == "own"))
         if reference == "last":
             one_gpu_rows()
         if d.rank == 0:

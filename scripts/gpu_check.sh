@@ -31,14 +31,15 @@
 #                                                    its own timeout (T_SLICE8 200, T_QWEN35 160, T_DEEP 200 s) within
 #                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours
 #                                                    sharded by transformers and by hubfuse (ours_fsdp, with 1 and
-#                                                    8 decoder layers per FSDP unit), then the
+#                                                    8 decoder layers per FSDP unit, lm_head its own unit or in
+#                                                    the root), then the
 #                                                    1-GPU reference, every row profiled and also timed back to
 #                                                    back (--back-to-back), traces in
 #                                                    $OUT/traces; SLICE8_ARGS adds bench args, e.g. --ep-dispatch
 #                                                    fixed fixed2 --fsdp default prefetch2), qwen35 (Qwen3.5-MoE,
 #                                                    8 layers, the same three configs), deep (48 layers: hubfuse
 #                                                    sharding above 100 GB a GPU, else transformers' with
-#                                                    per-layer AC), titan
+#                                                    per-layer AC; DEEP_ARGS adds bench args), titan
 #                                                    (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can);
 #                                                    ep, only when named (T_EP 200 s): the NCCL test of the chunked
 #                                                    EP exchange, one layer's experts timed by chunk count
@@ -185,7 +186,7 @@ case "$step" in
       case "$part" in
         slice8) run_part slice8 "${T_SLICE8:-200}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
                   --trace "$OUT/traces" --back-to-back --layers-per-unit 1 8 --steps 8 --warmup 3 \
-                  --configs hf ours ours_fsdp ${SLICE8_ARGS:-} \
+                  --head-unit own root --configs hf ours ours_fsdp ${SLICE8_ARGS:-} \
                   || status=1 ;;
         ep)     run_part ep "${T_EP:-200}" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_distributed.py \
                   -k pipelined_exchange_nccl || status=1 ;;
@@ -194,7 +195,8 @@ case "$step" in
         deep)   # within 141 GB (H200): 48 layers sharded by hubfuse (each GPU loads the whole model first), no
           # recompute; within 80 GB: transformers' sharding (each rank reads its shard) and per-layer checkpointing
           if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
-            run_part deep48 "${T_DEEP:-200}" "${bench[@]}" --layers 48 --configs ours_fsdp --steps 3 --warmup 1
+            run_part deep48 "${T_DEEP:-200}" "${bench[@]}" --layers 48 --configs ours_fsdp --steps 3 --warmup 1 \
+              ${DEEP_ARGS:-}
           else
             false
           fi || run_part deep48ac "${T_DEEP:-200}" "${bench[@]}" --layers 48 --activation-checkpointing \

@@ -251,7 +251,8 @@ def _facts(model, local_rows) -> dict:
             "params": sum(1 for _ in model.parameters()), "experts_local_rows": local_rows,
             "experts_fsdp": [isinstance(m, FSDPModule) for name, m in model.named_modules()
                              if name.endswith("mlp.experts")],
-            "decoder_units": len(decoder_units), "decoder_layers": len(model.model.layers)}
+            "decoder_units": len(decoder_units), "decoder_layers": len(model.model.layers),
+            "head_unit": isinstance(model.lm_head, FSDPModule)}
 
 
 def _bare_experts(gate_up_proj, down_proj):
@@ -467,6 +468,8 @@ def _configuration_errors(world: int) -> list[str]:
          TypeError, "layers_per_unit must be an int"),
         ("layers_per_unit below 1", lambda: distributed.fully_shard_model(dense, mesh["ep"], layers_per_unit=0),
          ValueError, "layers_per_unit must be >= 1"),
+        ("head_unit not a bool", lambda: distributed.fully_shard_model(dense, mesh["ep"], head_unit="yes"),
+         TypeError, "head_unit must be a bool"),
     ]
     problems = _unmet_errors(cases)
     moe.shard_experts(model, mesh["ep"])
@@ -695,6 +698,7 @@ def _check_against_reference(name: str, run) -> list[dict]:
         if sharding == "fsdp":  # fully_shard_model: one FSDP unit per layers_per_unit decoder layers
             per_unit = LAYERS_PER_UNIT.get(name, 1)
             assert r["decoder_units"] == -(-r["decoder_layers"] // per_unit), r
+            assert r["head_unit"], f"{name}: lm_head (untied) should be an FSDP unit of its own"
         if ep > 1 and sharding == "fsdp":
             # fully_shard_model: one rank per expert (dp 1) leaves the experts out of FSDP, dp > 1 wraps them
             assert r["experts_fsdp"] and set(r["experts_fsdp"]) == {world // ep > 1}, r["experts_fsdp"]
@@ -726,6 +730,26 @@ def test_experts_left_out_of_fsdp_only_when_fsdp_has_nothing_to_do():
     assert _plain_experts_fit(experts, MixedPrecisionPolicy(reduce_dtype=torch.float32), None)
     assert not _plain_experts_fit(experts, MixedPrecisionPolicy(param_dtype=torch.float32), None)
     assert not _plain_experts_fit(experts, None, CPUOffloadPolicy())
+
+
+def test_head_unit_only_when_untied():
+    """fully_shard_model's own FSDP unit for lm_head: only when no other module holds its weight (tied
+    embeddings stay in one unit, the root)."""
+    from torch import nn
+
+    from hubfuse.distributed import _untied_head
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_tokens = nn.Embedding(11, 4)
+    model.lm_head = nn.Linear(4, 11, bias=False)
+    assert _untied_head(model) is model.lm_head
+    model.lm_head.weight = model.model.embed_tokens.weight
+    assert _untied_head(model) is None
+    model.lm_head = nn.Identity()
+    assert _untied_head(model) is None
+    del model.lm_head
+    assert _untied_head(model) is None
 
 
 @pytest.mark.parametrize("world", [2, 4])

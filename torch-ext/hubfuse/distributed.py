@@ -56,11 +56,18 @@ def _flattened(mesh, dims: tuple[str, ...]):
 
 
 def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=None, offload_policy=None,
-                      reshard_after_forward: bool = True, layers_per_unit: int = 1) -> nn.Module:
+                      reshard_after_forward: bool = True, layers_per_unit: int = 1,
+                      head_unit: bool = True) -> nn.Module:
     """FSDP2 over a (kernelized) causal LM: each decoder layer (or each run of `layers_per_unit` consecutive
-    layers, one FSDP unit: fewer hooks and collectives a step, more parameters unsharded at once), then the root
-    (embeddings, final norm and `lm_head`; the fused loss calls `lm_head`, so it could also be a group of its
-    own). Returns the model. The mesh must cover every rank of the world (ValueError otherwise).
+    layers, one FSDP unit: fewer hooks and collectives a step, more parameters unsharded at once), then `lm_head`
+    (`head_unit`, unless its weight is tied to the embeddings), then the root (embeddings, final norm). Returns the
+    model. The mesh must cover every rank of the world (ValueError otherwise).
+
+    `lm_head` as its own unit (the fused loss calls it, so its hooks run): its gradient exists as soon as the
+    backward starts (the fused loss computes it in the forward), so its reduce-scatter runs under the decoder
+    layers' backward instead of after the whole backward with the root's; its all-gather is issued when the
+    host reaches it, ahead of the GPU. It is not resharded after the forward (the backward would gather it again
+    only to receive a gradient computed already): the same memory as inside the root, which FSDP2 never reshards.
 
     mesh: a 1-D DeviceMesh: every parameter is sharded over all its ranks. Or a 2-D mesh with dims (dp, `ep_dim`)
     after `moe.shard_experts(model, mesh[ep_dim])`: the dense parameters are sharded over all dp x ep ranks (the
@@ -78,6 +85,8 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
         raise TypeError(f"fully_shard_model: layers_per_unit must be an int, got {type(layers_per_unit).__name__}")
     if layers_per_unit < 1:
         raise ValueError(f"fully_shard_model: layers_per_unit must be >= 1, got {layers_per_unit}")
+    if not isinstance(head_unit, bool):
+        raise TypeError(f"fully_shard_model: head_unit must be a bool, got {type(head_unit).__name__}")
 
     kw = {}
     if mp_policy is not None:
@@ -132,8 +141,25 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
         unit = list(layers[first:first + layers_per_unit])
         fully_shard(unit[0] if len(unit) == 1 else unit, mesh=dense_mesh, reshard_after_forward=reshard_after_forward,
                     ignored_params=unwrapped & {p for m in unit for p in m.parameters()}, **kw)
+    head = _untied_head(model) if head_unit else None
+    if head is not None:
+        fully_shard(head, mesh=dense_mesh, reshard_after_forward=False, **kw)
     fully_shard(model, mesh=dense_mesh, ignored_params=unwrapped, **kw)
     return model
+
+
+def _untied_head(model: nn.Module) -> nn.Module | None:
+    """`model.lm_head` if it is a module whose parameters no other module of the model shares (untied)."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module) or not any(True for _ in head.parameters()):
+        return None
+    own = {id(p) for p in head.parameters()}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name == "lm_head" or name.startswith("lm_head."):
+            continue
+        if any(id(p) in own for p in module.parameters(recurse=False)):
+            return None  # tied (e.g. to the input embeddings): one FSDP unit must hold both
+    return head
 
 
 def _plain_experts_fit(module: nn.Module, mp_policy, offload_policy) -> bool:
