@@ -38,7 +38,8 @@
 #                                                    $OUT/traces; SLICE8_ARGS adds bench args, e.g. --ep-dispatch
 #                                                    fixed fixed2 --fsdp default prefetch2), qwen35 (Qwen3.5-MoE,
 #                                                    8 layers, the same three configs), deep (48 layers: hubfuse
-#                                                    sharding above 100 GB a GPU, else transformers' with
+#                                                    sharding above 100 GB a GPU (8 layers per FSDP unit,
+#                                                    expandable segments), else transformers' with
 #                                                    per-layer AC; DEEP_ARGS adds bench args), titan
 #                                                    (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can);
 #                                                    ep, only when named (T_EP 200 s): the NCCL test of the chunked
@@ -195,8 +196,9 @@ case "$step" in
         deep)   # within 141 GB (H200): 48 layers sharded by hubfuse (each GPU loads the whole model first), no
           # recompute; within 80 GB: transformers' sharding (each rank reads its shard) and per-layer checkpointing
           if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
-            run_part deep48 "${T_DEEP:-200}" "${bench[@]}" --layers 48 --configs ours_fsdp --steps 3 --warmup 1 \
-              ${DEEP_ARGS:-}
+            PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" run_part deep48 \
+              "${T_DEEP:-200}" "${bench[@]}" --layers 48 --configs ours_fsdp --steps 3 --warmup 1 \
+              --layers-per-unit 8 ${DEEP_ARGS:-}
           else
             false
           fi || run_part deep48ac "${T_DEEP:-200}" "${bench[@]}" --layers 48 --activation-checkpointing \

@@ -34,6 +34,8 @@ import bench  # noqa: E402  (puts the repo root and torch-ext on sys.path)
 
 import torch  # noqa: E402
 
+from hubfuse._common.released import OBSERVES_ONLY  # noqa: E402
+
 _SKIP = ("torch/autograd/", "torch/_library/", "torch/_ops.py", "_common/custom_op.py", "torch/utils/",
          "profile_memory.py", "torch/nn/modules/module.py")
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -64,9 +66,9 @@ def saved_tensors(model, batch) -> tuple[list[dict], torch.Tensor]:
     by_storage: dict[int, dict] = {}
 
     def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key in params or t.device.type == "meta":
+        if t.untyped_storage().data_ptr() in params or t.device.type == "meta":
             return t
+        key = t.untyped_storage()._cdata  # the storage itself (a released one's address is 0, then reused)
         where = f"{path[-1]} @ {_saver()}"
         if key in by_storage:
             by_storage[key]["also"].append(where)
@@ -76,6 +78,7 @@ def saved_tensors(model, batch) -> tuple[list[dict], torch.Tensor]:
                                    keep=t)  # kept alive: a freed storage's address could be reused
         return t
 
+    setattr(pack, OBSERVES_ONLY, True)  # our ops still release what they rebuild in the backward
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(**batch).loss
@@ -84,7 +87,8 @@ def saved_tensors(model, batch) -> tuple[list[dict], torch.Tensor]:
             h.remove()
     records = list(by_storage.values())
     for r in records:
-        del r["keep"]
+        if r.pop("keep").untyped_storage().nbytes() == 0:  # released until the backward (_common.released)
+            r["nbytes"] = 0
     return records, loss
 
 

@@ -149,3 +149,40 @@ def test_gpu_flash_attention_4(family, packed, gpu_model_dirs):
     assert_same_step(plain, ours, batch, atol=3e-2, rtol=3e-2)
     if packed and packed_hf_ok:
         assert_packed_equals_separate(ours, batch, seqs, atol=3e-2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_released_activations_rebuilt_bit_for_bit(family, model_dirs, monkeypatch):
+    """In training our attentions release what they can rebuild (`_common.released`): the input norm's output
+    the q/k/v projections saved, and (q/k norm families) the rotated q / k the attention saved. Loss, logits and
+    every gradient are bit for bit those of the same model with nothing released (saved-tensor hooks active)."""
+    import sys
+
+    def forward_backward(model, batch):
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    _, ours = load_pair(model_dirs[family], "sdpa")
+    attention = next(m for m in ours.modules() if type(m).__name__ == f"{ATTENTION_LAYER[family]}Layout")
+    layers = sys.modules[type(attention).__module__]
+    released = []
+
+    def spy(anchors, tensors, rebuild):
+        release(anchors, tensors, rebuild)
+        released.append(len(tensors))
+
+    release = layers.release_until_backward
+    monkeypatch.setattr(layers, "release_until_backward", spy)
+    batch = padded_batch(tiny_config(family).vocab_size)
+    got = forward_backward(ours, batch)
+    per_layer = [1, 2] if ATTENTION_LAYER[family] != "RopeAttention" else [1]
+    attention_layers = len(attention_modules_bound(ours, ATTENTION_LAYER[family]))
+    assert sorted(released) == sorted(per_layer * attention_layers), released
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        want = forward_backward(ours, batch)
+    assert len(released) == len(per_layer) * attention_layers  # nothing released under the hooks
+    assert torch.equal(got[0], want[0]) and got[1].keys() == want[1].keys()
+    for name in want[1]:
+        assert torch.equal(got[1][name], want[1][name]), name

@@ -257,3 +257,48 @@ def _assert_same_greedy_tokens(got, want, prompt_len, tie_tol=3e-2):
         gap = (scores.max() - scores[ours_token]).item()
         assert gap <= tie_tol * max(1.0, scores.max().abs().item()), (
             f"row {row}: generation diverges at step {step} where eager's logit gap is {gap:.3g} (not a tie)")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_moe_text"])
+def test_rotated_qk_released_until_backward(family, model_dirs, monkeypatch):
+    """In training the q/k norm + RoPE attentions free the rotated q / k the attention saved and rebuild them in
+    the backward: gradients bit for bit those without the release, storage empty between forward and backward,
+    and no release under activation checkpointing (which recomputes the forward itself) or without gradients."""
+    from tests.utils import forward_backward
+
+    model = load(model_dirs[family], LAYOUT_MAPPINGS[family])
+    model.train()
+    layers = __import__("sys").modules[type(modules_running_layouts(model)[0]).__module__]
+    released = []
+
+    def spy(anchors, tensors, rebuild):
+        layers_release(anchors, tensors, rebuild)
+        released.append([t.untyped_storage().nbytes() for t in tensors])
+
+    layers_release = layers.release_until_backward
+    monkeypatch.setattr(layers, "release_until_backward", spy)
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    loss, logits, grads = forward_backward(model, batch)
+    assert len(released) == EXPECTED_ATTENTION[family] and all(n == [0, 0] for n in released), released
+    monkeypatch.setattr(layers, "can_release", lambda: False)
+    loss_kept, logits_kept, grads_kept = forward_backward(model, batch)
+    assert len(released) == EXPECTED_ATTENTION[family]
+    assert torch.equal(loss, loss_kept) and torch.equal(logits, logits_kept)
+    assert grads.keys() == grads_kept.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_kept[name]), name
+    monkeypatch.undo()
+    monkeypatch.setattr(layers, "release_until_backward", spy)
+    released.clear()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, _, grads_ckpt = forward_backward(model, batch)
+    assert not released
+    for name in grads:
+        assert torch.equal(grads[name], grads_ckpt[name]), name
+    with torch.no_grad():
+        model(**batch)
+    assert not released
+
+
+def modules_running_layouts(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("AttentionLayout")]

@@ -6,11 +6,13 @@ implementations run through an autograd.Function (`_custom_op.differentiable_op`
 per call than the custom-op dispatcher (the ops are small enough for that overhead to show). Both dispatch on the tensor's device at run time:
 Triton on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
 """
+import functools
 from typing import Optional
 
 import torch
 
 from hubfuse._common.checks import first_order
+from hubfuse._common.released import can_release, mark_rebuildable
 from hubfuse._common.device import use_triton
 from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from .reference import GATED, STANDARD, ZERO_CENTERED, rms_norm_bwd_reference, rms_norm_fwd_reference
@@ -136,8 +138,18 @@ def _apply(name, x, weight, gate, eps, mode):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     g2 = gate.reshape(-1, shape[-1]).contiguous() if gate is not None else None
-    y, _ = _rms_norm(x2, weight.contiguous(), g2, float(eps), mode)
-    return y.view(shape)
+    weight = weight.contiguous()
+    y, _ = _rms_norm(x2, weight, g2, float(eps), mode)
+    y = y.view(shape)
+    if gate is None and can_release() and y.grad_fn is not None:
+        # the op saves x2 and weight: a consumer that alone reads y may release it until the backward
+        mark_rebuildable(y, functools.partial(_rebuild_output, x2, weight, float(eps), mode))
+    return y
+
+
+def _rebuild_output(x2, weight, eps, mode, out):
+    """The forward's output of (x2, weight), bit for bit, into `out`."""
+    out.view(x2.shape).copy_(_fwd_impl(x2, weight, None, eps, mode)[0])
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

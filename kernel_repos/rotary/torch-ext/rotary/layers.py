@@ -15,17 +15,26 @@
   Attention itself goes through transformers' `ALL_ATTENTION_FUNCTIONS` (sdpa / flash / eager all work) and
   the KV cache is updated as in HF. A mask that is `_common.causal_marker`'s marker (passed by hubfuse.training)
   reaches the attention function as None: the causal path.
+- In training (no KV cache, no saved-tensor hooks, not under torch.compile) the q/k norm + RoPE attentions free
+  the rotated q and k the attention function saved once it returns, and rebuild them bit for bit from the
+  projections (which the norm + RoPE backward keeps anyway) when the backward reaches the attention
+  (`_common.released`): the memory of one copy of q and k per layer, for one norm + RoPE pass in the backward.
+  Likewise the input norm's output the q/k/v projections saved, where hubfuse's RMSNorm made it (rebuilt from
+  the norm's saved input) and the decoder layer is one of `SEQUENTIAL_DECODERS`.
 
 transformers is imported lazily (only when an attention module runs): the kernel has no dependency on it.
 """
+import functools
 from typing import Optional
 
 import torch
 from torch import nn
 
 from hubfuse._common.causal_marker import is_causal_marker
+from hubfuse._common.released import can_release, rebuildable, release_until_backward
 from hubfuse.rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
-from .ops import _qkv_projections, apply_rotary_pos_emb, qk_norm_rope, qk_norm_rope_zero_centered
+from .ops import _cos_sin_need_grad, _qkv_projections, apply_rotary_pos_emb, qk_norm_rope, _qk_norm_rope_rebuild, \
+    qk_norm_rope_zero_centered
 from .reference import apply_rotary_pos_emb_hf
 
 
@@ -113,12 +122,21 @@ def _init_attention(module: nn.Module, config, layer_idx: int, gated: bool, qk_n
     # Llama: no sliding window, none passed to the attention function
 
 
+# model types whose decoder layers feed the input norm's output to the attention alone (nothing reads it after)
+SEQUENTIAL_DECODERS = frozenset({"qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "llama", "qwen2"})
+
+
 def _attention_forward(module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
                        gated: bool, fused: bool, qk_norm: bool = True):
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     if fused:  # one op: the backward sums the three input gradients inside its GEMMs
         q, k, v = _qkv_projections(hidden_states, module.q_proj, module.k_proj, module.v_proj)
+        rebuild = rebuildable(hidden_states) if can_release() else None
+        if rebuild is not None and module.config.model_type in SEQUENTIAL_DECODERS:
+            # the input norm's output, saved by the projections: its only reader here; rebuilt from the norm's
+            # saved input when the backward reaches the projections
+            release_until_backward([q, k, v], (hidden_states,), rebuild)
     else:
         q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
     if not qk_norm:  # Llama / Qwen2: RoPE on the (B, H, S, D) projections, as HF
@@ -161,6 +179,15 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
         module, query_states, key_states, value_states, attention_mask,
         dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **kwargs,
     )
+    if fused and qk_norm and can_release() and past_key_values is None and attn_weights is None \
+            and attn_output.grad_fn is not None and not _cos_sin_need_grad(cos, sin):
+        # the attention saved the rotated q / k (6 KiB a token at Qwen3-0.6B's widths) next to the projections
+        # the norm + RoPE backward keeps: free them now, rebuild them from the projections when the backward
+        # reaches this attention (one pass of the norm + RoPE kernel)
+        norm = module.q_norm
+        release_until_backward([attn_output], (query_states, key_states), functools.partial(
+            _qk_norm_rope_rebuild, q_raw, k_raw, norm.weight, module.k_norm.weight, cos, sin,
+            norm.eps if gated else norm.variance_epsilon, gated))
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     if gated:
         attn_output = attn_output * torch.sigmoid(gate)

@@ -474,6 +474,16 @@ def _qk_norm_rope(name, q, k, q_weight, k_weight, cos, sin, eps, mode):
                             *_cos_sin(cos, sin), float(eps), mode)
 
 
+def _qk_norm_rope_rebuild(q, k, q_weight, k_weight, cos, sin, eps, zero_centered: bool, q_out, k_out) -> None:
+    """The forward of `qk_norm_rope` (`zero_centered`: `qk_norm_rope_zero_centered`), no autograd, written into
+    (B, H, S, D) outputs of the op's layout: its outputs bit for bit (rebuilding them after a release)."""
+    mode = ZERO_CENTERED if zero_centered else STANDARD
+    q, k, (cos, sin) = _last_contig(q), _last_contig(k), _cos_sin(cos, sin)
+    q_weight = q_weight.contiguous()
+    _qk_norm_rope_into(q, k, q_weight, k_weight.contiguous(), cos, sin, float(eps), mode,
+                       _norm_dtypes(q, q_weight, cos, mode)[0], q_out, k_out)
+
+
 def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6):
     """Qwen3 / Qwen3-MoE `q_norm`, `k_norm` (standard RMSNorm over head_dim), transpose, RoPE — one kernel.
 

@@ -1,0 +1,81 @@
+"""Activations released after the forward and rebuilt, bit for bit, just before the backward reads them.
+
+Some tensors an op saves for its backward can be recomputed exactly and cheaply from tensors saved anyway (SDPA's
+rotated q / k from the q / k projections the q/k norm + RoPE backward keeps). `release_until_backward` frees
+their memory (the storage is resized to 0 bytes; the tensor objects autograd saved stay) and registers a
+pre-hook on the autograd nodes of `anchors`: the backward runs one of them before any node that reads the
+released tensors, and the hook reallocates the storage and writes the rebuilt values into it. The writes go
+through an alias of the storage, so the saved tensors' version counters do not move (autograd's in-place check
+passes) and every view of the storage sees the values.
+
+An op whose output can be rebuilt so (the RMSNorm from its input) marks it (`mark_rebuildable`); a consumer that
+knows it is the output's only reader (the attention fed by the decoder layer's input norm) releases it.
+
+Only where nothing else decides what is saved: not under torch.compile (it traces the graph itself), not under
+saved-tensor hooks (activation checkpointing recomputes the forward and reads what it saved without running our
+hooks; CPU offloading copies at save time), not without gradients.
+"""
+import torch
+
+_REBUILD = "_hubfuse_rebuild"  # a tensor attribute: how to rebuild the tensor's values (mark_rebuildable)
+
+
+OBSERVES_ONLY = "_hubfuse_observes_only"  # on a pack hook that returns its tensor unchanged (memory accounting)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether a `torch.autograd.graph.saved_tensors_hooks` context is active (checkpointing, offloading), other
+    than one whose pack hook is marked `OBSERVES_ONLY`. torch has no public query: the one torch-private access of
+    the op packages (tests/test_released.py fails when torch changes it)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and not getattr(hooks[0], OBSERVES_ONLY, False)
+
+
+def can_release() -> bool:
+    """Whether tensors saved in this forward may be released until the backward (see the module docstring)."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not saved_tensor_hooks_active()
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's storage with t's geometry and a version counter of its own."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+def release_until_backward(anchors, tensors, rebuild) -> None:
+    """Free `tensors`' storage now; before the first autograd node of `anchors` (tensors whose gradient path
+    every reader of `tensors` in the backward lies behind) runs, reallocate it and call `rebuild(*outs)`, which
+    writes the values into `outs` (aliases of `tensors`). Each tensor must own its storage alone, whole."""
+    storages = [t.untyped_storage() for t in tensors]
+    nbytes = [s.nbytes() for s in storages]
+    for t, s, n in zip(tensors, storages, nbytes):
+        if t.storage_offset() != 0 or t.numel() * t.element_size() != n:
+            raise ValueError(f"release_until_backward: a {tuple(t.shape)} tensor shares its storage ({n} bytes)")
+    pending = [(tensors, storages, nbytes, rebuild)]  # emptied by the first hook that runs (no references kept)
+
+    def refill(*_):
+        if pending:
+            ts, ss, ns, fn = pending.pop()
+            for s, n in zip(ss, ns):
+                s.resize_(n)
+            fn(*(_alias(t) for t in ts))
+
+    nodes = {id(a.grad_fn): a.grad_fn for a in anchors if a.grad_fn is not None}
+    if not nodes:
+        raise ValueError("release_until_backward: no anchor has an autograd node (nothing would rebuild)")
+    for s in storages:
+        s.resize_(0)
+    for node in nodes.values():
+        node.register_prehook(refill)
+
+
+def mark_rebuildable(t: torch.Tensor, rebuild) -> torch.Tensor:
+    """Record on `t` (an op's output, owning its storage) how to rebuild its values: `rebuild(out)` writes them
+    into `out`, bit for bit, from tensors its producer saves for the backward anyway. A consumer that alone reads
+    `t` may then release it until the backward (`rebuildable`). Returns t."""
+    setattr(t, _REBUILD, rebuild)
+    return t
+
+
+def rebuildable(t: torch.Tensor):
+    """`t`'s rebuild function (mark_rebuildable), or None."""
+    return getattr(t, _REBUILD, None)
