@@ -1454,6 +1454,12 @@ def run_cell(cell: Cell, device: str = "cpu") -> Outcome:
     def done(category, detail="", as_torch=False):
         return Outcome(cell, category, detail, time.perf_counter() - start, as_torch)
 
+    if device == "cuda" and problem.index == "cu_seqlens" and isinstance(oracle_error, ValueError) \
+            and str(oracle_error).startswith("cu_seqlens must"):
+        # the ops check cu_seqlens' values on the device: the assert would poison this process's CUDA context
+        # (the same check gives the CPU cells their ValueError; test_gpu_value_checks runs it in subprocesses)
+        return done("clear_error", "cu_seqlens values: a device-side assert on CUDA (not run in this process)")
+
     with _path(cell.path):
         try:
             fn = target.build(args)
