@@ -44,5 +44,5 @@ case "$step" in
     done ;;
   *) echo "gpu_x4.sh: unknown step '$step' (scale, ab, single)" >&2; exit 2 ;;
 esac
-tar czf "$OUT/x4_$step.tgz" -C "$work" .
+tar czf "$OUT/x4_$step.tgz" --exclude=traces -C "$work" .  # the traces stay on the machine: too big to come back
 exit "$status"

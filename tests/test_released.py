@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from hubfuse._common.released import OBSERVES_ONLY, can_release, release_until_backward, saved_tensor_hooks_active
+from hubfuse._common.released import (OBSERVES_ONLY, can_release, release_until_backward, saved_tensor_hooks_active,
+                                     write_alias)
 
 
 def test_saved_tensor_hooks_query_follows_torch():
@@ -36,12 +37,12 @@ def _step(release: bool, calls: list):
     if release:
         def rebuild(h_out):
             calls.append(h_out.shape)
-            torch.exp(x.detach(), out=h_out)
+            torch.exp(x.detach(), out=write_alias(h_out))
         release_until_backward([y], (h,), rebuild)
         assert h.untyped_storage().nbytes() == 0
     version = h._version
     out.sum().backward()
-    assert h._version == version  # the rebuild went through an alias: autograd's in-place check holds
+    assert h._version == version  # the rebuild wrote through an alias: autograd's in-place check holds
     return x.grad, w.grad, h
 
 
@@ -59,7 +60,7 @@ def test_release_rebuild_that_writes_wrong_values_changes_the_gradient():
     w = torch.randn(3, dtype=torch.float64, requires_grad=True)
     h = x.exp()
     y = h * w
-    release_until_backward([y], (h,), lambda h_out: h_out.fill_(1.0))
+    release_until_backward([y], (h,), lambda h_out: write_alias(h_out).fill_(1.0))
     y.sum().backward()
     assert not torch.allclose(w.grad, x.detach().exp().sum(0))
     assert torch.equal(w.grad, torch.full((3,), 4.0, dtype=torch.float64))
@@ -74,3 +75,14 @@ def test_release_rejects_shared_storage_and_missing_anchor():
     with pytest.raises(ValueError, match="no anchor has an autograd node"):
         release_until_backward([x.detach()], (h,), lambda t: None)
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+
+
+def test_rebuild_writing_in_place_is_caught_by_autograd():
+    """Why rebuilds write through `write_alias`: an in-place torch op on the saved tensor moves its version."""
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    h = x.exp()
+    y = h * w
+    release_until_backward([y], (h,), lambda h_out: torch.exp(x.detach(), out=h_out))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

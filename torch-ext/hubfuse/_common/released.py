@@ -4,9 +4,9 @@ Some tensors an op saves for its backward can be recomputed exactly and cheaply 
 rotated q / k from the q / k projections the q/k norm + RoPE backward keeps). `release_until_backward` frees
 their memory (the storage is resized to 0 bytes; the tensor objects autograd saved stay) and registers a
 pre-hook on the autograd nodes of `anchors`: the backward runs one of them before any node that reads the
-released tensors, and the hook reallocates the storage and writes the rebuilt values into it. The writes go
-through an alias of the storage, so the saved tensors' version counters do not move (autograd's in-place check
-passes) and every view of the storage sees the values.
+released tensors, and the hook reallocates the storage and writes the rebuilt values into it. The writes leave
+the saved tensors' version counters where they were (autograd's in-place check passes): Triton kernels write in
+place unseen by autograd, torch ops write through an alias of the storage (`write_alias`).
 
 An op whose output can be rebuilt so (the RMSNorm from its input) marks it (`mark_rebuildable`); a consumer that
 knows it is the output's only reader (the attention fed by the decoder layer's input norm) releases it.
@@ -36,15 +36,18 @@ def can_release() -> bool:
     return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not saved_tensor_hooks_active()
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over t's storage with t's geometry and a version counter of its own."""
+def write_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's storage with t's geometry and a version counter of its own: what a rebuild writes through
+    with torch ops (an in-place op on `t` itself would move the version autograd saved; a Triton kernel's writes
+    do not, so the Triton path writes into `t` directly)."""
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def release_until_backward(anchors, tensors, rebuild) -> None:
     """Free `tensors`' storage now; before the first autograd node of `anchors` (tensors whose gradient path
-    every reader of `tensors` in the backward lies behind) runs, reallocate it and call `rebuild(*outs)`, which
-    writes the values into `outs` (aliases of `tensors`). Each tensor must own its storage alone, whole."""
+    every reader of `tensors` in the backward lies behind) runs, reallocate it and call `rebuild(*tensors)`, which
+    writes the values into them without moving their version counters (Triton kernels, or torch ops through
+    `write_alias`). Each tensor must own its storage alone, whole."""
     storages = [t.untyped_storage() for t in tensors]
     nbytes = [s.nbytes() for s in storages]
     for t, s, n in zip(tensors, storages, nbytes):
@@ -57,7 +60,7 @@ def release_until_backward(anchors, tensors, rebuild) -> None:
             ts, ss, ns, fn = pending.pop()
             for s, n in zip(ss, ns):
                 s.resize_(n)
-            fn(*(_alias(t) for t in ts))
+            fn(*ts)
 
     nodes = {id(a.grad_fn): a.grad_fn for a in anchors if a.grad_fn is not None}
     if not nodes:

@@ -159,9 +159,10 @@ def _round_t(x, weight, mode):
     return mode == GATED and torch.promote_types(weight.dtype, x.dtype) != torch.float32
 
 
-def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype):
+def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype, y=None):
+    """(y, rstd); `y` given: written in place ((M, N), unit stride on N, out_dtype)."""
     M, N = x.shape
-    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device) if y is None else y
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     block_m, block_n, num_warps = _fwd_config(N)
     g = gate if gate is not None else x

@@ -130,13 +130,10 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
                        gated: bool, fused: bool, qk_norm: bool = True):
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
+    # what this attention frees after the attention function and rebuilds when the backward reaches it
+    release = fused and past_key_values is None and can_release()
     if fused:  # one op: the backward sums the three input gradients inside its GEMMs
         q, k, v = _qkv_projections(hidden_states, module.q_proj, module.k_proj, module.v_proj)
-        rebuild = rebuildable(hidden_states) if can_release() else None
-        if rebuild is not None and module.config.model_type in SEQUENTIAL_DECODERS:
-            # the input norm's output, saved by the projections: its only reader here; rebuilt from the norm's
-            # saved input when the backward reaches the projections
-            release_until_backward([q, k, v], (hidden_states,), rebuild)
     else:
         q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
     if not qk_norm:  # Llama / Qwen2: RoPE on the (B, H, S, D) projections, as HF
@@ -179,20 +176,45 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
         module, query_states, key_states, value_states, attention_mask,
         dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling, **kwargs,
     )
-    if fused and qk_norm and can_release() and past_key_values is None and attn_weights is None \
-            and attn_output.grad_fn is not None and not _cos_sin_need_grad(cos, sin):
-        # the attention saved the rotated q / k (6 KiB a token at Qwen3-0.6B's widths) next to the projections
-        # the norm + RoPE backward keeps: free them now, rebuild them from the projections when the backward
-        # reaches this attention (one pass of the norm + RoPE kernel)
-        norm = module.q_norm
-        release_until_backward([attn_output], (query_states, key_states), functools.partial(
-            _qk_norm_rope_rebuild, q_raw, k_raw, norm.weight, module.k_norm.weight, cos, sin,
-            norm.eps if gated else norm.variance_epsilon, gated))
+    if release and attn_weights is None and attn_output.grad_fn is not None:
+        _release(module, attn_output, hidden_states, query_states, key_states,
+                 (q_raw, k_raw, cos, sin) if qk_norm and not _cos_sin_need_grad(cos, sin) else None, gated)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     if gated:
         attn_output = attn_output * torch.sigmoid(gate)
     attn_output = module.o_proj(attn_output)
     return attn_output, attn_weights
+
+
+def _release(module, attn_output, hidden_states, query_states, key_states, qk_inputs, gated: bool) -> None:
+    """Free, until the backward reaches `attn_output`, what this attention's backward reads and can rebuild:
+    - the input norm's output the q/k/v projections saved (hubfuse's RMSNorm marked it rebuildable from its own
+      saved input), where the decoder layer feeds it to the attention alone;
+    - the rotated q / k the attention function saved (6 KiB a token at Qwen3-0.6B's widths), rebuilt from the
+      projections the norm + RoPE backward keeps (`qk_inputs`: q, k projections, cos, sin), one kernel pass.
+    Every reader of them in the backward (the attention's backward, then the projections') comes after the
+    gradient of `attn_output`."""
+    tensors, rebuilds = [], []
+    rebuild_input = rebuildable(hidden_states)
+    if rebuild_input is not None and module.config.model_type in SEQUENTIAL_DECODERS:
+        tensors.append(hidden_states)
+        rebuilds.append(rebuild_input)
+    if qk_inputs is not None:
+        norm = module.q_norm
+        tensors += [query_states, key_states]
+        rebuilds.append(functools.partial(_qk_norm_rope_rebuild, *qk_inputs[:2], norm.weight, module.k_norm.weight,
+                                          *qk_inputs[2:], norm.eps if gated else norm.variance_epsilon, gated))
+    if not tensors:
+        return
+    if len(rebuilds) == 1:
+        release_until_backward([attn_output], tensors, rebuilds[0])
+        return
+
+    def rebuild_both(x, q, k):
+        rebuilds[0](x)
+        rebuilds[1](q, k)
+
+    release_until_backward([attn_output], tensors, rebuild_both)
 
 
 # ------------------------------------------------------------------ Llama / Qwen2 attention

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from hubfuse._common.checks import first_order
 from hubfuse._common.device import autocast_dtype, use_triton
 from hubfuse._common.custom_op import call, custom_op, differentiable_op
+from hubfuse._common.released import write_alias
 from .reference import (
     NONE, STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_bwd_reference, qk_norm_rope_hf,
     rope_bwd_reference,
@@ -480,6 +481,8 @@ def _qk_norm_rope_rebuild(q, k, q_weight, k_weight, cos, sin, eps, zero_centered
     mode = ZERO_CENTERED if zero_centered else STANDARD
     q, k, (cos, sin) = _last_contig(q), _last_contig(k), _cos_sin(cos, sin)
     q_weight = q_weight.contiguous()
+    if not use_triton(q):  # the torch path copies into the outputs: through aliases (see _common.released)
+        q_out, k_out = write_alias(q_out), write_alias(k_out)
     _qk_norm_rope_into(q, k, q_weight, k_weight.contiguous(), cos, sin, float(eps), mode,
                        _norm_dtypes(q, q_weight, cos, mode)[0], q_out, k_out)
 
