@@ -186,3 +186,28 @@ def test_released_activations_rebuilt_bit_for_bit(family, model_dirs, monkeypatc
     assert torch.equal(got[0], want[0]) and got[1].keys() == want[1].keys()
     for name in want[1]:
         assert torch.equal(got[1][name], want[1][name]), name
+
+
+def test_norm_output_seen_by_a_forward_hook_is_not_released(model_dirs, monkeypatch):
+    """A forward hook on the input norm may keep its output and read it after the step: that output stays."""
+    import sys
+
+    _, ours = load_pair(model_dirs["qwen3"], "sdpa")
+    attention = next(m for m in ours.modules() if type(m).__name__ == "QKNormRopeAttentionLayout")
+    layers = sys.modules[type(attention).__module__]
+    released = []
+
+    def spy(anchors, tensors, rebuild):
+        release(anchors, tensors, rebuild)
+        released.append(len(tensors))
+
+    release = layers.release_until_backward
+    monkeypatch.setattr(layers, "release_until_backward", spy)
+    kept = []
+    norm = ours.model.layers[0].input_layernorm
+    norm.register_forward_hook(lambda module, args, out: kept.append((args[0], out)))
+    ours(**padded_batch(tiny_config("qwen3").vocab_size)).loss.backward()
+    assert released == [2, 3]  # layer 0: the rotated q, k only; layer 1: its norm output too
+    x, out = kept[0]
+    assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
+    torch.testing.assert_close(out, norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from hubfuse._common.missing_init import init_missing
-from .ops import rms_norm, rms_norm_gated, rms_norm_zero_centered
-from .reference import rms_norm_gated_hf, rms_norm_hf, rms_norm_zero_centered_hf
+from .ops import _module_forward, rms_norm_gated
+from .reference import STANDARD, ZERO_CENTERED, rms_norm_gated_hf, rms_norm_hf, rms_norm_zero_centered_hf
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return _module_forward(self, hidden_states, self.weight, self.variance_epsilon, STANDARD)
 
 
 class RMSNormLayout(nn.Module):
@@ -45,7 +45,7 @@ class RMSNormZeroCentered(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_zero_centered(x, self.weight, self.eps)
+        return _module_forward(self, x, self.weight, self.eps, ZERO_CENTERED)
 
 
 class RMSNormZeroCenteredLayout(nn.Module):

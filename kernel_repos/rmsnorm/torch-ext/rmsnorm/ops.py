@@ -133,7 +133,7 @@ def check_rms_norm_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, gate
             raise ValueError(f"{name}: gate is on {gate.device} but hidden_states on {x.device}")
 
 
-def _apply(name, x, weight, gate, eps, mode):
+def _apply(name, x, weight, gate, eps, mode, rebuildable: bool = False):
     check_rms_norm_inputs(name, x, weight, gate)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
@@ -141,10 +141,18 @@ def _apply(name, x, weight, gate, eps, mode):
     weight = weight.contiguous()
     y, _ = _rms_norm(x2, weight, g2, float(eps), mode)
     y = y.view(shape)
-    if gate is None and can_release() and y.grad_fn is not None:
+    if rebuildable and can_release() and y.grad_fn is not None:
         # the op saves x2 and weight: a consumer that alone reads y may release it until the backward
         mark_rebuildable(y, functools.partial(_rebuild_output, x2, weight, float(eps), mode))
     return y
+
+
+def _module_forward(module, hidden_states, weight, eps, mode):
+    """A kernelized RMSNorm module's forward (standard or zero-centred): its output marked rebuildable
+    (`_common.released`: the attention it feeds may free it until the backward), unless forward hooks on the
+    module see the output (they could keep it and read it later)."""
+    name = "rms_norm" if mode == STANDARD else "rms_norm_zero_centered"
+    return _apply(name, hidden_states, weight, None, eps, mode, rebuildable=not module._forward_hooks)
 
 
 def _rebuild_output(x2, weight, eps, mode, out):
