@@ -151,13 +151,27 @@ def test_gpu_flash_attention_4(family, packed, gpu_model_dirs):
         assert_packed_equals_separate(ours, batch, seqs, atol=3e-2)
 
 
+def _count_releases(model, layer: str, monkeypatch) -> list[int]:
+    """The number of tensors of each `release_until_backward` call our attention Layout makes from now on."""
+    import sys
+
+    attention = next(m for m in model.modules() if type(m).__name__ == f"{layer}Layout")
+    layers = sys.modules[type(attention).__module__]
+    release, released = layers.release_until_backward, []
+
+    def spy(anchors, tensors, rebuild):
+        release(anchors, tensors, rebuild)
+        released.append(len(tensors))
+
+    monkeypatch.setattr(layers, "release_until_backward", spy)
+    return released
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_released_activations_rebuilt_bit_for_bit(family, model_dirs, monkeypatch):
     """In training our attentions release what they can rebuild (`_common.released`): the input norm's output
     the q/k/v projections saved, and (q/k norm families) the rotated q / k the attention saved. Loss, logits and
     every gradient are bit for bit those of the same model with nothing released (saved-tensor hooks active)."""
-    import sys
-
     def forward_backward(model, batch):
         model.zero_grad(set_to_none=True)
         loss = model(**batch).loss
@@ -165,16 +179,7 @@ def test_released_activations_rebuilt_bit_for_bit(family, model_dirs, monkeypatc
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     _, ours = load_pair(model_dirs[family], "sdpa")
-    attention = next(m for m in ours.modules() if type(m).__name__ == f"{ATTENTION_LAYER[family]}Layout")
-    layers = sys.modules[type(attention).__module__]
-    released = []
-
-    def spy(anchors, tensors, rebuild):
-        release(anchors, tensors, rebuild)
-        released.append(len(tensors))
-
-    release = layers.release_until_backward
-    monkeypatch.setattr(layers, "release_until_backward", spy)
+    released = _count_releases(ours, ATTENTION_LAYER[family], monkeypatch)
     batch = padded_batch(tiny_config(family).vocab_size)
     got = forward_backward(ours, batch)
     per_layer = [3] if ATTENTION_LAYER[family] != "RopeAttention" else [1]  # the norm output (+ rotated q, k)
@@ -190,19 +195,8 @@ def test_released_activations_rebuilt_bit_for_bit(family, model_dirs, monkeypatc
 
 def test_norm_output_seen_by_a_forward_hook_is_not_released(model_dirs, monkeypatch):
     """A forward hook on the input norm may keep its output and read it after the step: that output stays."""
-    import sys
-
     _, ours = load_pair(model_dirs["qwen3"], "sdpa")
-    attention = next(m for m in ours.modules() if type(m).__name__ == "QKNormRopeAttentionLayout")
-    layers = sys.modules[type(attention).__module__]
-    released = []
-
-    def spy(anchors, tensors, rebuild):
-        release(anchors, tensors, rebuild)
-        released.append(len(tensors))
-
-    release = layers.release_until_backward
-    monkeypatch.setattr(layers, "release_until_backward", spy)
+    released = _count_releases(ours, "QKNormRopeAttention", monkeypatch)
     kept = []
     norm = ours.model.layers[0].input_layernorm
     norm.register_forward_hook(lambda module, args, out: kept.append((args[0], out)))
