@@ -18,13 +18,15 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
   with one value head per key head also the l2norm backward, else fp32 per-value-head partials of dq, dk that
   `_group_reduce_kernel` sums in a fixed order (no repeated q/k, no atomics: deterministic). It loops over V in
   blocks (as FLA's chunk_bwd_dqkwg): the sums over V accumulate in fp32, dv is final per block, and only
-  [64, BV] slices of do, v', dv', v and [BV, K] slices of the states are live at a time.
+  [64, BV] slices of do, v', dv', v and [BV, K] slices of the states are live at a time. It holds five fp32 sums
+  over V (too many registers a thread: it spills); `CONFIG["grads"]["split"]` = 1 runs it as two kernels, its dq
+  side (two sums) then its dk side (three), the same operations in the same order.
 
 Hopper: Triton 3.4-3.7.0 miscompiles `tl.dot(tl.trans(x), y)` when `x` is itself a `tl.dot` result (FLA #640:
 the transposed accumulator layout feeding a wgmma). No kernel here transposes a computed matrix: transposed
 operands are loaded through transposed pointers, and the two computed matrices needed transposed (dM * Gamma
 and D in `_grads_kernel`) go through a per-program scratch tile in global memory (store, barrier, transposed
-load), as FLA PR #826 proposed.
+load), as FLA PR #826 proposed (split in two kernels: the dq side stores dM * Gamma, the dk side reads it).
 
 Every matmul accumulates in fp32; operands are in the input dtype (bf16 on GPUs, exact fp32 dots for fp32
 inputs). The forward keeps o within ~1.1x of the error of transformers' fp32-inside path (16-bit inputs): no
@@ -630,9 +632,9 @@ def _grads_kernel(
                 other=0.0)
     rq = _l2norm_scale(q, 1, L2NORM)
     rk = _l2norm_scale(k, 1, L2NORM)
-    gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
     part_tile = (gate_base * K) + o_c[:, None] * (HV * K) + o_k[None, :]
     if DQ_SIDE:  # o = s diag(G) q h + M v'
+        gam = _decay_block(gc, gc, m_c, m_c, False, o_c, o_c)
         dq = (scale * Gd)[:, None] * do_h
         dgc = rq * tl.sum(dq * q.to(tl.float32), 1)
         att = (scale * rq)[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * gam)  # s (qn kn^T) Gamma
@@ -664,13 +666,15 @@ def _grads_kernel(
         # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
         dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
         dL = tl.where(strict, dL, 0.0)
+        # Gamma, computed again here: not live through the dk side's first [64, K] tiles (fewer registers)
+        gam = _decay_block(gc, gc, m_c, m_c, False, o_c, o_c)
         D = dL * gam
         P = rk[:, None] * _dot(k, tl.trans(k), IEEE) * rk[None, :]      # kn kn^T
         dbeta += tl.sum(D * P, 1)
-        dk += beta[:, None] * _dot((D * rk[None, :]).to(DT), k, IEEE)      # D kn
-        tl.store(scratch + 64 * 64 + cc, (D * (beta * rk)[:, None]).to(DT))  # (diag(beta) D)^T kn
         dLL = dL * (beta[:, None] * P * gam)
         dgc += tl.sum(dLL, 1) - tl.sum(dLL, 0)
+        dk += beta[:, None] * _dot((D * rk[None, :]).to(DT), k, IEEE)      # D kn
+        tl.store(scratch + 64 * 64 + cc, (D * (beta * rk)[:, None]).to(DT))  # (diag(beta) D)^T kn
         tl.debug_barrier()  # the two scratch tiles are written: read them transposed
         dk = _dot(tl.load(scratch + cc_t), q, IEEE, dk)               # (s dM Gamma)^T qn
         dk = _dot(tl.load(scratch + 64 * 64 + cc_t), k, IEEE, dk)     # (diag(beta) D)^T kn
@@ -757,9 +761,12 @@ CONFIG = {
     "recurrence": dict(num_warps=4, num_stages=3, block_v=64, block_v_few=32),
     "output": dict(num_warps=4, num_stages=2, block_v=64),
     "grads": dict(num_warps=8, num_stages=3, block_v=32, split=0),
-    # split=1: the gradient kernel's two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE), each with its own settings
+    # split=1: the gradient kernel's two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE), each with its own settings.
+    # Not yet timed; chosen by ptxas's counts for sm_90 (triton 3.9, bf16, K = V = 128, BV = 32): the one kernel
+    # 255 registers and ~1.2 KB of spills a thread at 8 warps; the dq side none at 4 warps (255 registers, 170 at
+    # 8), the dk side ~0.4 KB at 8 warps and ~1.1 KB at 4.
     "grads_dq": dict(num_warps=4, num_stages=2, block_v=32),
-    "grads_dk": dict(num_warps=4, num_stages=2, block_v=32),
+    "grads_dk": dict(num_warps=8, num_stages=3, block_v=32),
 }
 
 
