@@ -123,56 +123,51 @@ V_BLOCK_CASES = [
 
 
 @pytest.mark.parametrize("case", V_BLOCK_CASES, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("split", [0, 1])
+@pytest.mark.parametrize("dtype, split", [(torch.float32, 0), (torch.float16, 0), (torch.float32, 1)])
 def test_grads_kernel_in_v_blocks_vs_float64(case, dtype, split, use_kernel_path, monkeypatch):
     use_kernel_path("triton")
     _split_grads_kernel(monkeypatch, split, block_v=16)
     _check_rule(case, dtype)
 
 
-# (B, T, H, HV, K, V, l2norm, cu_seqlens, gates a, b, A_log, dt_bias in the kernels)
+# (B, T, H, HV, K, V, l2norm, cu_seqlens, gates a, b, A_log, dt_bias in the kernels, dtype)
 SPLIT_CASES = [
-    (1, 100, 1, 2, 20, 40, True, None, False),            # K, V, T odd sizes, 2 value heads per key head
-    (2, 70, 2, 2, 16, 24, False, None, False),            # batch 2, one value head per key head, no in-kernel l2norm
-    (1, 150, 1, 4, 20, 24, True, [0, 1, 64, 150], False),  # packed (an unused chunk slot), 4 value heads per key head
-    (2, 70, 1, 2, 20, 16, True, None, True),              # the Qwen3.5 gates
+    (1, 100, 1, 2, 20, 40, True, None, False, torch.float32),             # K, V, T odd, 2 value heads per key head
+    (2, 70, 2, 2, 16, 24, False, None, False, torch.float16),             # batch 2, 1 value head per key head
+    (1, 150, 1, 4, 20, 24, True, [0, 1, 64, 150], False, torch.float32),  # packed (an unused chunk slot), GROUP 4
+    (2, 70, 1, 2, 20, 16, True, None, True, torch.float16),               # the Qwen3.5 gates
 ]
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_split_grads_kernel_equals_one_kernel(case, dtype, use_kernel_path, monkeypatch):
+def test_split_grads_kernel_equals_one_kernel(case, use_kernel_path, monkeypatch):
     """The gradient kernel's dq and dk halves (split=1, two launches) give the one kernel's gradients (split=0), V in
     blocks of 16 (several, the last one partial). The halves do the one kernel's operations in its order: bitwise
     under the interpreter. On a GPU the halves' other warp counts may order the fp32 row sums differently: within
     a few roundings of the gradient's dtype (relative to its largest element: 1e-5 fp32, two fp16 ulps)."""
     use_kernel_path("triton")
-    B, T, H, HV, K, V, l2norm, cu, gates = case
+    B, T, H, HV, K, V, l2norm, cu, gates, dtype = case
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu is not None else None
     q, k, v, g, beta, h0 = _inputs(B, T, H, HV, K, V, dtype, len(cu) - 1 if cu else B, l2norm, seed=T + K)
     gen = torch.Generator().manual_seed(T)
     if gates:  # a, b, A_log, dt_bias in place of g, beta
         a, b = (torch.randn(B, T, HV, generator=gen).to(DEV, dtype) for _ in range(2))
         A_log, dt_bias = torch.randn(HV, generator=gen).to(DEV) * 0.5, torch.randn(HV, generator=gen).to(DEV)
-        inputs = [q, k, v, a, b, A_log, dt_bias, h0]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias, h0)]
+        o, ht = gdn.gated_delta_rule_qwen3_5(*leaves[:7], initial_state=leaves[7], output_final_state=True)
+        names = ["dq", "dk", "dv", "da", "db", "dA_log", "ddt_bias", "dh0"]
     else:
-        inputs = [q, k, v, g, beta, h0]
-    do = torch.randn(B, T, HV, V, generator=gen).to(DEV, dtype)
-    dht = torch.randn(h0.shape, generator=gen).to(DEV)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+        o, ht = gdn.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
+        names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    do, dht = torch.randn(o.shape, generator=gen).to(DEV, dtype), torch.randn(ht.shape, generator=gen).to(DEV)
+    loss = (o * do).sum() + (ht * dht).sum()
 
-    def grads(split):
+    def grads(split):  # the backward of one forward, the gradient kernel as set by `split`
         _split_grads_kernel(monkeypatch, split, block_v=16)
-        leaves = [t.clone().requires_grad_() for t in inputs]
-        if gates:
-            o, ht = gdn.gated_delta_rule_qwen3_5(*leaves[:7], initial_state=leaves[7], output_final_state=True)
-        else:
-            o, ht = gdn.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                               use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
-        return _grads([o, ht], [do, dht], leaves)
+        return torch.autograd.grad(loss, leaves, retain_graph=True)
 
-    names = ["dq", "dk", "dv", "da" if gates else "dg", "db" if gates else "dbeta"]
-    names += ["dA_log", "ddt_bias", "dh0"] if gates else ["dh0"]
     for name, got, want in zip(names, grads(1), grads(0), strict=True):
         if DEV == "cpu":
             assert torch.equal(got, want), f"{name}: split differs from the one kernel by {_rel(got, want):.3g}"

@@ -514,10 +514,13 @@ def _recurrence_bwd_kernel(
         tl.store(DH0 + i_nh.to(tl.int64) * K * V + state_tile, dh, mask=state_mask)
 
 
+_GRADS_KERNEL_NAMES = {(True, False): "_grads_dq_kernel", (False, True): "_grads_dk_kernel"}
+
+
 def _grads_kernel_name(specialization):
-    """The compiled kernel's name (profiler rows): the whole gradient kernel or one of its two halves."""
-    sides = (specialization.constants["DQ_SIDE"], specialization.constants["DK_SIDE"])
-    return {(True, True): "_grads_kernel", (True, False): "_grads_dq_kernel", (False, True): "_grads_dk_kernel"}[sides]
+    """The compiled kernel's name (profiler rows): `_grads_kernel`, or the name of one of its two halves."""
+    sides = tuple(bool(specialization.constants.get(name)) for name in ("DQ_SIDE", "DK_SIDE"))
+    return _GRADS_KERNEL_NAMES.get(sides, "_grads_kernel")
 
 
 @triton.jit(repr=_grads_kernel_name)
