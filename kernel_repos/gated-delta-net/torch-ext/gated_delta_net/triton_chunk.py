@@ -660,12 +660,12 @@ def _grads_kernel(
         dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(hdh, 0)
         dT = beta[None, :] * dvn_v                               # dv' (beta v)^T
         bG = beta * Gd
+        dT = (bG * rk)[None, :] * _dot(dw, tl.trans(k), IEEE) + dT    # + dw (beta G kn)^T
         dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
         dkbg_k = rk * tl.sum(dkbg * k.to(tl.float32), 1)
         dbeta += Gd * dkbg_k
         dgc += bG * dkbg_k
         dk += bG[:, None] * dkbg
-        dT = (bG * rk)[None, :] * _dot(dw, tl.trans(k), IEEE) + dT    # + dw (beta G kn)^T
         # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
         dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
         dL = tl.where(strict, dL, 0.0)
@@ -765,9 +765,10 @@ CONFIG = {
     "output": dict(num_warps=4, num_stages=2, block_v=64),
     "grads": dict(num_warps=8, num_stages=3, block_v=32, split=0),
     # split=1: the gradient kernel's two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE), each with its own settings.
-    # Not yet timed; chosen by ptxas's counts for sm_90 (triton 3.9, bf16, K = V = 128, BV = 32): the one kernel
-    # 255 registers and ~1.2 KB of spills a thread at 8 warps; the dq side none at 4 warps (255 registers, 170 at
-    # 8), the dk side ~0.4 KB at 8 warps and ~1.1 KB at 4.
+    # Not yet timed; chosen by ptxas's counts for sm_90 (triton 3.9, bf16, K = V = 128, BV = 32, 16 key / 32 value
+    # heads, gates; scripts/gdn_register_counts.py): the one kernel 255 registers and 1.1 KB of spill stores a
+    # thread at 8 warps (1.3 KB before the dk side's reordering); the dq side none at 4 warps (255 registers; 170
+    # at 8), the dk side 0.25 KB at 8 warps, 1.0 KB at 4.
     "grads_dq": dict(num_warps=4, num_stages=2, block_v=32),
     "grads_dk": dict(num_warps=8, num_stages=3, block_v=32),
 }
