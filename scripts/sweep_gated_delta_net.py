@@ -9,7 +9,9 @@
 Workloads (bf16, Qwen3.5-MoE's 16 key / 32 value heads, head dims 128):
 - `layer`: `gated_delta_net_core` (conv1d + SiLU + the chunked rule with the gate from a, b) fwd+bwd at the
   step's 8 x 2048 tokens (scripts/bench.py's qwen3_5_moe slice);
-- `long`: `chunk_gated_delta_rule` fwd+bwd at 1 x 32768 tokens, q/k l2norm in the kernel.
+- `long`: `chunk_gated_delta_rule` fwd+bwd at 1 x 32768 tokens, q/k l2norm in the kernel;
+- `dense` / `packed` (not by default): the rule at 8 x 1024 tokens, and the same tokens as one row split into the 8
+  sequences by `cu_seqlens` (where packed input loses time).
 A variant `family:key=value,...` overrides the launch settings of one kernel family (`conv_fwd`, `conv_bwd` in
 triton_conv1d.CONV_CONFIG; `solve`, `wu`, `recurrence`, `output`, `grads`, `grads_dq`, `grads_dk` in
 triton_chunk.CONFIG) on top of the tree's own, several families joined by `+` (`grads:split=1` runs the gradient
@@ -67,8 +69,11 @@ def layer_workload(kg, dev, dt):
     return step
 
 
-def long_workload(kg, dev, dt):
-    B, T = 1, 32768
+def rule_workload(kg, dev, dt, B, T, packed=False):
+    """fwd+bwd of the rule on B x T tokens, or (packed) the same tokens as one row split by cu_seqlens."""
+    cu = torch.arange(0, B * T + 1, T, device=dev, dtype=torch.int32) if packed else None
+    if packed:
+        B, T = 1, B * T
     torch.manual_seed(0)
     q = torch.randn(B, T, HK, D, device=dev, dtype=dt, requires_grad=True)
     k = torch.randn(B, T, HK, D, device=dev, dtype=dt, requires_grad=True)
@@ -78,7 +83,7 @@ def long_workload(kg, dev, dt):
     grad = torch.randn(B, T, HV, D, device=dev, dtype=dt)
 
     def step():
-        out = kg.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+        out = kg.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
         out.backward(grad)
     return step
 
@@ -111,7 +116,7 @@ def kernel_times(step, steps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
-    p.add_argument("--workloads", nargs="+", default=["layer", "long"], choices=["layer", "long"])
+    p.add_argument("--workloads", nargs="+", default=["layer", "long"], choices=["layer", "long", "dense", "packed"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--root", help="another checkout whose kernels to load")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting variants after this many seconds")
@@ -121,7 +126,9 @@ def main(argv=None) -> int:
         h.KERNEL_ROOT = Path(args.root).resolve()
     kg = h.load_kernel("gated-delta-net")
     dev, dt = "cuda", torch.bfloat16
-    workloads = {"layer": layer_workload, "long": long_workload}
+    workloads = {"layer": layer_workload, "long": lambda kg, dev, dt: rule_workload(kg, dev, dt, 1, 32768),
+                 "dense": lambda kg, dev, dt: rule_workload(kg, dev, dt, 8, 1024),
+                 "packed": lambda kg, dev, dt: rule_workload(kg, dev, dt, 8, 1024, packed=True)}
     steps = {name: workloads[name](kg, dev, dt) for name in args.workloads}
     for step in steps.values():  # imports the Triton modules (lazily imported by the ops)
         step()

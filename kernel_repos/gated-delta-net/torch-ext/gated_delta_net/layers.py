@@ -3,7 +3,8 @@
 - `GatedDeltaNet` (+ `GatedDeltaNetLayout`) for `^Qwen3_5MoeGatedDeltaNet$` (hub name `Qwen3_5GatedDeltaNet`;
   Qwen3.5's dense `Qwen3_5GatedDeltaNet` has the same code): training runs the input projections, then ONE op
   for conv1d + SiLU + q/k/v split + q/k l2norm + beta = sigmoid(b) + g from A_log / dt_bias + the chunked delta
-  rule (forward: conv, intra-chunk, recurrence = 3 launches; backward 6), then the gated RMSNorm (one launch
+  rule (forward 5 launches: conv, solve, w/u, recurrence, output; backward 8: conv again, w/u, recurrence,
+  reverse recurrence, gradients, key-head sums, conv dy, conv dx), then the gated RMSNorm (one launch
   each way) and the output projection. Generation (transformers' cache) runs the same kernels with the cache's
   conv and recurrent states, in transformers' order of updates. The Layout keeps the HF parameters
   (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `conv1d`, `dt_bias`, `A_log`, `norm.weight`,
