@@ -89,20 +89,23 @@ def _dot_hilo2(a, b, acc, DT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN: tl.constexpr):
-    """(sequence, chunk within it, first token row, sequence length) of a chunk slot; sequence -1: unused slot."""
+def _chunk_coords(slot, i_bh, HV, CU, CHUNK_INFO, T, NT, VARLEN: tl.constexpr):
+    """(sequence, chunk within it, first token row, sequence length, per-chunk state slot) of the program's chunk
+    slot (grid dim 0) and (batch, value head) i_bh (dim 1); sequence -1: unused slot (packed inputs)."""
     if VARLEN:
         n = tl.load(CHUNK_INFO + slot * 2)
         it = tl.load(CHUNK_INFO + slot * 2 + 1)
         nc = tl.maximum(n, 0)
         bos = tl.load(CU + nc).to(tl.int64)
         seqlen = (tl.load(CU + nc + 1) - tl.load(CU + nc)).to(tl.int32)
+        chunk = slot.to(tl.int64)
     else:
-        n = slot // NT
-        it = slot % NT
+        n = i_bh // HV
+        it = slot
         bos = n.to(tl.int64) * T
         seqlen = T
-    return n, it, bos, seqlen
+        chunk = n.to(tl.int64) * NT + slot
+    return n, it, bos, seqlen, chunk
 
 
 @triton.jit
@@ -152,18 +155,15 @@ def _solve_kernel(
     VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One (chunk, value head): cumulative decay g (stored), the WY transform T = (I + L)^-1,
-    L = strict_lower(diag(beta) k k^T * Gamma), stored as (rows, HV, 64). Few warps: the 16x16 forward
+    L = strict_lower(diag(beta) k k^T * Gamma), stored as (rows, HV, 64). One warp (CONFIG): the 16x16 forward
     substitutions are latency-bound reductions."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     hv = i_bh % HV
     hk = hv // GROUP
-    n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
+    n, it, bos, seqlen, chunk = _chunk_coords(slot, i_bh, HV, CU, CHUNK_INFO, T, NT, VARLEN)
     if n < 0:
         return
-    if not VARLEN:
-        bos = (i_bh // HV).to(tl.int64) * T
-        it = slot
     t0 = it * 64
     row0 = bos + t0
     o_c = tl.arange(0, 64)
@@ -292,12 +292,9 @@ def _wu_kernel(
     i_bh = tl.program_id(1)
     hv = i_bh % HV
     hk = hv // GROUP
-    n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
+    n, it, bos, seqlen, chunk = _chunk_coords(slot, i_bh, HV, CU, CHUNK_INFO, T, NT, VARLEN)
     if n < 0:
         return
-    if not VARLEN:
-        bos = (i_bh // HV).to(tl.int64) * T
-        it = slot
     t0 = it * 64
     row0 = bos + t0
     o_c = tl.arange(0, 64)
@@ -412,15 +409,9 @@ def _output_kernel(
     i_v = tl.program_id(2)
     hv = i_bh % HV
     hk = hv // GROUP
-    n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
+    n, it, bos, seqlen, chunk = _chunk_coords(slot, i_bh, HV, CU, CHUNK_INFO, T, NT, VARLEN)
     if n < 0:
         return
-    if not VARLEN:
-        bos = (i_bh // HV).to(tl.int64) * T
-        it = slot
-        chunk = (i_bh // HV).to(tl.int64) * NT + slot
-    else:
-        chunk = slot.to(tl.int64)
     t0 = it * 64
     row0 = bos + t0
     o_c = tl.arange(0, 64)
@@ -549,15 +540,9 @@ def _grads_kernel(
     i_bh = tl.program_id(1)
     hv = i_bh % HV
     hk = hv // GROUP
-    n, it, bos, seqlen = _chunk_coords(slot, CU, CHUNK_INFO, T, NT, VARLEN)
+    n, it, bos, seqlen, chunk = _chunk_coords(slot, i_bh, HV, CU, CHUNK_INFO, T, NT, VARLEN)
     if n < 0:
         return
-    if not VARLEN:
-        bos = (i_bh // HV).to(tl.int64) * T
-        it = slot
-        chunk = (i_bh // HV).to(tl.int64) * NT + slot
-    else:
-        chunk = slot.to(tl.int64)
     t0 = it * 64
     row0 = bos + t0
     o_c = tl.arange(0, 64)
