@@ -15,6 +15,9 @@ Configurations, in the same run, same weights and batches:
   hf    transformers 5.22.2 stock: experts_implementation="grouped_mm", sdpa attention, HF losses
   ours  hubfuse.KernelConfig(presets.kernel_mapping(family)) + presets.enable_losses (fused linear cross-entropy
         through lm_head, fused aux loss with its statistics reduced over all ranks)
+  ours_fsdp  ours, always sharded the hubfuse way (below) whatever --sharding says: next to the transformers-
+        sharded rows in one run (with dp 1, fully_shard_model leaves the experts out of FSDP). Its one-GPU
+        reference is ours'.
 
 Sharding (`--sharding`, several GPUs):
   transformers (default)  from_pretrained(distributed_config=DistributedConfig(fsdp_size=N, ep_size=--ep,
@@ -73,6 +76,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -87,7 +91,7 @@ for p in (ROOT / "scripts", ROOT / "torch-ext", ROOT):
 MODELS = {"qwen3_30b_a3b": ("qwen3_30b_a3b", "qwen3_moe", "Qwen3-30B-A3B widths"),
           "qwen3_5_moe": ("qwen3_5_moe", "qwen3_5_moe", "Qwen3.5-MoE widths (256 experts + shared, Gated DeltaNet)")}
 REVISION = "v1"
-CONFIGS = ("hf", "ours")
+CONFIGS = ("hf", "ours", "ours_fsdp")  # ours_fsdp: our kernels, sharded by hubfuse whatever --sharding says
 FSDP_MODES = ("default", "prefetch2", "noreshard")
 EP_DISPATCH = {"fixed": 1, "fixed2": 2, "sized": None}  # --ep-dispatch -> chunks of the fixed-capacity exchange
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "H20": 148.0, "B200": 2250.0, "A100": 312.0}
@@ -197,7 +201,7 @@ def local_kernels(d: Dist, repos) -> None:
     utils.register_local_kernels(*repos)
 
 
-def load(config: str, path: Path, args, d: Dist, cfg):
+def load(config: str, path: Path, args, d: Dist, cfg, units: int = 1):
     """(model, how it is sharded) for one configuration."""
     import bench
     import torch
@@ -212,7 +216,7 @@ def load(config: str, path: Path, args, d: Dist, cfg):
         kw["experts_implementation"] = "grouped_mm"
     else:
         kw.update(use_kernels=True, kernel_config=KernelConfig(presets.kernel_mapping(family, revision=REVISION)))
-    tf_sharded = d.world > 1 and args.sharding == "transformers"
+    tf_sharded = d.world > 1 and args.sharding == "transformers" and config != "ours_fsdp"
     if tf_sharded:
         from transformers.distributed import DistributedConfig
 
@@ -224,7 +228,7 @@ def load(config: str, path: Path, args, d: Dist, cfg):
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    if config == "ours":
+    if config != "hf":
         presets.enable_losses(model, family, revision=REVISION,
                               aux_loss_group=dist.group.WORLD if d.world > 1 else None)
     if d.world == 1:
@@ -236,14 +240,16 @@ def load(config: str, path: Path, args, d: Dist, cfg):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if config == "ours" and args.ep > 1:
+    if config != "hf" and args.ep > 1:
         mesh = init_device_mesh(d.device.type, (d.world // args.ep, args.ep), mesh_dim_names=("dp", "ep"))
         moe_kernel().shard_experts(model, mesh["ep"])
         how = f"hubfuse: shard_experts ep {args.ep} + fully_shard_model (dp {d.world // args.ep} x ep {args.ep})"
     else:
         mesh = init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("dp",))
         how = f"hubfuse: fully_shard_model over {d.world} ranks (no EP)"
-    distributed.fully_shard_model(model, mesh, mp_policy=mp)
+    distributed.fully_shard_model(model, mesh, mp_policy=mp, layers_per_unit=units)
+    if units > 1:
+        how += f", {units} layers per FSDP unit"
     return model, how
 
 
@@ -276,12 +282,12 @@ def variants(config: str, args, d: Dist) -> list[tuple[str, str | None]]:
     """(FSDP mode, EP dispatch or None) of every row measured on one loaded model."""
     if d.world == 1:
         return [("default", None)]
-    dispatch = args.ep_dispatch if config == "ours" and args.ep > 1 else [None]
+    dispatch = args.ep_dispatch if config != "hf" and args.ep > 1 else [None]
     return [(mode, ep) for ep in dispatch for mode in args.fsdp]
 
 
-def variant_name(config: str, mode: str, dispatch: str | None) -> str:
-    tags = [t for t in (dispatch, None if mode == "default" else mode) if t]
+def variant_name(config: str, mode: str, dispatch: str | None, units: int = 1) -> str:
+    tags = [t for t in (dispatch, None if mode == "default" else mode, f"u{units}" if units > 1 else None) if t]
     return config + (f"[{','.join(tags)}]" if tags else "")
 
 
@@ -313,13 +319,13 @@ def set_ep_dispatch(model, dispatch: str | None, args) -> None:
 
 # ----------------------------------------------------------------------------------------------- one row
 
-def run_one(config: str, path: Path, batches, args, d: Dist, cfg, record) -> None:
+def run_one(config: str, path: Path, batches, args, d: Dist, cfg, record, units: int = 1) -> None:
     """run_config; in a process on its own an exception (an OOM) becomes the row and the run goes on (with
     several ranks it cannot: the others would wait in a collective)."""
     import torch
 
     try:
-        run_config(config, path, batches, args, d, cfg, record)
+        run_config(config, path, batches, args, d, cfg, record, units)
     except Exception as e:
         if d.world > 1:
             raise
@@ -394,20 +400,20 @@ def nvidia_smi_apps() -> list:
         return [f"nvidia-smi: {type(e).__name__}: {e}"]
 
 
-def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> None:
+def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record, units: int = 1) -> None:
     """Load one configuration, then measure each of its variants (one row each) on the same model."""
     import gc
 
     import torch
 
     t0 = time.time()
-    model, how = load(config, path, args, d, cfg)
+    model, how = load(config, path, args, d, cfg, units)
     load_s = round(time.time() - t0, 1)
-    kernels = bound_kernels(model) if config == "ours" else None
+    kernels = bound_kernels(model) if config != "hf" else None
     cuda = d.device.type == "cuda"
     opt = torch.optim.AdamW(param_groups(model), lr=1e-5, weight_decay=0.01, fused=cuda)
     for mode, dispatch in variants(config, args, d):
-        name = variant_name(config, mode, dispatch)
+        name = variant_name(config, mode, dispatch, units)
         row = dict(config=config, row=name, fsdp=mode, ep_dispatch=dispatch, gpus=d.world,
                    ep=args.ep if d.world > 1 else 1, layers=args.layers, seq=args.seq, batch=args.batch,
                    tokens_per_gpu_step=args.batch * args.seq, sharding=how, load_s=load_s,
@@ -460,8 +466,14 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
                                               step_ms=round(statistics.median(times) * 1e3, 1), **allocs)))
             if not all(math.isfinite(x) for x in losses):
                 row.update(status="error", note=f"non-finite loss {losses}")
+            if args.back_to_back:
+                row.update(back_to_back(model, opt, batches[args.warmup:] or batches, args, d, row))
+            if config != "hf":
+                row["expert_load"] = expert_load(model, batches[0], args, d)
             if args.profile:
-                row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d)
+                safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")  # plain file names: ours[fixed] -> ours_fixed
+                trace = Path(args.trace) / f"trace_{safe}_{d.world}gpu_rank{d.rank}.json.gz" if args.trace else None
+                row["profile"] = profile(lambda: train_step(model, opt, batches[0]), args.profile, d, trace)
         finally:
             gc.enable()
         record(row, d)
@@ -470,6 +482,56 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record) -> 
     if cuda:
         torch.cuda.empty_cache()
     d.barrier()
+
+
+def back_to_back(model, opt, batches, args, d: Dist, row) -> dict:
+    """--back-to-back: args.steps more steps with no synchronisation between them (the host may run ahead across
+    step boundaries, as in a loop that reads the loss every N steps); one synchronize at the end. The rate over
+    the whole run, the slowest rank's."""
+    import torch
+
+    cuda = d.device.type == "cuda"
+    d.barrier()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        train_step(model, opt, batches[i % len(batches)])
+    if cuda:
+        torch.cuda.synchronize()
+    step_s = d.reduce((time.perf_counter() - start) / args.steps, "max")
+    return dict(b2b_step_ms=round(step_s * 1e3, 1), b2b_tokens_per_s_per_gpu=round(row["tokens_per_gpu_step"] / step_s, 1))
+
+
+def expert_load(model, batch, args, d: Dist) -> dict | None:
+    """Routed slots that each EP rank's experts get, per MoE layer, summed over every rank's tokens, from one extra
+    forward (no grad) of the first batch: max / mean over the EP ranks per layer. Every layer's exchanges wait
+    for the slowest rank, so an uneven routing (a fresh router) is a straggler of its own."""
+    import torch
+    import torch.distributed as dist
+
+    modules = [m for _, m in moe_kernel().expert_parallel.expert_modules(model)]
+    if d.world == 1 or args.ep <= 1 or not modules:
+        return None
+    counts = []
+
+    def count(module, inputs, kwargs):
+        index = inputs[1] if len(inputs) > 1 else kwargs["top_k_index"]
+        per_rank = module.gate_up_proj.shape[0] // args.ep  # global shape: DTensor
+        ranks = torch.div(index.reshape(-1).long(), per_rank, rounding_mode="floor").clamp(0, args.ep)
+        counts.append(torch.bincount(ranks, minlength=args.ep + 1)[:args.ep].float())
+
+    handles = [m.register_forward_pre_hook(count, with_kwargs=True) for m in modules]
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    load = torch.stack(counts)  # (MoE layers, ep): this rank's tokens' slots per destination rank
+    dist.all_reduce(load)
+    ratio = (load.max(1).values / load.mean(1)).tolist()
+    return dict(max_over_mean=[round(x, 3) for x in ratio], mean=round(sum(ratio) / len(ratio), 3))
 
 
 def one_gpu_reference(rows, meta, args) -> dict:
@@ -483,6 +545,11 @@ def one_gpu_reference(rows, meta, args) -> dict:
                if r.get("status") == "ok" and r.get("gpus", 1) == 1 and same}
         meta["reference"] = dict(path=args.reference, matched=same)
     return ref
+
+
+def _one_gpu_config(config: str) -> str:
+    """The one-GPU row a configuration scales from (ours_fsdp differs from ours only in the sharding)."""
+    return "ours" if config == "ours_fsdp" else config
 
 
 def tag_of(args, d: Dist) -> str:
@@ -502,7 +569,7 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
         hf = hf_tps.get(r["gpus"])
         r["x_hf"] = round(r["tokens_per_s_per_gpu"] / hf, 2) if hf else None
         r["scaling_efficiency"] = 1.0 if r["gpus"] == 1 else (
-            round(r["tokens_per_s_per_gpu"] / ref[r["config"]], 3) if r["config"] in ref else None)
+            round(r["tokens_per_s_per_gpu"] / ref[one], 3) if (one := _one_gpu_config(r["config"])) in ref else None)
     lines = [f"{MODELS[args.model][2]}, {args.layers} layers, {meta['device']} x {d.world}, "
              f"{args.batch} x {args.seq} tokens per GPU per step, bf16 weights and AdamW states"
              f"{', activation checkpointing per layer' if args.activation_checkpointing else ''}, median of "
@@ -523,7 +590,25 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
                      f"{f(r.get('peak_mem_GiB_per_gpu'), '.1f')} | {f(r.get('scaling_efficiency'), '.2f')} | "
                      f"{f(r.get('step_ms_median'), '.0f')} | {f(r.get('loss_step1'), '.3f')} | "
                      f"{f(r.get('loss_last'), '.3f')} | {r.get('note') or r.get('sharding', '')} |")
+    b2b = [r for r in rows if r.get("b2b_step_ms")]
+    if b2b:
+        ref_b2b = {r["config"]: r["b2b_tokens_per_s_per_gpu"] for r in b2b if r["gpus"] == 1}
+        lines += ["", f"Back to back (--back-to-back: {args.steps} more steps with one synchronize at the end; the host "
+                      "may run ahead across steps; scaling against the one-GPU row measured so):", "",
+                  "| config | GPUs | tok/s/GPU | step ms | scaling eff. |", "| --- | ---: | ---: | ---: | ---: |"]
+        for r in b2b:
+            one = ref_b2b.get(_one_gpu_config(r["config"]))
+            eff = 1.0 if r["gpus"] == 1 else (round(r["b2b_tokens_per_s_per_gpu"] / one, 3) if one else None)
+            r["b2b_scaling_efficiency"] = eff
+            lines.append(f"| {r['row']} | {r['gpus']} | {r['b2b_tokens_per_s_per_gpu']:.0f} | {r['b2b_step_ms']:.1f} | "
+                         f"{f(eff, '.2f')} |")
     lines += per_rank_lines(rows)
+    loads = [r for r in rows if r.get("expert_load")]
+    if loads:
+        lines += ["", "Expert load (one extra forward of the first batch: routed slots per EP rank, summed over every "
+                      "rank's tokens; max / mean over the EP ranks, per MoE layer, and its mean over the layers):", ""]
+        lines += [f"- {r['row']} x {r['gpus']}: mean {r['expert_load']['mean']:.3f}; per layer "
+                  + ", ".join(f"{x:.2f}" for x in r["expert_load"]["max_over_mean"]) for r in loads]
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
         lines += ["", f"Profile (torch.profiler, {args.profile} step(s) per row after the measured ones; ms per step "
@@ -541,6 +626,16 @@ def finish(rows, meta, args, d: Dist) -> list[str]:
                              f"({prof['host_sync_ms']:.1f}) | "
                              + "; ".join(f"{site} x{n}" for site, n in list(prof.get("host_sync_sites", {}).items())[:2])
                              + " |")
+    for r in profiled:
+        top = r["profile"][0].get("top_kernels")
+        if top:
+            lines += ["", f"{r['row']} x {r['gpus']}, rank 0: compute kernels with the most GPU time (ms per step, "
+                          "calls per step); all-to-all calls per step, median and min ms: "
+                          + ", ".join(f"{k} {r['profile'][0][k]['calls']:.0f} x {r['profile'][0][k]['median_ms']:.2f}"
+                                      f" (min {r['profile'][0][k]['min_ms']:.2f})" for k in COMM_KINDS
+                                      if r["profile"][0][k].get("calls")), "",
+                      "| kernel | ms | calls |", "| --- | ---: | ---: |"]
+            lines += [f"| `{name}` | {ms:.2f} | {calls:.0f} |" for name, ms, calls in top]
     if d.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -662,12 +757,29 @@ def summarize_trace(trace: dict, steps: int) -> dict:
                host_sync_sites=dict(sorted(sites.items(), key=lambda kv: -kv[1])))
     for kind, ivs in comm.items():
         u = _union(ivs)
-        out[kind] = dict(busy_ms=_length(u) / steps / 1e3, exposed_ms=(_length(u) - _overlap(u, busy)) / steps / 1e3)
+        durs = sorted(b - a for a, b in ivs)
+        out[kind] = dict(busy_ms=_length(u) / steps / 1e3, exposed_ms=(_length(u) - _overlap(u, busy)) / steps / 1e3,
+                         calls=len(ivs) / steps, median_ms=durs[len(durs) // 2] / 1e3 if durs else 0.0,
+                         min_ms=durs[0] / 1e3 if durs else 0.0)
+    out["top_kernels"] = _top_kernels(trace, steps)
     return out
 
 
-def profile(step, steps: int, d: Dist) -> list[dict]:
-    """`steps` calls of `step` under torch.profiler on every rank; every rank's summary (gathered), rank order."""
+def _top_kernels(trace: dict, steps: int, n: int = 15) -> list[list]:
+    """The n compute kernels with the most GPU time: [name (first 90 chars), ms per step, calls per step]."""
+    total: dict[str, list] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "kernel" and e.get("dur") is not None and _comm_kind(e.get("name", "")) is None:
+            t = total.setdefault(e["name"][:90], [0.0, 0])
+            t[0] += float(e["dur"])
+            t[1] += 1
+    top = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [[name, round(us / steps / 1e3, 3), c / steps] for name, (us, c) in top]
+
+
+def profile(step, steps: int, d: Dist, trace: Path | None = None) -> list[dict]:
+    """`steps` calls of `step` under torch.profiler on every rank; every rank's summary (gathered), rank order.
+    trace: also write this rank's chrome trace there (gzip)."""
     import tempfile
 
     import torch
@@ -688,7 +800,14 @@ def profile(step, steps: int, d: Dist) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        summary = summarize_trace(json.loads(path.read_text()), steps)
+        text = path.read_text()
+        summary = summarize_trace(json.loads(text), steps)
+        if trace is not None:
+            import gzip
+
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            with gzip.open(trace, "wt") as f:
+                f.write(text)
     summary["rank"] = d.rank
     if d.world == 1:
         return [summary]
@@ -717,6 +836,13 @@ def main(argv=None) -> int:
                         "chunks with the experts (all-to-alls under the expert GEMMs), sized = host-read split sizes")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="N steps under torch.profiler after every row's measured steps (per-rank breakdown)")
+    p.add_argument("--layers-per-unit", type=int, nargs="+", default=[1], metavar="N",
+                   help="hubfuse-sharded rows (ours_fsdp, --sharding hubfuse): decoder layers per FSDP unit "
+                        "(fully_shard_model(layers_per_unit=N)), one loaded model and row set per N (tag uN)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="after the measured steps, as many more with no synchronisation between them (a table of its own)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: each rank's chrome trace of every profiled row, gzipped, into DIR")
     p.add_argument("--one-gpu-reference", nargs="?", const="last", choices=("first", "last"), default=None,
                    help="several GPUs: rank 0 also runs the configs alone on its GPU (the others wait at a barrier), "
                         "for the scaling efficiency (the model must fit one GPU); last (the default) after the "
@@ -810,7 +936,7 @@ def main(argv=None) -> int:
 
         def one_gpu_rows():
             if d.rank == 0:  # alone on its GPU: no collective until the barrier below
-                for config in args.configs:
+                for config in dict.fromkeys(_one_gpu_config(c) for c in args.configs):
                     run_one(config, model_dir, batches, args, Dist.alone(d), cfg, record)
             d.barrier()  # the other ranks wait here meanwhile
 
@@ -818,7 +944,9 @@ def main(argv=None) -> int:
         if reference == "first":
             one_gpu_rows()
         for config in args.configs:
-            run_one(config, model_dir, batches, args, d, cfg, record)
+            hubfuse_sharded = d.world > 1 and (config == "ours_fsdp" or args.sharding == "hubfuse")
+            for units in (args.layers_per_unit if hubfuse_sharded else [1]):
+                run_one(config, model_dir, batches, args, d, cfg, record, units)
         if reference == "last":
             one_gpu_rows()
         if d.rank == 0:

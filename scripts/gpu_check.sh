@@ -28,12 +28,17 @@
 #   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
 #                                                    NPROC=1 (default) the --single-gpu proxy, NPROC=N torchrun
 #   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
-#                                                    its own timeout (T_SLICE8 180, T_QWEN35 160, T_DEEP 130 s) within
-#                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours with
-#                                                    the fixed, the 2-chunk pipelined fixed and the sized EP
-#                                                    exchange, each with FSDP's default and noreshard, then the
-#                                                    1-GPU reference, every row profiled), qwen35 (Qwen3.5-MoE, 8
-#                                                    layers), deep (48 layers, AC; 24 if 48 fails), titan
+#                                                    its own timeout (T_SLICE8 200, T_QWEN35 160, T_DEEP 200 s) within
+#                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours
+#                                                    sharded by transformers and by hubfuse (ours_fsdp, with 1 and
+#                                                    8 decoder layers per FSDP unit), then the
+#                                                    1-GPU reference, every row profiled and also timed back to
+#                                                    back (--back-to-back), traces in
+#                                                    $OUT/traces; SLICE8_ARGS adds bench args, e.g. --ep-dispatch
+#                                                    fixed fixed2 --fsdp default prefetch2), qwen35 (Qwen3.5-MoE,
+#                                                    8 layers, the same three configs), deep (48 layers: hubfuse
+#                                                    sharding above 100 GB a GPU, else transformers' with
+#                                                    per-layer AC), titan
 #                                                    (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can);
 #                                                    ep, only when named (T_EP 200 s): the NCCL test of the chunked
 #                                                    EP exchange, one layer's experts timed by chunk count
@@ -178,16 +183,22 @@ case "$step" in
     }
     for part in $parts; do
       case "$part" in
-        slice8) run_part slice8 "${T_SLICE8:-180}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
-                  --steps 4 --warmup 2 --ep-dispatch fixed fixed2 sized --fsdp default noreshard || status=1 ;;
+        slice8) run_part slice8 "${T_SLICE8:-200}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
+                  --trace "$OUT/traces" --back-to-back --layers-per-unit 1 8 --steps 8 --warmup 3 \
+                  --configs hf ours ours_fsdp ${SLICE8_ARGS:-} \
+                  || status=1 ;;
         ep)     run_part ep "${T_EP:-200}" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_distributed.py \
                   -k pipelined_exchange_nccl || status=1 ;;
         qwen35) run_part qwen35 "${T_QWEN35:-160}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
-                  --warmup 2 --profile 1 || status=1 ;;
-        deep)   run_part deep48 "${T_DEEP:-130}" "${bench[@]}" --layers 48 --activation-checkpointing --configs ours \
-                  --steps 2 --warmup 1 \
-                  || run_part deep24 "${T_DEEP:-130}" "${bench[@]}" --layers 24 --activation-checkpointing \
-                  --configs ours --steps 2 --warmup 1 || status=1 ;;
+                  --warmup 2 --profile 1 --configs hf ours ours_fsdp || status=1 ;;
+        deep)   # within 141 GB (H200): 48 layers sharded by hubfuse (each GPU loads the whole model first), no
+          # recompute; within 80 GB: transformers' sharding (each rank reads its shard) and per-layer checkpointing
+          if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
+            run_part deep48 "${T_DEEP:-200}" "${bench[@]}" --layers 48 --configs ours_fsdp --steps 3 --warmup 1
+          else
+            false
+          fi || run_part deep48ac "${T_DEEP:-200}" "${bench[@]}" --layers 48 --activation-checkpointing \
+            --configs ours --steps 2 --warmup 1 || status=1 ;;
         titan)
           if ls .whl/titan/*.whl >/dev/null 2>&1; then
             [ -f /tmp/site_titan/.hubfuse_wheels ] || { python3 -m pip install -q --no-index --no-deps --no-compile \

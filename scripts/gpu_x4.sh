@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The check on a 4-GPU machine (device tool kinds nvidia-h100-x4 / nvidia-h200-x4): two calls on one warm machine.
-#   bash scripts/gpu_x4.sh scale    FSDP2 + expert parallelism on all four GPUs (gpu_check.sh scale)
+#   bash scripts/gpu_x4.sh scale [part ...]   FSDP2 + expert parallelism on all four GPUs (gpu_check.sh scale)
+#   bash scripts/gpu_x4.sh ab [args]          scripts/bench_distributed.py on all four GPUs with the same args,
+#                                             OLD_TREE first, then this tree (same machine, one after the other)
 #   bash scripts/gpu_x4.sh single   four one-GPU jobs side by side, one per GPU, each comparing its configurations
 #                                   on its own GPU: the dense step (gpu_check.sh dense), the GPU tests, the bitwise
 #                                   A/B against OLD_TREE then the gated-delta-net op case, the Qwen3.5-MoE step
@@ -16,7 +18,14 @@ step="${1:-single}"
 work="/tmp/x4_$step"; rm -rf "$work"; mkdir -p "$work"
 case "$step" in
   scale)
-    OUT="$work" NPROC=4 bash scripts/gpu_check.sh scale; status=$? ;;
+    shift; OUT="$work" NPROC=4 bash scripts/gpu_check.sh scale "$@"; status=$? ;;
+  ab)
+    shift; old="${OLD_TREE:-.old}"; status=0
+    [ -e "$old/.whl" ] || ln -s "$PWD/.whl" "$old/.whl"
+    for tree in "$old" .; do
+      name=$([ "$tree" = . ] && echo new || echo old); echo "=== $name ($tree): bench_distributed.py $*"
+      ( cd "$tree" && OUT="$work/$name" NPROC=4 NCCL_NVLS_ENABLE=0 bash scripts/gpu_check.sh dist "$@" ) || status=1
+    done ;;
   single)
     job() {  # gpu name command...: the job's output in $work/<name>.log, its files in $work/<name>/
       local gpu="$1" name="$2"; shift 2
@@ -33,7 +42,7 @@ case "$step" in
     for name in tests ab qwen35 dense; do
       echo "=== $name"; grep -vE "^\s*$|warm-up|^\[.*\] step" "$work/$name.log" | tail -n 30
     done ;;
-  *) echo "gpu_x4.sh: unknown step '$step' (scale, single)" >&2; exit 2 ;;
+  *) echo "gpu_x4.sh: unknown step '$step' (scale, ab, single)" >&2; exit 2 ;;
 esac
 tar czf "$OUT/x4_$step.tgz" -C "$work" .
 exit "$status"

@@ -55,7 +55,7 @@ def test_bench_distributed_smoke(tmp_path):
                TRITON_INTERPRET="0")  # the kernels' torch path: the script, not the kernels, is under test
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), "--smoke", "--steps", "1",
            "--out", str(tmp_path), "--model-dir", str(tmp_path / "models"), "--one-gpu-reference",
-           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1"]
+           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1", "--trace", str(tmp_path / "traces"), "--back-to-back", "--layers-per-unit", "1", "2"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
@@ -69,8 +69,11 @@ def test_bench_distributed_smoke(tmp_path):
         assert p.returncode == 0, log[-4000:]
     data = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.json").read_text())
     rows = {(r["gpus"], r["config"]): r for r in data["results"]}
-    assert set(rows) == {(g, c) for g in (1, 2) for c in ("hf", "ours")}
-    assert [r["gpus"] for r in data["results"]] == [2, 2, 1, 1]  # the one-GPU reference after the 2-GPU rows
+    assert set(rows) == {(g, c) for g in (1, 2) for c in ("hf", "ours")} | {(2, "ours_fsdp")}
+    assert [r["gpus"] for r in data["results"]] == [2, 2, 2, 2, 1, 1]  # the one-GPU reference after the 2-GPU rows
+    # --layers-per-unit 1 2: the hubfuse-sharded config once per value, its 2 layers in one FSDP unit (tag u2)
+    assert [r["row"] for r in data["results"] if r["config"] == "ours_fsdp"] == ["ours_fsdp[fixed]", "ours_fsdp[fixed,u2]"]
+    assert "2 layers per FSDP unit" in data["results"][3]["sharding"]
     for (gpus, config), r in rows.items():
         assert r["status"] == "ok", r
         for key in ("tokens_per_s_per_gpu", "step_ms_median", "loss_step1", "scaling_efficiency", "x_hf"):
@@ -79,8 +82,11 @@ def test_bench_distributed_smoke(tmp_path):
         for p in r["per_rank"]:
             assert 0 < p["enqueue_ms"] <= p["step_ms"] * 1.01, p
         if gpus == 2:
-            assert r["ep"] == 2 and "distributed_config" in r["sharding"]
-            want = round(r["tokens_per_s_per_gpu"] / rows[(1, config)]["tokens_per_s_per_gpu"], 3)
+            assert r["ep"] == 2
+            # --sharding transformers (the default), except ours_fsdp: shard_experts + fully_shard_model
+            assert ("distributed_config" in r["sharding"]) == (config != "ours_fsdp"), r["sharding"]
+            one = "ours" if config == "ours_fsdp" else config
+            want = round(r["tokens_per_s_per_gpu"] / rows[(1, one)]["tokens_per_s_per_gpu"], 3)
             assert r["scaling_efficiency"] == want, (r, want)
     assert "GroupedGemmExperts" in rows[(2, "ours")]["kernels"]
     assert abs(rows[(2, "ours")]["loss_step1"] - rows[(2, "hf")]["loss_step1"]) < 0.05
@@ -90,6 +96,19 @@ def test_bench_distributed_smoke(tmp_path):
     assert "| ours[fixed] | 2 | 1 |" in logs[0]  # the per-rank table: rank 1 of ours[fixed] on 2 ranks
     profile = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2_profile.json").read_text())
     assert [p["rank"] for p in profile["ours[fixed] x 2"]] == [0, 1]  # every rank's breakdown
+    # the expert load of every MoE layer (2 layers), max / mean over the 2 EP ranks in [1, 2]
+    load = rows[(2, "ours")]["expert_load"]
+    assert len(load["max_over_mean"]) == 2 and all(1.0 <= x <= 2.0 for x in load["max_over_mean"]), load
+    # --back-to-back: every row's rate over steps with no synchronisation between them, and its scaling
+    for (gpus, config), r in rows.items():
+        assert r["b2b_step_ms"] > 0 and r["b2b_tokens_per_s_per_gpu"] > 0, r
+        assert (r["b2b_scaling_efficiency"] == 1.0) == (gpus == 1) and r["b2b_scaling_efficiency"] > 0, r
+    assert "Back to back" in (tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.md").read_text()
+    # --trace: each rank's gzipped chrome trace of the profiled rows
+    assert sorted(p.name for p in (tmp_path / "traces").glob("trace_ours*")) == [
+        "trace_ours_1gpu_rank0.json.gz", "trace_ours_fixed_2gpu_rank0.json.gz", "trace_ours_fixed_2gpu_rank1.json.gz",
+        "trace_ours_fsdp_fixed_2gpu_rank0.json.gz", "trace_ours_fsdp_fixed_2gpu_rank1.json.gz",
+        "trace_ours_fsdp_fixed_u2_2gpu_rank0.json.gz", "trace_ours_fsdp_fixed_u2_2gpu_rank1.json.gz"]
 
 
 def _bench_module():
@@ -197,10 +216,15 @@ def test_bench_distributed_profile_breakdown():
     approx = pytest.approx
     # GPU busy: [0, 150] + [200, 230] + [235, 240] of a 240 us span
     assert (got["span_ms"], got["compute_ms"], got["idle_ms"]) == approx((0.12, 0.0525, 0.0275))
-    assert got["all_gather"] == dict(busy_ms=approx(0.05), exposed_ms=approx(0.025))  # half under the GEMM
-    assert got["all_to_all"] == dict(busy_ms=approx(0.015), exposed_ms=approx(0.015))
-    assert got["reduce_scatter"] == dict(busy_ms=approx(0.005), exposed_ms=approx(0.005))
-    assert got["all_reduce"] == dict(busy_ms=0.0, exposed_ms=0.0)
+    # busy / exposed per step; calls per step, median and min duration of one call
+    assert got["all_gather"] == dict(busy_ms=approx(0.05), exposed_ms=approx(0.025),  # half under the GEMM
+                                     calls=0.5, median_ms=approx(0.1), min_ms=approx(0.1))
+    assert got["all_to_all"] == dict(busy_ms=approx(0.015), exposed_ms=approx(0.015), calls=0.5,
+                                     median_ms=approx(0.03), min_ms=approx(0.03))
+    assert got["reduce_scatter"] == dict(busy_ms=approx(0.005), exposed_ms=approx(0.005), calls=0.5,
+                                         median_ms=approx(0.01), min_ms=approx(0.01))
+    assert got["all_reduce"] == dict(busy_ms=0.0, exposed_ms=0.0, calls=0.0, median_ms=0.0, min_ms=0.0)
+    assert got["top_kernels"] == [["gemm", approx(0.05), 0.5]]  # compute kernels only (memcpy is not a kernel)
     assert (got["host_syncs"], got["host_sync_ms"]) == approx((1.0, 0.021))
     # the CPU ops around each sync, outermost first (a sync outside every op has none)
     assert got["host_sync_sites"] == {"route > aten::tolist > aten::_local_scalar_dense": 1, "(no CPU op)": 1}

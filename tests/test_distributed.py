@@ -8,12 +8,13 @@ first-step gradients the full (gathered) gradients of the sharded run, within fp
 
 - 2 processes: FSDP2 alone over Qwen3 / Qwen3-MoE / Qwen3.5-MoE (per-decoder-layer + root, a MixedPrecisionPolicy
   in fp32); EP alone over Qwen3-MoE (2 of 4 experts per rank, no FSDP: dense gradients averaged by hand); EP over
-  both ranks + FSDP2 (dp 1 x ep 2) over Qwen3.5-MoE; transformers' own `distributed_config` (fsdp 2, ep 2, with
-  `fix_single_rank_expert_reduction`) over Qwen3-MoE.
+  both ranks + FSDP2 (dp 1 x ep 2: the experts out of FSDP) over Qwen3.5-MoE, also with each rank's rows packed
+  into one row (`PACKED`: positions restarting, cu_seq_lens) against the reference's unpacked rows;
+  transformers' own `distributed_config` (fsdp 2, ep 2, with `fix_single_rank_expert_reduction`) over Qwen3-MoE.
 - 4 processes: dp2 x ep2 (`moe.shard_experts` on mesh["ep"], `hubfuse.distributed.fully_shard_model` on the
   2-D mesh) over Qwen3-MoE and Qwen3.5-MoE; transformers' own `distributed_config` (fsdp 4, ep 2) over Qwen3-MoE,
-  with our kernels (their EP forward) instead of its dispatch. After the Qwen3.5-MoE and the transformers runs,
-  checkpoint round trips: `hubfuse.distributed.save_pretrained` writes a checkpoint that plain `from_pretrained`
+  with our kernels (their EP forward) instead of its dispatch. After the Qwen3.5-MoE runs (dp2 x ep2, and dp1 x
+  ep2 with 2 processes) and the transformers run, checkpoint round trips: `hubfuse.distributed.save_pretrained` writes a checkpoint that plain `from_pretrained`
   loads with the same weights; (Qwen3.5-MoE) a torch.distributed.checkpoint (DCP) save loads back into a freshly
   sharded model.
 - Both: the EP exchange on raw tensors against `moe_experts` (routing edge cases; sized and fixed-capacity
@@ -60,20 +61,45 @@ SCENARIOS = {
     "fsdp2_qwen3_5_moe": ("qwen3_5_moe", 2, 1, "fsdp"),
     "ep_qwen3_moe": ("qwen3_moe", 2, 2, "none"),
     "fsdp2_ep_qwen3_5_moe_ep2": ("qwen3_5_moe", 2, 2, "fsdp"),
+    "fsdp2_ep_qwen3_5_moe_ep2_packed": ("qwen3_5_moe", 2, 2, "fsdp"),
+    "fsdp2_ep_qwen3_moe_ep2_units2": ("qwen3_moe", 2, 2, "fsdp"),
     "transformers_fsdp2_ep2_qwen3_moe": ("qwen3_moe", 2, 2, "transformers"),
     "fsdp2_ep_qwen3_moe": ("qwen3_moe", 4, 2, "fsdp"),
     "fsdp2_ep_qwen3_5_moe": ("qwen3_5_moe", 4, 2, "fsdp"),
     "transformers_fsdp2_ep_qwen3_moe": ("qwen3_moe", 4, 2, "transformers"),
 }
 # the checkpoint round trips run after these (EP experts + a fused shared expert; transformers' sharding)
-CHECKPOINT_SCENARIOS = {"fsdp2_ep_qwen3_5_moe": ("hf", "dcp"), "transformers_fsdp2_ep_qwen3_moe": ("hf",)}
+CHECKPOINT_SCENARIOS = {"fsdp2_ep_qwen3_5_moe": ("hf", "dcp"), "fsdp2_ep_qwen3_5_moe_ep2": ("hf", "dcp"),
+                        "transformers_fsdp2_ep_qwen3_moe": ("hf",)}
 # Scenarios whose kernels run as Triton under the interpreter; the others take the kernels' torch reference path
 # (TRITON_INTERPRET=0: same ops, dispatch and sharding code, ~5x less time on the CI's 2 cores). The kernels'
 # numerics are the kernel and model tests' business; here the sharding and the exchanges are under test.
 INTERPRETED = {"fsdp2_qwen3", "fsdp2_ep_qwen3_moe"}
 # Scenarios whose experts use the sync-free fixed-capacity exchange (moe.set_capacity, capacity = the micro-batch's
 # tokens), name -> its pipeline's chunks (set_capacity(chunks=)); the other EP scenarios use the sized one
-FIXED_CAPACITY = {"fsdp2_ep_qwen3_5_moe_ep2": 2, "transformers_fsdp2_ep_qwen3_moe": 1}
+FIXED_CAPACITY = {"fsdp2_ep_qwen3_5_moe_ep2": 2, "fsdp2_ep_qwen3_5_moe_ep2_packed": 1,
+                  "transformers_fsdp2_ep_qwen3_moe": 1}
+# Scenarios whose ranks feed each micro-batch's rows as one packed row (transformers' packing kwargs), against the
+# reference's unpacked rows: the Gated DeltaNet layers keep the documents apart by cu_seq_lens, the attention
+# layers by the restarting positions, the exchange is per token
+PACKED = {"fsdp2_ep_qwen3_5_moe_ep2_packed"}
+# Scenarios whose decoder layers go to fully_shard_model in FSDP units of several layers (layers_per_unit)
+LAYERS_PER_UNIT = {"fsdp2_ep_qwen3_moe_ep2_units2": 2}
+
+
+def _packed(micro: dict) -> dict:
+    """A (rows, seq) micro-batch as one packed row: positions restarting per document, cu_seq_lens, and no target
+    across documents (the label of each later document's first token ignored): the targets of the rows."""
+    import torch
+
+    ids = micro["input_ids"]
+    rows, seq = ids.shape
+    labels = micro["labels"].clone()
+    labels[1:, 0] = -100
+    cu = torch.arange(rows + 1, dtype=torch.int32) * seq
+    return dict(input_ids=ids.reshape(1, -1), labels=labels.reshape(1, -1),
+                position_ids=torch.arange(seq).repeat(rows)[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                max_length_q=seq, max_length_k=seq)
 
 
 def _model_overrides(family: str) -> dict:
@@ -123,7 +149,8 @@ def _average_grads(model, world: int) -> None:
             p.grad.div_(world)
 
 
-def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int | None = None, chunks: int = 1):
+def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int | None = None, chunks: int = 1,
+           layers_per_unit: int = 1):
     import torch
     import torch.distributed as dist
     from kernels import get_kernel
@@ -156,7 +183,8 @@ def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     if sharding == "fsdp":
         distributed.fully_shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
-                                                                                  reduce_dtype=torch.float32))
+                                                                                  reduce_dtype=torch.float32),
+                                      layers_per_unit=layers_per_unit)
     return model, local_rows
 
 
@@ -214,10 +242,16 @@ def _steps(model, batches, rank: int, world: int, sharding: str):
 def _facts(model, local_rows) -> dict:
     from torch.distributed.tensor import DTensor
 
+    from torch.distributed.fsdp import FSDPModule
+
     bound = sorted({getattr(m.__dict__["forward"], "__func__", m.__dict__["forward"]).__qualname__.split(".")[0]
                     for name, m in model.named_modules() if name and "forward" in m.__dict__})
+    decoder_units = {id(m._get_fsdp_state()) for m in model.model.layers if isinstance(m, FSDPModule)}
     return {"bound": bound, "sharded": sum(isinstance(p, DTensor) for p in model.parameters()),
-            "params": sum(1 for _ in model.parameters()), "experts_local_rows": local_rows}
+            "params": sum(1 for _ in model.parameters()), "experts_local_rows": local_rows,
+            "experts_fsdp": [isinstance(m, FSDPModule) for name, m in model.named_modules()
+                             if name.endswith("mlp.experts")],
+            "decoder_units": len(decoder_units), "decoder_layers": len(model.model.layers)}
 
 
 def _bare_experts(gate_up_proj, down_proj):
@@ -427,6 +461,12 @@ def _configuration_errors(world: int) -> list[str]:
          "chunks=2 needs a fixed capacity"),
         ("chunks not an int (shard_experts)", lambda: moe.shard_experts(model, mesh["ep"], capacity=8, chunks="2"),
          TypeError, "chunks must be an int"),
+        ("layers_per_unit not an int", lambda: distributed.fully_shard_model(dense, mesh["ep"], layers_per_unit=2.0),
+         TypeError, "layers_per_unit must be an int"),
+        ("layers_per_unit a bool", lambda: distributed.fully_shard_model(dense, mesh["ep"], layers_per_unit=True),
+         TypeError, "layers_per_unit must be an int"),
+        ("layers_per_unit below 1", lambda: distributed.fully_shard_model(dense, mesh["ep"], layers_per_unit=0),
+         ValueError, "layers_per_unit must be >= 1"),
     ]
     problems = _unmet_errors(cases)
     moe.shard_experts(model, mesh["ep"])
@@ -512,9 +552,11 @@ def _worker(spec_file: str) -> None:
             t0 = time.time()
             os.environ["TRITON_INTERPRET"] = "1" if name in INTERPRETED else "0"  # read by the kernels at every call
             batches = torch.load(out_dir / f"batches_{family}.pt")
+            if name in PACKED:
+                batches = [[_packed(micro) for micro in step] for step in batches]
             model, local_rows = _build(family, path, world, ep, sharding,
                                        capacity=ROWS * SEQ if name in FIXED_CAPACITY else None,
-                                       chunks=FIXED_CAPACITY.get(name, 1))
+                                       chunks=FIXED_CAPACITY.get(name, 1), layers_per_unit=LAYERS_PER_UNIT.get(name, 1))
             facts = _facts(model, local_rows)
             losses, grads, head = _train(model, batches, rank, world, sharding)
             result = dict(facts, **head, losses=losses)
@@ -650,6 +692,12 @@ def _check_against_reference(name: str, run) -> list[dict]:
         if ep > 1 and sharding != "transformers":
             n = _num_experts(family)
             assert r["experts_local_rows"] and all(x == n // ep for x in r["experts_local_rows"]), r
+        if sharding == "fsdp":  # fully_shard_model: one FSDP unit per layers_per_unit decoder layers
+            per_unit = LAYERS_PER_UNIT.get(name, 1)
+            assert r["decoder_units"] == -(-r["decoder_layers"] // per_unit), r
+        if ep > 1 and sharding == "fsdp":
+            # fully_shard_model: one rank per expert (dp 1) leaves the experts out of FSDP, dp > 1 wraps them
+            assert r["experts_fsdp"] and set(r["experts_fsdp"]) == {world // ep > 1}, r["experts_fsdp"]
         if family != "qwen3":
             assert "GroupedGemmExperts" in r["bound"], r["bound"]
     return results
@@ -659,6 +707,25 @@ def _num_experts(family: str) -> int:
     from tests.utils import tiny_config
 
     return tiny_config(FAMILIES[family]).num_experts
+
+
+def test_experts_left_out_of_fsdp_only_when_fsdp_has_nothing_to_do():
+    """fully_shard_model's rule for EP experts with one rank each (dp 1): out of FSDP unless FSDP must cast their
+    parameters (a mixed-precision param dtype other than theirs) or offload them to the CPU."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    from hubfuse.distributed import _plain_experts_fit
+
+    experts = nn.Module()
+    experts.gate_up_proj = nn.Parameter(torch.randn(4, 6, 3, dtype=torch.bfloat16))
+    experts.down_proj = nn.Parameter(torch.randn(4, 3, 3, dtype=torch.bfloat16))
+    assert _plain_experts_fit(experts, None, None)
+    assert _plain_experts_fit(experts, MixedPrecisionPolicy(param_dtype=torch.bfloat16), OffloadPolicy())
+    assert _plain_experts_fit(experts, MixedPrecisionPolicy(reduce_dtype=torch.float32), None)
+    assert not _plain_experts_fit(experts, MixedPrecisionPolicy(param_dtype=torch.float32), None)
+    assert not _plain_experts_fit(experts, None, CPUOffloadPolicy())
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -699,21 +766,22 @@ def test_four_processes_dp2_ep2(four_ranks, name):
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINT_SCENARIOS))
-def test_checkpoint_round_trip(four_ranks, name):
-    """After training (dp2 x ep2 Qwen3.5-MoE; transformers-sharded Qwen3-MoE): the HF checkpoint written by
-    hubfuse.distributed.save_pretrained loads with plain from_pretrained to the same weights (original keys: the
-    experts per expert, the fused shared-expert MLP split back), and the DCP checkpoint loads back."""
+def test_checkpoint_round_trip(request, name):
+    """After training (dp2 x ep2 and dp1 x ep2 Qwen3.5-MoE, the latter's experts out of FSDP; transformers-sharded
+    Qwen3-MoE): the HF checkpoint written by hubfuse.distributed.save_pretrained loads with plain from_pretrained
+    to the same weights (original keys: the experts per expert, the fused shared-expert MLP split back), and the
+    DCP checkpoint loads back."""
     import torch
     from safetensors.torch import load_file
 
     from hubfuse import presets
     from tests.utils import load
 
-    out_dir, paths = four_ranks
-    family = SCENARIOS[name][0]
-    result = _results(out_dir, name, 4)[0]
+    family, world = SCENARIOS[name][:2]
+    out_dir, paths = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    result = _results(out_dir, name, world)[0]
     if "dcp" in CHECKPOINT_SCENARIOS[name]:
-        assert all(r["dcp_equal"] for r in _results(out_dir, name, 4)), \
+        assert all(r["dcp_equal"] for r in _results(out_dir, name, world)), \
             "DCP save -> load into a freshly sharded model changed the weights"
     hf_dir = Path(result["hf_dir"])
     config = json.loads((hf_dir / "config.json").read_text())

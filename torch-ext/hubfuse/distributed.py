@@ -56,20 +56,28 @@ def _flattened(mesh, dims: tuple[str, ...]):
 
 
 def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=None, offload_policy=None,
-                      reshard_after_forward: bool = True) -> nn.Module:
-    """FSDP2 over a (kernelized) causal LM: each decoder layer, then the root (embeddings, final norm and
-    `lm_head`; the fused loss calls `lm_head`, so it could also be a group of its own). Returns the model.
-    The mesh must cover every rank of the world (ValueError otherwise).
+                      reshard_after_forward: bool = True, layers_per_unit: int = 1) -> nn.Module:
+    """FSDP2 over a (kernelized) causal LM: each decoder layer (or each run of `layers_per_unit` consecutive
+    layers, one FSDP unit: fewer hooks and collectives a step, more parameters unsharded at once), then the root
+    (embeddings, final norm and `lm_head`; the fused loss calls `lm_head`, so it could also be a group of its
+    own). Returns the model. The mesh must cover every rank of the world (ValueError otherwise).
 
     mesh: a 1-D DeviceMesh: every parameter is sharded over all its ranks. Or a 2-D mesh with dims (dp, `ep_dim`)
     after `moe.shard_experts(model, mesh[ep_dim])`: the dense parameters are sharded over all dp x ep ranks (the
     flattened mesh); each expert-parallel experts module gets its own `fully_shard` over mesh[dp] (its dim-0
     slices further sharded: 2-D DTensors), with the gradient divide factor dp x ep, because its gradient is a
     sum over the EP group (moe.expert_parallel), reduced as a sum (`set_force_sum_reduction_for_comms`: gloo
-    has no pre-multiplied sum) when dp > 1. `mp_policy`, `offload_policy`, `reshard_after_forward` go to every layer's
-    `fully_shard` (the root keeps FSDP2's default).
+    has no pre-multiplied sum) when dp > 1. With dp = 1 (every expert on one rank) and no offload or dtype cast
+    for FSDP to do, the experts stay out of FSDP (`ignored_params`), their gradients divided by dp x ep by a
+    hook: a one-rank FSDP group would copy every expert weight and gradient at every step. `mp_policy`,
+    `offload_policy`, `reshard_after_forward` go to every layer's `fully_shard` (the root keeps FSDP2's default).
     """
     from torch.distributed.fsdp import fully_shard
+
+    if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int):
+        raise TypeError(f"fully_shard_model: layers_per_unit must be an int, got {type(layers_per_unit).__name__}")
+    if layers_per_unit < 1:
+        raise ValueError(f"fully_shard_model: layers_per_unit must be >= 1, got {layers_per_unit}")
 
     kw = {}
     if mp_policy is not None:
@@ -107,17 +115,46 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
         dense_mesh, expert_mesh = _flattened(mesh, names), mesh[dp_dim]
     else:
         raise ValueError(f"fully_shard_model: mesh must be 1-D (dp) or 2-D (dp, {ep_dim!r}), got {mesh.ndim}-D")
+    unwrapped = set()  # expert parameters left out of FSDP (one rank per expert: nothing to shard or reduce)
     for layer in layers:
         for _, module in _ep_experts(layer):
+            if expert_mesh.size() == 1 and _plain_experts_fit(module, mp_policy, offload_policy):
+                _average_gradients(module, float(mesh.size()))
+                unwrapped.update(module.parameters())
+                continue
             fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, **kw)
             module.set_gradient_divide_factor(float(mesh.size()))
             if expert_mesh.size() > 1:
                 # a plain sum, then the division (gloo has no pre-multiplied sum). Not with one rank per expert
                 # (dp 1): torch 2.13's FSDP2 then divides twice (its copy for a 1-rank group and the post-divide)
                 module.set_force_sum_reduction_for_comms(True)
-        fully_shard(layer, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **kw)
-    fully_shard(model, mesh=dense_mesh, **kw)
+    for first in range(0, len(layers), layers_per_unit):
+        unit = list(layers[first:first + layers_per_unit])
+        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=dense_mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params=unwrapped & {p for m in unit for p in m.parameters()}, **kw)
+    fully_shard(model, mesh=dense_mesh, ignored_params=unwrapped, **kw)
     return model
+
+
+def _plain_experts_fit(module: nn.Module, mp_policy, offload_policy) -> bool:
+    """Whether an EP experts module with one rank per expert (dp 1) can stay out of FSDP: its FSDP group would have
+    one rank, whose "all-gather" and "reduce-scatter" are copies of every expert weight and gradient (a fp32 copy
+    with a reduce dtype) at every step. Only where FSDP has nothing else to do: no CPU offload, and no
+    mixed-precision cast (the parameters already in the policy's param dtype)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        return False
+    dtype = getattr(mp_policy, "param_dtype", None)
+    return all(dtype is None or p.dtype == dtype for p in module.parameters())
+
+
+def _average_gradients(module: nn.Module, factor: float) -> None:
+    """What FSDP's gradient divide factor does for an unwrapped experts module: each incoming gradient (a sum over
+    the EP group) divided by the data-parallel world before it accumulates into .grad."""
+    for p in module.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda grad, factor=factor: grad / factor)
 
 
 def fix_single_rank_expert_reduction(model: nn.Module) -> nn.Module:

@@ -25,9 +25,10 @@ One forward of an expert-parallel experts module:
      static split sizes, nothing dropped, ep x C rows per rank into the grouped GEMM (whose skipped slots cost
      no GEMM work). The wire carries ep x C rows instead of the ~ep x T x P(a token has an expert on a rank)
      of the sized exchange: 1.1x at 128 experts top-8 over 4 ranks (P = 0.90), 1.5x over 8 ranks (P = 0.66).
-     With `chunks=N` (N > 1) the call's tokens go in N pieces of ceil(C / N) rows per destination, pipelined
-     with the local experts, forward and backward, so that one piece's all-to-alls overlap another's GEMMs
-     (`_PipelinedExperts`, below).
+     Around the fused experts (`_PipelinedExperts`, below) every rank getting the same rows makes the dispatch
+     an all-gather; the backward sends the input gradients under the gate_up weight-grad GEMM; with `chunks=N`
+     (N > 1) the call's tokens go in N pieces of ceil(C / N) rows, pipelined with the local experts, forward
+     and backward, so that one piece's exchanges overlap another's GEMMs.
 2. dispatch: one all-to-all of the packed rows (hidden state, the token's top-k weights, its expert ids local to
    the receiving rank, where the experts of other ranks become the sentinel E/ep that the kernel skips).
 3. `moe_experts` (grouped GEMM, SwiGLU, weighted sum over this rank's slots) on the received rows.
@@ -55,6 +56,9 @@ if DISTRIBUTED:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
+
+    # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); torch 2.11 has only the latter
+    _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _ALIGN = 16  # bytes: each packed field starts aligned, so it can be viewed back as its dtype
@@ -415,9 +419,9 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     check_range(top_k_index, 0, E + 1, f"expert parallelism: top_k_index values must be in [0, {E}) or equal {E} "
                 "(the expert-parallel skip sentinel)")
     capacity, chunks = module.__dict__.get(_CAPACITY_ATTR), module.__dict__.get(_CHUNKS_ATTR, 1)
-    if capacity is not None and chunks > 1 and fused:
-        return _chunked_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                               num_local, capacity, chunks, group)
+    if capacity is not None and fused:
+        return _fused_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                             num_local, capacity, chunks, group)
     if capacity is not None:
         return _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local, capacity, group,
                                        lambda h, i, w: _connected(local_experts(h, i, w, gate_up_proj, down_proj),
@@ -470,23 +474,33 @@ def _fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, num_local
     return torch.sum(back, dim=0, dtype=torch.float32).to(out_rows.dtype)
 
 
-# ------------------------------------------------------------------------- fixed capacity, pipelined in chunks
+# ------------------------------------------------------------------------- fixed capacity, fused local experts
 #
-# The call's T tokens split into `chunks` consecutive pieces (sizes differ by at most one), each padded to
-# R = ceil(C / chunks) rows per destination (R >= every piece, since T <= C): static split sizes, no host sync.
-# Forward: the dispatch all-to-alls of every chunk are issued up front, each once packed (async: on a GPU they
-# queue on the communicator's stream); chunk c waits for its own (the compute stream waits, not the host), runs
-# the local experts and issues its return. So chunk c + 1's dispatch runs under chunk c's expert GEMMs and chunk
-# c's return under chunk c + 1's. Autograd would not order the reverse exchanges so, hence one autograd.Function whose
-# backward runs the same pipeline in reverse: the returns' gradients of every chunk out at once, then per chunk its
-# wait, its experts' backward and its dispatch's gradient back. The experts are the fused op's implementations
-# (`ops._experts_fwd` / `_experts_bwd`); what each chunk's backward needs is saved with the Function's own
-# save_for_backward, so activation checkpointing frees it and recomputes the whole pipeline once.
+# The fixed exchange sends every token to every rank, so its two "every rank gets the same rows" directions are
+# all-gathers: the dispatch (hidden state, top-k weights, global expert ids; each rank maps the ids to its own
+# local ones) and, in the backward, the output's gradient. The rows are packed once per call, not once per
+# destination. The other two directions carry per-destination rows and stay all-to-alls: the experts' partial
+# outputs back to their tokens' ranks, and in the backward their input gradients. The sums over source ranks are
+# fp32 in rank order, as in `_fixed_capacity_forward`.
+#
+# The call's T tokens go in `chunks` consecutive pieces (sizes differ by at most one), each padded to
+# R = ceil(C / chunks) rows (R >= every piece, since T <= C): static sizes, no host sync. Forward: every chunk's
+# dispatch is issued up front (async: the collectives queue on the communicator's stream); chunk c waits for its
+# own (the compute stream waits, not the host), runs the local experts and issues its return. So chunk c + 1's
+# dispatch runs under chunk c's expert GEMMs and chunk c's return under chunk c + 1's. Autograd would not order
+# the reverse exchanges so, hence one autograd.Function whose backward runs the same pipeline in reverse: the
+# output gradients of every chunk gathered at once, then per chunk its wait and its experts' backward, whose
+# input gradients leave (all-to-all) as soon as they exist, under the gate_up weight-grad GEMM
+# (`_experts_bwd(on_input_grads=)`): with one chunk too, that GEMM hides part of the exchange. The experts are
+# the fused op's implementations (`ops._experts_fwd` / `_experts_bwd`); what each chunk's backward needs is saved
+# with the Function's own save_for_backward, so activation checkpointing frees it and recomputes the whole
+# pipeline once.
 
 class _Pipeline(NamedTuple):
     num_local: int
     ep_size: int
-    rows: int      # R: rows per chunk and destination
+    rank: int      # this rank's index in the EP group
+    rows: int      # R: rows per chunk and source rank
     spans: tuple   # (first token, tokens) of each chunk
     group: object
 
@@ -495,24 +509,29 @@ def _pipeline(tokens: int, num_local: int, capacity: int, chunks: int, group) ->
     base, extra = divmod(tokens, chunks)
     counts = [base + (c < extra) for c in range(chunks)]
     spans = tuple((sum(counts[:c]), n) for c, n in enumerate(counts))
-    return _Pipeline(num_local, dist.get_world_size(group), -(-capacity // chunks), spans, group)
+    return _Pipeline(num_local, dist.get_world_size(group), dist.get_rank(group), -(-capacity // chunks), spans,
+                     group)
 
 
-def _send_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts):
-    """Pack each chunk (chunk_parts(first, tokens): fields broadcastable to (ep, tokens, ·); pad_parts: one padding
-    row's fields) into (ep, R, row_bytes) and issue its all-to-all (before packing the next); returns (recv,
+def _gather_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts):
+    """Pack each chunk (chunk_parts(first, tokens): (tokens, ·) fields; pad_parts: one padding row's (1, ·) fields)
+    into (R, row_bytes) and issue its all-gather over the EP group (before packing the next); returns (recv,
     works): recv (chunks, ep * R, row_bytes), chunk c's rows grouped by source rank once works[c] is waited."""
-    send = torch.empty((len(pipe.spans), pipe.ep_size, pipe.rows, fmt.row_bytes), dtype=torch.uint8,
-                       device=pad_parts[0].device)
+    send = torch.empty((len(pipe.spans), pipe.rows, fmt.row_bytes), dtype=torch.uint8, device=pad_parts[0].device)
     recv = torch.empty((len(pipe.spans), pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8,
                        device=send.device)
     works = []
     for c, (first, n) in enumerate(pipe.spans):
-        fmt.pack(send[c, :, :n], chunk_parts(first, n))
-        fmt.pack(send[c, :, n:], pad_parts)
-        works.append(dist.all_to_all_single(recv[c], send[c].view(-1, fmt.row_bytes), group=pipe.group,
-                                            async_op=True))
+        fmt.pack(send[c, :n], chunk_parts(first, n))
+        fmt.pack(send[c, n:], pad_parts)
+        works.append(_all_gather(recv[c], send[c], group=pipe.group, async_op=True))
     return recv, works
+
+
+def _own_ids(pipe: _Pipeline, global_ids: torch.Tensor) -> torch.Tensor:
+    """Global expert ids -> this rank's local ids (other ranks' experts and the padding's id E: the sentinel)."""
+    ids = global_ids - pipe.rank * pipe.num_local
+    return torch.where((ids >= 0) & (ids < pipe.num_local), ids, pipe.num_local).to(torch.int32)
 
 
 def _sum_over_ranks(pipe: _Pipeline, rows: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
@@ -524,17 +543,17 @@ def _sum_over_ranks(pipe: _Pipeline, rows: torch.Tensor, c: int, dtype: torch.dt
 def _pipelined_forward(pipe: _Pipeline, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                        saved: list | None):
     """The forward pipeline; `saved` (unless None) gets each chunk's tensors for `_experts_bwd`."""
-    ids = _destination_ids(top_k_index, pipe.ep_size, pipe.num_local)
     K, H = top_k_index.shape[1], hidden_states.shape[1]
-    fields = [hidden_states, top_k_weights, ids]
-    pad = [hidden_states.new_zeros(1, 1, H), top_k_weights.new_zeros(1, 1, K),
-           ids.new_full((1, 1, K), pipe.num_local)]
+    fields = [hidden_states, top_k_weights, top_k_index.to(torch.int32)]
+    pad = [hidden_states.new_zeros(1, H), top_k_weights.new_zeros(1, K),
+           fields[2].new_full((1, K), pipe.num_local * pipe.ep_size)]
     fmt = _RowFormat.of(fields)
-    recv, dispatches = _send_chunks(pipe, fmt, lambda first, n: [f[..., first:first + n, :] for f in fields], pad)
+    recv, dispatches = _gather_chunks(pipe, fmt, lambda first, n: [f[first:first + n] for f in fields], pad)
     returns = []
     for c, work in enumerate(dispatches):
         work.wait()
-        hidden, weights, local_ids = (t.contiguous() for t in fmt.unpack(recv[c]))
+        hidden, weights, global_ids = fmt.unpack(recv[c])
+        hidden, weights, local_ids = hidden.contiguous(), weights.contiguous(), _own_ids(pipe, global_ids)
         _check_inputs(hidden, local_ids, weights, gate_up_proj, down_proj)
         out, *state = _experts_fwd(hidden, local_ids, weights, gate_up_proj, down_proj)
         if saved is not None:
@@ -545,7 +564,7 @@ def _pipelined_forward(pipe: _Pipeline, hidden_states, top_k_index, top_k_weight
     for c, (work, back) in enumerate(returns):
         work.wait()
         outs.append(_sum_over_ranks(pipe, back, c, back.dtype))
-    return torch.cat(outs)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class _PipelinedExperts(torch.autograd.Function):
@@ -564,48 +583,51 @@ class _PipelinedExperts(torch.autograd.Function):
     @first_order("expert parallelism")
     def backward(ctx, d_out):
         if ctx.backpropagated:  # the Triton backward overwrites a saved buffer (as the moe_experts op declares)
-            raise RuntimeError("expert parallelism: the chunked fixed-capacity exchange was already backpropagated "
-                               "once; a second backward through the same graph (retain_graph=True) is not supported")
+            raise RuntimeError("expert parallelism: the fixed-capacity exchange with the fused experts was already "
+                               "backpropagated once; a second backward through the same graph (retain_graph=True) "
+                               "is not supported")
         ctx.backpropagated = True
         pipe, fmt = ctx.pipe, ctx.grad_rows
         gate_up_proj, down_proj, *flat = ctx.saved_tensors
         per_chunk = len(flat) // len(pipe.spans)
         saved = [flat[c * per_chunk:(c + 1) * per_chunk] for c in range(len(pipe.spans))]
         d_out = d_out.to(gate_up_proj.dtype)
-        # the returns' gradients: every destination rank gets the same d_out rows of the chunk
+        # the returns' gradients: every rank that computed a chunk's rows gets the same d_out rows of the chunk
         d_fmt = _RowFormat.of([d_out])
-        d_recv, returns = _send_chunks(pipe, d_fmt, lambda first, n: [d_out[first:first + n]],
-                                       [d_out.new_zeros(1, 1, d_out.shape[1])])
+        d_recv, gathers = _gather_chunks(pipe, d_fmt, lambda first, n: [d_out[first:first + n]],
+                                         [d_out.new_zeros(1, d_out.shape[1])])
         # the expert weights' gradients summed over the chunks in fp32, cast at the end; two chunks: their sum in
         # the weights' dtype is that already (an elementwise add rounds its fp32 result once), with no fp32 copy
         sum_dtype = torch.float32 if len(pipe.spans) > 2 else None
         sums = [None, None]
-        sent, dispatches = [], []
-        for c, work in enumerate(returns):
-            work.wait()
-            hidden, local_ids, weights, *state = saved[c]
-            d_rows = d_fmt.unpack(d_recv[c])[0].contiguous()
-            d_hidden, d_weights, *d_experts = _experts_bwd(d_rows, hidden, local_ids, weights, gate_up_proj,
-                                                           down_proj, *state)
-            sums = [g.to(sum_dtype or g.dtype) if total is None else total.add_(g) for total, g in zip(sums, d_experts)]
+        sent = []
+
+        def send_input_grads(d_hidden, d_weights):
             rows = torch.empty((pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8, device=d_out.device)
             fmt.pack(rows, [d_hidden, d_weights])
             back = torch.empty_like(rows)
-            dispatches.append(dist.all_to_all_single(back, rows, group=pipe.group, async_op=True))
-            sent.append(back)
+            sent.append((dist.all_to_all_single(back, rows, group=pipe.group, async_op=True), back))
+
+        for c, work in enumerate(gathers):
+            work.wait()
+            hidden, local_ids, weights, *state = saved[c]
+            d_rows = d_fmt.unpack(d_recv[c])[0].contiguous()
+            _, _, *d_experts = _experts_bwd(d_rows, hidden, local_ids, weights, gate_up_proj, down_proj, *state,
+                                            on_input_grads=send_input_grads)
+            sums = [g.to(sum_dtype or g.dtype) if total is None else total.add_(g) for total, g in zip(sums, d_experts)]
         d_inputs = [[], []]  # the hidden states' and the top-k weights' gradients, chunk by chunk
-        for c, (work, back) in enumerate(zip(dispatches, sent)):
+        for c, (work, back) in enumerate(sent):
             work.wait()
             for d, rows, dtype in zip(d_inputs, fmt.unpack(back), fmt.dtypes):
                 d.append(_sum_over_ranks(pipe, rows, c, dtype))
         d_gate_up, d_down = (total.to(w.dtype) if need else None
                              for total, w, need in zip(sums, (gate_up_proj, down_proj), ctx.needs_input_grad[2:4]))
-        return torch.cat(d_inputs[0]), torch.cat(d_inputs[1]), d_gate_up, d_down, None, None
+        return (*(d[0] if len(d) == 1 else torch.cat(d) for d in d_inputs), d_gate_up, d_down, None, None)
 
 
-def _chunked_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                    num_local: int, capacity: int, chunks: int, group) -> torch.Tensor:
-    """The fixed-capacity exchange pipelined in `chunks` (> 1) pieces with the fused local experts (see above)."""
+def _fused_fixed_capacity_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                  num_local: int, capacity: int, chunks: int, group) -> torch.Tensor:
+    """The fixed-capacity exchange around the fused local experts, in `chunks` pieces (see above)."""
     _check_capacity(top_k_index.shape[0], capacity)
     hidden_states, gate_up_proj, down_proj = _autocast_inputs(hidden_states, gate_up_proj, down_proj)
     pipe = _pipeline(top_k_index.shape[0], num_local, capacity, chunks, group)

@@ -39,18 +39,23 @@ def _experts_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
 
 
 def _experts_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-                 expert_offsets, pos):
+                 expert_offsets, pos, on_input_grads=None):
     """Returns (dhidden, dtop_k_weights, dgate_up_proj, ddown_proj). On the Triton path gate_up_out (saved by the
     forward, dead once the SwiGLU backward has read it) is overwritten in place with the grad of the gate_up GEMM's
-    output: one (T*K, 2I) buffer less at the backward's peak."""
+    output: one (T*K, 2I) buffer less at the backward's peak. on_input_grads(dhidden, dtop_k_weights), if given,
+    is called as soon as both exist: on the Triton path before the gate_up weight-grad GEMM is enqueued, so that
+    what the caller issues there (expert parallelism: the gradients' all-to-all) runs under that GEMM."""
     args = (dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
             expert_offsets, pos)
     if use_triton(hidden):
         from .triton_kernels import moe_bwd
 
-        return moe_bwd(*args, reuse_gate_up_out=True)
+        return moe_bwd(*args, reuse_gate_up_out=True, on_input_grads=on_input_grads)
     with torch.autocast(hidden.device.type, enabled=False):
-        return moe_bwd_reference(*args)
+        grads = moe_bwd_reference(*args)
+    if on_input_grads is not None:
+        on_input_grads(grads[0], grads[1])
+    return grads
 
 
 # The custom ops: what torch.compile sees (one opaque node per direction).

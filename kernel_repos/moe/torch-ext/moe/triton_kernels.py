@@ -890,10 +890,12 @@ def _dweights_from_rows(dw_rows, pos, top_k_index, E, dtype):
 
 
 def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_out, sorted_slot,
-            expert_offsets, pos, reuse_gate_up_out=False):
+            expert_offsets, pos, reuse_gate_up_out=False, on_input_grads=None):
     """Backward of moe_fwd (pos: its third output). act is not saved: it is recomputed from gate_up_out (bitwise the
     forward's). reuse_gate_up_out: write dgate_up_out over gate_up_out (each element is read before it is written,
     by the same program) instead of into a new (S, 2I) buffer; gate_up_out is garbage afterwards.
+    on_input_grads(dhidden, dweights): called once both are enqueued, before the gate_up weight grad (the largest
+    weight-grad GEMM), so that work the caller issues on another stream overlaps it.
 
     With g_act = dout[token_r] @ Wd[e] per sorted row r (rounded to the dtype), act_w = w_r * act:
     dweights = <g_act, act>, dgate_up_out = SwiGLU backward of w_r * g_act, dx_r = dgate_up_out_r @ Wgu[e]
@@ -941,6 +943,8 @@ def moe_bwd(dout, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, g
     dx_rows = _rows_gemm("gate_up_bwd_x", dgate_up_out, gate_up_proj, row_tiles, expert_offsets, rows_buf)
     x_rows_next = impl in ("grouped_mm", "grouped_mm_wgrad")
     dhidden = _combine(dx_rows, pos, top_k_index, None, T, H, E, dtype, refill=hidden if x_rows_next else None)
+    if on_input_grads is not None:
+        on_input_grads(dhidden, dweights)
 
     # 3. gate_up weight grad
     if x_rows_next:
