@@ -3,6 +3,7 @@
 
     python scripts/sweep_gated_delta_net.py                       # the default variants, both workloads
     python scripts/sweep_gated_delta_net.py --variants conv_bwd:block_t=32 solve:num_warps=2
+    python scripts/sweep_gated_delta_net.py --variants base grads:split=1 grads:split=1+grads_dk:num_warps=8
     python scripts/sweep_gated_delta_net.py --root OTHER_TREE     # another checkout's kernels
 
 Workloads (bf16, Qwen3.5-MoE's 16 key / 32 value heads, head dims 128):
@@ -12,8 +13,10 @@ Workloads (bf16, Qwen3.5-MoE's 16 key / 32 value heads, head dims 128):
 - `dense` / `packed` (not by default): the rule at 8 x 1024 tokens, and the same tokens as one row split into the 8
   sequences by `cu_seqlens` (where packed input loses time).
 A variant `family:key=value,...` overrides the launch settings of one kernel family (`conv_fwd`, `conv_bwd` in
-triton_conv1d.CONV_CONFIG; `solve`, `wu`, `recurrence`, `output`, `grads` in triton_chunk.CONFIG) on top of the
-tree's own; `base` is the tree's settings. Each (variant, workload): 3 warm-up steps, then torch.profiler over --steps steps;
+triton_conv1d.CONV_CONFIG; `solve`, `wu`, `recurrence`, `output`, `grads`, `grads_dq`, `grads_dk` in
+triton_chunk.CONFIG) on top of the tree's own, several families joined by `+` (`grads:split=1` runs the gradient
+kernel as its two halves, `_grads_dq_kernel` and `_grads_dk_kernel`, whose settings are `grads_dq`, `grads_dk`);
+`base` is the tree's settings. Each (variant, workload): 3 warm-up steps, then torch.profiler over --steps steps;
 the line gives the summed GPU ms per step and each kernel's. Output: stdout and $OUT/sweep_gated_delta_net.txt.
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ops as h  # noqa: E402
 
 HK, HV, D, W = 16, 32, 128, 4
-FAMILIES = ("conv_fwd", "conv_bwd", "solve", "wu", "recurrence", "output", "grads")
+FAMILIES = ("conv_fwd", "conv_bwd", "solve", "wu", "recurrence", "output", "grads", "grads_dq", "grads_dk")
 DEFAULT_VARIANTS = [
     "base",
     "conv_fwd:block_t=32,block_c=64", "conv_fwd:block_t=16,block_c=256",
@@ -42,6 +45,9 @@ DEFAULT_VARIANTS = [
     "recurrence:block_v=32", "recurrence:num_warps=8", "recurrence:num_stages=2", "recurrence:block_v=32,num_warps=2",
     "recurrence:block_v=32,num_stages=2",
     "grads:num_warps=16", "grads:num_stages=3", "grads:block_v=16", "grads:block_v=64,num_warps=16",
+    "grads:split=1", "grads:split=1+grads_dq:num_warps=8", "grads:split=1+grads_dq:num_stages=3",
+    "grads:split=1+grads_dq:block_v=64", "grads:split=1+grads_dk:num_warps=4", "grads:split=1+grads_dk:num_stages=2",
+    "grads:split=1+grads_dk:block_v=64", "grads:split=1+grads_dk:block_v=16",
 ]
 
 
@@ -82,13 +88,18 @@ def rule_workload(kg, dev, dt, B, T, packed=False):
     return step
 
 
-def parse_variant(text: str):
+def parse_variant(text: str) -> dict:
+    """{family: {setting: value}} of a variant (base: none)."""
     if text == "base":
-        return None, {}
-    family, _, settings = text.partition(":")
-    if family not in FAMILIES or not settings:
-        raise SystemExit(f"--variants: {text!r}: expected base or FAMILY:key=value,... (FAMILY: {', '.join(FAMILIES)})")
-    return family, {k: int(v) for k, v in (item.split("=") for item in settings.split(","))}
+        return {}
+    overrides = {}
+    for part in text.split("+"):
+        family, _, settings = part.partition(":")
+        if family not in FAMILIES or not settings:
+            raise SystemExit(f"--variants: {text!r}: expected base or FAMILY:key=value,... joined by + "
+                             f"(FAMILY: {', '.join(FAMILIES)})")
+        overrides[family] = {k: int(v) for k, v in (item.split("=") for item in settings.split(","))}
+    return overrides
 
 
 def kernel_times(step, steps: int) -> dict:
@@ -110,7 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--root", help="another checkout whose kernels to load")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting variants after this many seconds")
     args = p.parse_args(argv)
-    variants = [(v, *parse_variant(v)) for v in args.variants]
+    variants = [(v, parse_variant(v)) for v in args.variants]
     if args.root:
         h.KERNEL_ROOT = Path(args.root).resolve()
     kg = h.load_kernel("gated-delta-net")
@@ -131,14 +142,14 @@ def main(argv=None) -> int:
              + ", ".join(f"{k} {v}" for k, v in tables.items())]
     print(lines[0], flush=True)
     t0 = time.time()
-    for text, family, settings in variants:
+    for text, overrides in variants:
         if time.time() - t0 > args.budget_s:
             lines.append(f"{text}: not run (budget)")
             print(lines[-1], flush=True)
             continue
-        table = tables.get(family, {})
-        saved = dict(table)
-        table.update(settings)
+        saved = {family: dict(tables[family]) for family in overrides}
+        for family, settings in overrides.items():
+            tables[family].update(settings)
         try:
             for name, step in steps.items():
                 times = kernel_times(step, args.steps)
@@ -151,8 +162,9 @@ def main(argv=None) -> int:
             lines.append(f"{text:45s} error {type(e).__name__}: {str(e)[:200]}")
             print(lines[-1], flush=True)
         finally:
-            table.clear()
-            table.update(saved)
+            for family, settings in saved.items():
+                tables[family].clear()
+                tables[family].update(settings)
     (out_dir / "sweep_gated_delta_net.txt").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -28,6 +28,27 @@ def path(request, use_kernel_path):
     return request.param
 
 
+@pytest.fixture(params=["triton", "triton-split", "torch"])
+def grads_path(request, use_kernel_path, monkeypatch):
+    """`path` for the tests of the rule's gradients, plus the Triton path with the gradient kernel split in its dq
+    and dk halves (`_split_grads_kernel`)."""
+    use_kernel_path(request.param)
+    if request.param == "triton-split":
+        _split_grads_kernel(monkeypatch)
+    return request.param
+
+
+def _split_grads_kernel(monkeypatch, split=1, block_v=None):
+    """The gradient kernel as one kernel (split=0) or its dq and dk halves (split=1), each looping over V in blocks
+    of `block_v` (None: the CONFIG's)."""
+    from hubfuse.gated_delta_net import triton_chunk
+
+    monkeypatch.setitem(triton_chunk.CONFIG["grads"], "split", split)
+    if block_v is not None:
+        for family in ("grads", "grads_dq", "grads_dk"):
+            monkeypatch.setitem(triton_chunk.CONFIG[family], "block_v", block_v)
+
+
 def _rel(a, ref):
     return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
 
@@ -86,7 +107,7 @@ RULE_CASES = [
 
 @pytest.mark.parametrize("case", RULE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rule_vs_float64(case, dtype, path):
+def test_rule_vs_float64(case, dtype, grads_path):
     if dtype == torch.float16 and case[1] in (1, 64):
         pytest.skip("covered in fp32")
     _check_rule(case, dtype)
@@ -102,13 +123,56 @@ V_BLOCK_CASES = [
 
 
 @pytest.mark.parametrize("case", V_BLOCK_CASES, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_grads_kernel_in_v_blocks_vs_float64(case, dtype, use_kernel_path, monkeypatch):
-    from hubfuse.gated_delta_net import triton_chunk
-
+@pytest.mark.parametrize("dtype, split", [(torch.float32, 0), (torch.float16, 0), (torch.float32, 1)])
+def test_grads_kernel_in_v_blocks_vs_float64(case, dtype, split, use_kernel_path, monkeypatch):
     use_kernel_path("triton")
-    monkeypatch.setitem(triton_chunk.CONFIG["grads"], "block_v", 16)
+    _split_grads_kernel(monkeypatch, split, block_v=16)
     _check_rule(case, dtype)
+
+
+# (B, T, H, HV, K, V, l2norm, cu_seqlens, gates a, b, A_log, dt_bias in the kernels, dtype)
+SPLIT_CASES = [
+    (1, 100, 1, 2, 20, 40, True, None, False, torch.float32),             # K, V, T odd, 2 value heads per key head
+    (2, 70, 2, 2, 16, 24, False, None, False, torch.float16),             # batch 2, 1 value head per key head
+    (1, 150, 1, 4, 20, 24, True, [0, 1, 64, 150], False, torch.float32),  # packed (an unused chunk slot), GROUP 4
+    (2, 70, 1, 2, 20, 16, True, None, True, torch.float16),               # the Qwen3.5 gates
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_split_grads_kernel_equals_one_kernel(case, use_kernel_path, monkeypatch):
+    """The gradient kernel's dq and dk halves (split=1, two launches) give the one kernel's gradients (split=0), V in
+    blocks of 16 (several, the last one partial). The halves do the one kernel's operations in its order: bitwise
+    under the interpreter. On a GPU the halves' other warp counts may order the fp32 row sums differently: within
+    a few roundings of the gradient's dtype (relative to its largest element: 1e-5 fp32, two fp16 ulps)."""
+    use_kernel_path("triton")
+    B, T, H, HV, K, V, l2norm, cu, gates, dtype = case
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu is not None else None
+    q, k, v, g, beta, h0 = _inputs(B, T, H, HV, K, V, dtype, len(cu) - 1 if cu else B, l2norm, seed=T + K)
+    gen = torch.Generator().manual_seed(T)
+    if gates:  # a, b, A_log, dt_bias in place of g, beta
+        a, b = (torch.randn(B, T, HV, generator=gen).to(DEV, dtype) for _ in range(2))
+        A_log, dt_bias = torch.randn(HV, generator=gen).to(DEV) * 0.5, torch.randn(HV, generator=gen).to(DEV)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias, h0)]
+        o, ht = gdn.gated_delta_rule_qwen3_5(*leaves[:7], initial_state=leaves[7], output_final_state=True)
+        names = ["dq", "dk", "dv", "da", "db", "dA_log", "ddt_bias", "dh0"]
+    else:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+        o, ht = gdn.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
+        names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    do, dht = torch.randn(o.shape, generator=gen).to(DEV, dtype), torch.randn(ht.shape, generator=gen).to(DEV)
+    loss = (o * do).sum() + (ht * dht).sum()
+
+    def grads(split):  # the backward of one forward, the gradient kernel as set by `split`
+        _split_grads_kernel(monkeypatch, split, block_v=16)
+        return torch.autograd.grad(loss, leaves, retain_graph=True)
+
+    for name, got, want in zip(names, grads(1), grads(0), strict=True):
+        if DEV == "cpu":
+            assert torch.equal(got, want), f"{name}: split differs from the one kernel by {_rel(got, want):.3g}"
+        else:
+            _close(got, want, 1e-5 if got.dtype == torch.float32 else 2e-3, name)
 
 
 def _check_rule(case, dtype):
@@ -162,7 +226,7 @@ def test_rule_on_views_of_one_buffer(B, S, grad, path):
         _close(_grads([o], [do], [leaf])[0], _grads([o_ref], [do], [ref])[0], TOL[torch.float32], "dmixed")
 
 
-def test_packed_sequences_equal_separate_runs(path):
+def test_packed_sequences_equal_separate_runs(grads_path):
     """cu_seqlens keeps sequences apart: one packed call = each sequence on its own (outputs, states, grads); an
     empty sequence passes its initial state through."""
     lengths = [70, 1, 0, 5]
@@ -192,7 +256,7 @@ def test_packed_sequences_equal_separate_runs(path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_qwen3_5_gates_in_kernel_vs_float64(dtype, path):
+def test_qwen3_5_gates_in_kernel_vs_float64(dtype, grads_path):
     """g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) computed in the kernels; grads of a, b, A_log,
     dt_bias through them."""
     B, T, H, HV, K, V = 2, 70, 1, 2, 16, 16
@@ -216,7 +280,7 @@ def test_qwen3_5_gates_in_kernel_vs_float64(dtype, path):
         _close(x, y, REDUCTION_TOL[dtype] if name in ("dA_log", "ddt_bias") else tol, name)
 
 
-def test_gate_softplus_at_large_arguments_vs_float64(path):
+def test_gate_softplus_at_large_arguments_vs_float64(grads_path):
     """g = -exp(A_log) softplus(a + dt_bias) at a + dt_bias around -15, -17, -30 (softplus ~ e^x: log(1 + e^x)
     in fp32 loses it) and +30 (above torch's threshold), one value head each. dA_log = sum(dg g) over the tokens
     carries g's relative error, per head."""
@@ -372,7 +436,7 @@ CORE_CASES = [(1, 70, 1, 2, None), (1, 90, 1, 2, [0, 20, 90]), (1, 90, 1, 2, [0,
 
 
 @pytest.mark.parametrize("case", CORE_CASES, ids=str)
-def test_fused_core_vs_float64(case, path):
+def test_fused_core_vs_float64(case, grads_path):
     """conv + SiLU + split + l2norm + gates + rule in one op against transformers' steps in float64."""
     B, S, H, HV, cu = case
     K, V, W = 16, 16, 4
@@ -577,9 +641,12 @@ def test_torch_compile_fullgraph(path):
 @pytest.mark.parametrize("shape", [(2, 1000, 16, 32, 128, 128, None),
                                    (1, 3000, 16, 32, 128, 128, [0, 1, 700, 2048, 3000]),
                                    (1, 300, 32, 32, 128, 128, None)])
-def test_gpu_bf16_vs_float64_and_eager(shape):
+@pytest.mark.parametrize("split", [0, 1])
+def test_gpu_bf16_vs_float64_and_eager(shape, split, monkeypatch):
     """bf16 on the GPU: within 4x transformers' bf16 eager error against float64 (floor 1e-2: eager's dg is exact,
-    its g being fp32), fwd and bwd; packed sequences (no eager reference there) within 3e-2."""
+    its g being fp32), fwd and bwd; packed sequences (no eager reference there) within 3e-2. The gradient kernel
+    as one kernel and as its two halves (`_split_grads_kernel`)."""
+    _split_grads_kernel(monkeypatch, split)
     B, T, H, HV, K, V, cu = shape
     cu_t = torch.tensor(cu, device=DEV, dtype=torch.int32) if cu else None
     n = len(cu) - 1 if cu else B

@@ -18,13 +18,15 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
   with one value head per key head also the l2norm backward, else fp32 per-value-head partials of dq, dk that
   `_group_reduce_kernel` sums in a fixed order (no repeated q/k, no atomics: deterministic). It loops over V in
   blocks (as FLA's chunk_bwd_dqkwg): the sums over V accumulate in fp32, dv is final per block, and only
-  [64, BV] slices of do, v', dv', v and [BV, K] slices of the states are live at a time.
+  [64, BV] slices of do, v', dv', v and [BV, K] slices of the states are live at a time. It holds five fp32 sums
+  over V (too many registers a thread: it spills); `CONFIG["grads"]["split"]` = 1 runs it as two kernels, its dq
+  side (two sums) then its dk side (three), the same operations in the same order.
 
 Hopper: Triton 3.4-3.7.0 miscompiles `tl.dot(tl.trans(x), y)` when `x` is itself a `tl.dot` result (FLA #640:
 the transposed accumulator layout feeding a wgmma). No kernel here transposes a computed matrix: transposed
 operands are loaded through transposed pointers, and the two computed matrices needed transposed (dM * Gamma
 and D in `_grads_kernel`) go through a per-program scratch tile in global memory (store, barrier, transposed
-load), as FLA PR #826 proposed.
+load), as FLA PR #826 proposed (split in two kernels: the dq side stores dM * Gamma, the dk side reads it).
 
 Every matmul accumulates in fp32; operands are in the input dtype (bf16 on GPUs, exact fp32 dots for fp32
 inputs). The forward keeps o within ~1.1x of the error of transformers' fp32-inside path (16-bit inputs): no
@@ -503,20 +505,37 @@ def _recurrence_bwd_kernel(
         tl.store(DH0 + i_nh.to(tl.int64) * K * V + state_tile, dh, mask=state_mask)
 
 
-@triton.jit
+_GRADS_KERNEL_NAMES = {(True, False): "_grads_dq_kernel", (False, True): "_grads_dk_kernel"}
+
+
+def _grads_kernel_name(specialization):
+    """The compiled kernel's name (profiler rows): `_grads_kernel`, or the name of one of its two halves."""
+    sides = tuple(bool(specialization.constants.get(name)) for name in ("DQ_SIDE", "DK_SIDE"))
+    return _GRADS_KERNEL_NAMES.get(sides, "_grads_kernel")
+
+
+@triton.jit(repr=_grads_kernel_name)
 def _grads_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO,
-    GC, A, HS, DHS, VN, DVN, DO, SCRATCH,
+    GC, A, HS, DHS, VN, DVN, DO, SCRATCH, DGC_PART,
     DQ, DK, DQP, DKP, DV, DG, DB, DA_LOG_PART, DDT_PART,
     T, NT, HV, K, V, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
-    ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
+    ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, DQ_SIDE: tl.constexpr,
+    DK_SIDE: tl.constexpr,
 ):
     """One (chunk, value head): every input gradient of the chunk. dq, dk: final (with the l2norm backward) when
     each key head has one value head, else fp32 partials per value head summed by `_group_reduce_kernel`.
-    First a loop over V blocks of BV (sums over V, dv), then the [64, 64] and [64, K] remainder."""
+    First a loop over V blocks of BV (sums over V, dv), then the [64, 64] and [64, K] remainder.
+    DQ_SIDE and DK_SIDE: the whole kernel. Or split in two kernels launched one after the other, each with fewer
+    fp32 sums over V live (the whole kernel holds five: ~128 registers a thread at 8 warps):
+    - DQ_SIDE alone: the sums do h^T, do v'^T; dq and its terms of dg (dgc), which it stores (fp32, DGC_PART) with
+      the scratch tile of the (s dM Gamma)^T qn term of dk;
+    - DK_SIDE alone: the sums v' dh^T, dv' h^T, dv' v^T, h . dh and dv, then dk, dbeta, dg and the gate's partial
+      sums, from dgc and the scratch tile that the first half stored.
+    The halves do the whole kernel's operations in its order: the same gradients (bitwise under the interpreter)."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     hv = i_bh % HV
@@ -534,7 +553,8 @@ def _grads_kernel(
     qk_mask = m_c[:, None] & m_k[None, :]
     strict = (o_c[:, None] > o_c[None, :]) & m_c[:, None] & m_c[None, :]
     incl = (o_c[:, None] >= o_c[None, :]) & m_c[:, None] & m_c[None, :]
-    scratch = SCRATCH + (slot.to(tl.int64) * tl.num_programs(1) + i_bh) * 2 * 64 * 64  # per program
+    program = slot.to(tl.int64) * tl.num_programs(1) + i_bh  # (slot, batch, value head)
+    scratch = SCRATCH + program * 2 * 64 * 64
     cc = o_c[:, None] * 64 + o_c[None, :]
     cc_t = o_c[None, :] * 64 + o_c[:, None]
     last = tl.minimum(t0 + 63, seqlen - 1) - t0
@@ -544,18 +564,20 @@ def _grads_kernel(
     g_last = tl.load(GC + gate_base + last * HV)
     Gd = tl.where(m_c, tl.exp(gc), 0.0)
     e = tl.where(m_c, tl.exp(g_last - gc), 0.0)
-    # T^T through transposed pointers
-    Tt = tl.load(A + gate_base * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :], other=0.0)
+    if DK_SIDE:  # T^T through transposed pointers
+        Tt = tl.load(A + gate_base * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :], other=0.0)
     state = (chunk * HV + hv) * K * V
     v_base = gate_base * V
     # the sums over V, one [64, BV] block of do, v', dv', v and [BV, BK] block of h^T, dh^T at a time
-    do_h = tl.zeros([64, BK], dtype=tl.float32)       # do h^T
-    vn_dh = tl.zeros([64, BK], dtype=tl.float32)      # v' dh^T
-    dvn_h = tl.zeros([64, BK], dtype=tl.float32)      # dv' h^T
-    dM = tl.zeros([64, 64], dtype=tl.float32)         # do v'^T
-    dvn_v = tl.zeros([64, 64], dtype=tl.float32)      # dv' v^T
-    dbeta = tl.zeros([64], dtype=tl.float32)
-    hdh = tl.zeros([BK], dtype=tl.float32)            # sum_v h * dh, for the chunk's total decay
+    if DQ_SIDE:
+        do_h = tl.zeros([64, BK], dtype=tl.float32)   # do h^T
+        dM = tl.zeros([64, 64], dtype=tl.float32)     # do v'^T
+    if DK_SIDE:
+        vn_dh = tl.zeros([64, BK], dtype=tl.float32)  # v' dh^T
+        dvn_h = tl.zeros([64, BK], dtype=tl.float32)  # dv' h^T
+        dvn_v = tl.zeros([64, 64], dtype=tl.float32)  # dv' v^T
+        dbeta = tl.zeros([64], dtype=tl.float32)
+        hdh = tl.zeros([BK], dtype=tl.float32)        # sum_v h * dh, for the chunk's total decay
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
@@ -565,25 +587,30 @@ def _grads_kernel(
         state_t_tile = o_k[None, :] * V + o_v[:, None]
         state_t_mask = m_v[:, None] & m_k[None, :]
         hs_t = tl.load(HS + state + state_t_tile, mask=state_t_mask, other=0.0)
-        dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
-        do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
+        if DK_SIDE:
+            dhs_t = tl.load(DHS + state + state_t_tile, mask=state_t_mask, other=0.0)
+        if DQ_SIDE:
+            do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
         vn = tl.load(VN + v_base + vv_tile, mask=vmask, other=0.0)
-        dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
-        vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask,
-                     other=0.0)
-        do_h = _dot(do, hs_t, IEEE, do_h)
-        dM = _dot(do, tl.trans(vn), IEEE, dM)
-        vn_dh = _dot(vn, dhs_t, IEEE, vn_dh)
-        hdh += tl.sum(hs_t.to(tl.float32) * dhs_t.to(tl.float32), 0)
-        # u = T diag(beta) v: dv = diag(beta) T^T dv', final per block
-        dvb = _dot(Tt, dvn, IEEE)
-        tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
-                 (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
-        dbeta += tl.sum(dvb * vv.to(tl.float32), 1)
-        dvn_v = _dot(dvn, tl.trans(vv), IEEE, dvn_v)
-        dvn_h = _dot(dvn, hs_t, IEEE, dvn_h)
-    # w = T diag(beta G) k, v' = u - w h: dw = -dv' h^T
-    dw = (-dvn_h).to(DT)
+        if DK_SIDE:
+            dvn = tl.load(DVN + v_base + vv_tile, mask=vmask, other=0.0)
+            vv = tl.load(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :],
+                         mask=vmask, other=0.0)
+        if DQ_SIDE:
+            do_h = _dot(do, hs_t, IEEE, do_h)
+            dM = _dot(do, tl.trans(vn), IEEE, dM)
+        if DK_SIDE:
+            vn_dh = _dot(vn, dhs_t, IEEE, vn_dh)
+            hdh += tl.sum(hs_t.to(tl.float32) * dhs_t.to(tl.float32), 0)
+            # u = T diag(beta) v: dv = diag(beta) T^T dv', final per block
+            dvb = _dot(Tt, dvn, IEEE)
+            tl.store(DV + row0 * stride_dvt + hv * stride_dvh + o_c[:, None] * stride_dvt + o_v[None, :],
+                     (dvb * beta[:, None]).to(DV.dtype.element_ty), mask=vmask)
+            dbeta += tl.sum(dvb * vv.to(tl.float32), 1)
+            dvn_v = _dot(dvn, tl.trans(vv), IEEE, dvn_v)
+            dvn_h = _dot(dvn, hs_t, IEEE, dvn_h)
+    if DK_SIDE:  # w = T diag(beta G) k, v' = u - w h: dw = -dv' h^T
+        dw = (-dvn_h).to(DT)
     # raw q, k (input dtype) and their l2norm scales rq, rk: qn = diag(rq) q, kn = diag(rk) k are never rounded
     # to 16 bits (that rounding was the largest error in dg, hence in dA_log, ddt_bias); the scales go on the other
     # factor of each product (q k^T, k k^T are exact dots of the raw inputs) and on the fp32 row sums
@@ -593,65 +620,71 @@ def _grads_kernel(
                 other=0.0)
     rq = _l2norm_scale(q, 1, L2NORM)
     rk = _l2norm_scale(k, 1, L2NORM)
-    gam = tl.where(incl, tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    # o = s diag(G) q h + M v'
-    dq = (scale * Gd)[:, None] * do_h
-    dgc = rq * tl.sum(dq * q.to(tl.float32), 1)
-    att = (scale * rq)[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * gam)  # s (qn kn^T) Gamma
-    dM = tl.where(incl, dM, 0.0)
-    dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
-    dqk = scale * dM * gam
-    dq = _dot((dqk * rk[None, :]).to(DT), k, IEEE, dq)             # dqk kn
-    tl.store(scratch + cc, (dqk * rq[:, None]).to(DT))             # dqk^T qn = (diag(rq) dqk)^T q
     part_tile = (gate_base * K) + o_c[:, None] * (HV * K) + o_k[None, :]
-    _store_qk_grad(dq, q, rq, DQ + row0 * stride_dqt + hk * stride_dqh, o_c[:, None] * stride_dqt + o_k[None, :],
-                   DQP + part_tile, qk_mask, GROUP, L2NORM)
-    # h+ = exp(g_last) h + (k e)^T v'
-    dk = e[:, None] * vn_dh
-    dke_row = rk * tl.sum(dk * k.to(tl.float32), 1)
-    dgc -= dke_row
-    dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(hdh, 0)
-    dT = beta[None, :] * dvn_v                               # dv' (beta v)^T
-    bG = beta * Gd
-    dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
-    dkbg_k = rk * tl.sum(dkbg * k.to(tl.float32), 1)
-    dbeta += Gd * dkbg_k
-    dgc += bG * dkbg_k
-    dk += bG[:, None] * dkbg
-    dT = (bG * rk)[None, :] * _dot(dw, tl.trans(k), IEEE) + dT    # + dw (beta G kn)^T
-    # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
-    dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
-    dL = tl.where(strict, dL, 0.0)
-    D = dL * gam
-    P = rk[:, None] * _dot(k, tl.trans(k), IEEE) * rk[None, :]      # kn kn^T
-    dbeta += tl.sum(D * P, 1)
-    dk += beta[:, None] * _dot((D * rk[None, :]).to(DT), k, IEEE)      # D kn
-    tl.store(scratch + 64 * 64 + cc, (D * (beta * rk)[:, None]).to(DT))  # (diag(beta) D)^T kn
-    dLL = dL * (beta[:, None] * P * gam)
-    dgc += tl.sum(dLL, 1) - tl.sum(dLL, 0)
-    tl.debug_barrier()  # the two scratch tiles are written: read them transposed
-    dk = _dot(tl.load(scratch + cc_t), q, IEEE, dk)               # (s dM Gamma)^T qn
-    dk = _dot(tl.load(scratch + 64 * 64 + cc_t), k, IEEE, dk)     # (diag(beta) D)^T kn
-    dgc = tl.where(o_c == last, dgc + dg_last, dgc)
-    dgc = tl.where(m_c, dgc, 0.0)
-    dg = tl.cumsum(dgc, 0, reverse=True)                     # through the within-chunk cumsum
-    gate_offs = gate_base + o_c * HV
-    if GATE:
-        a = tl.load(G_IN + gate_offs, mask=m_c, other=0.0).to(tl.float32)
-        x = a + tl.load(DT_BIAS + hv).to(tl.float32)
-        dsoftplus = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
-        da = dg * (-tl.exp(tl.load(A_LOG + hv).to(tl.float32))) * dsoftplus
-        da = tl.where(m_c, da, 0.0)
-        tl.store(DG + gate_offs, da.to(DG.dtype.element_ty), mask=m_c)
-        part = slot.to(tl.int64) * tl.num_programs(1) + i_bh  # (slot, batch, value head)
-        tl.store(DA_LOG_PART + part, tl.sum(dg * g_raw, 0))
-        tl.store(DDT_PART + part, tl.sum(da, 0))
-        tl.store(DB + gate_offs, (dbeta * beta * (1.0 - beta)).to(DB.dtype.element_ty), mask=m_c)
+    if DQ_SIDE:  # o = s diag(G) q h + M v'
+        gam = _decay_block(gc, gc, m_c, m_c, False, o_c, o_c)
+        dq = (scale * Gd)[:, None] * do_h
+        dgc = rq * tl.sum(dq * q.to(tl.float32), 1)
+        att = (scale * rq)[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * gam)  # s (qn kn^T) Gamma
+        dM = tl.where(incl, dM, 0.0)
+        dgc += tl.sum(dM * att, 1) - tl.sum(dM * att, 0)
+        dqk = scale * dM * gam
+        dq = _dot((dqk * rk[None, :]).to(DT), k, IEEE, dq)             # dqk kn
+        tl.store(scratch + cc, (dqk * rq[:, None]).to(DT))             # dqk^T qn = (diag(rq) dqk)^T q
+        _store_qk_grad(dq, q, rq, DQ + row0 * stride_dqt + hk * stride_dqh,
+                       o_c[:, None] * stride_dqt + o_k[None, :], DQP + part_tile, qk_mask, GROUP, L2NORM)
+        if not DK_SIDE:
+            tl.store(DGC_PART + program * 64 + o_c, dgc)
     else:
-        tl.store(DG + gate_offs, dg.to(DG.dtype.element_ty), mask=m_c)
-        tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
-    _store_qk_grad(dk, k, rk, DK + row0 * stride_dkt + hk * stride_dkh, o_c[:, None] * stride_dkt + o_k[None, :],
-                   DKP + part_tile, qk_mask, GROUP, L2NORM)
+        dgc = tl.load(DGC_PART + program * 64 + o_c)
+    if DK_SIDE:
+        # h+ = exp(g_last) h + (k e)^T v'
+        dk = e[:, None] * vn_dh
+        dke_row = rk * tl.sum(dk * k.to(tl.float32), 1)
+        dgc -= dke_row
+        dg_last = tl.sum(dke_row, 0) + tl.exp(g_last) * tl.sum(hdh, 0)
+        dT = beta[None, :] * dvn_v                               # dv' (beta v)^T
+        bG = beta * Gd
+        dT = (bG * rk)[None, :] * _dot(dw, tl.trans(k), IEEE) + dT    # + dw (beta G kn)^T
+        dkbg = _dot(Tt, dw, IEEE)                                # T^T dw
+        dkbg_k = rk * tl.sum(dkbg * k.to(tl.float32), 1)
+        dbeta += Gd * dkbg_k
+        dgc += bG * dkbg_k
+        dk += bG[:, None] * dkbg
+        # T = (I + L)^-1, L = strict(diag(beta) k k^T Gamma): dL = -T^T dT T^T
+        dL = -_dot(_dot(Tt, dT.to(DT), IEEE).to(DT), Tt, IEEE)
+        dL = tl.where(strict, dL, 0.0)
+        # Gamma, computed again here: not live through the dk side's first [64, K] tiles (fewer registers)
+        gam = _decay_block(gc, gc, m_c, m_c, False, o_c, o_c)
+        D = dL * gam
+        P = rk[:, None] * _dot(k, tl.trans(k), IEEE) * rk[None, :]      # kn kn^T
+        dbeta += tl.sum(D * P, 1)
+        dLL = dL * (beta[:, None] * P * gam)
+        dgc += tl.sum(dLL, 1) - tl.sum(dLL, 0)
+        dk += beta[:, None] * _dot((D * rk[None, :]).to(DT), k, IEEE)      # D kn
+        tl.store(scratch + 64 * 64 + cc, (D * (beta * rk)[:, None]).to(DT))  # (diag(beta) D)^T kn
+        tl.debug_barrier()  # the two scratch tiles are written: read them transposed
+        dk = _dot(tl.load(scratch + cc_t), q, IEEE, dk)               # (s dM Gamma)^T qn
+        dk = _dot(tl.load(scratch + 64 * 64 + cc_t), k, IEEE, dk)     # (diag(beta) D)^T kn
+        dgc = tl.where(o_c == last, dgc + dg_last, dgc)
+        dgc = tl.where(m_c, dgc, 0.0)
+        dg = tl.cumsum(dgc, 0, reverse=True)                     # through the within-chunk cumsum
+        gate_offs = gate_base + o_c * HV
+        if GATE:
+            a = tl.load(G_IN + gate_offs, mask=m_c, other=0.0).to(tl.float32)
+            x = a + tl.load(DT_BIAS + hv).to(tl.float32)
+            dsoftplus = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
+            da = dg * (-tl.exp(tl.load(A_LOG + hv).to(tl.float32))) * dsoftplus
+            da = tl.where(m_c, da, 0.0)
+            tl.store(DG + gate_offs, da.to(DG.dtype.element_ty), mask=m_c)
+            tl.store(DA_LOG_PART + program, tl.sum(dg * g_raw, 0))
+            tl.store(DDT_PART + program, tl.sum(da, 0))
+            tl.store(DB + gate_offs, (dbeta * beta * (1.0 - beta)).to(DB.dtype.element_ty), mask=m_c)
+        else:
+            tl.store(DG + gate_offs, dg.to(DG.dtype.element_ty), mask=m_c)
+            tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
+        _store_qk_grad(dk, k, rk, DK + row0 * stride_dkt + hk * stride_dkh,
+                       o_c[:, None] * stride_dkt + o_k[None, :], DKP + part_tile, qk_mask, GROUP, L2NORM)
 
 
 @triton.jit
@@ -715,7 +748,14 @@ CONFIG = {
     "wu": dict(num_warps=4, num_stages=2, block_v=128),
     "recurrence": dict(num_warps=4, num_stages=3, block_v=64, block_v_few=32),
     "output": dict(num_warps=4, num_stages=2, block_v=64),
-    "grads": dict(num_warps=8, num_stages=3, block_v=32),
+    "grads": dict(num_warps=8, num_stages=3, block_v=32, split=0),
+    # split=1: the gradient kernel's two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE), each with its own settings.
+    # Not yet timed; chosen by ptxas's counts for sm_90 (triton 3.9, bf16, K = V = 128, BV = 32, 16 key / 32 value
+    # heads, gates; scripts/gdn_register_counts.py): the one kernel 255 registers and 1.1 KB of spill stores a
+    # thread at 8 warps (1.3 KB before the dk side's reordering); the dq side none at 4 warps (255 registers; 170
+    # at 8), the dk side 0.25 KB at 8 warps, 1.0 KB at 4.
+    "grads_dq": dict(num_warps=4, num_stages=2, block_v=32),
+    "grads_dk": dict(num_warps=8, num_stages=3, block_v=32),
 }
 
 
@@ -874,15 +914,21 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     grouped = p.group > 1
     dq_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
     dk_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
-    cfg = CONFIG["grads"]
-    launch(_grads_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
-           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, hs, dhs, vn, dvn, do, scratch,
-           dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.HV, p.K, p.V, scale,
-           q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-           dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-           GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
-           ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if CONFIG["grads"]["split"]:  # dq side, then dk side (it takes the first half's dg terms: dgc_part)
+        dgc_part = torch.empty(n_programs * CHUNK, dtype=torch.float32, device=dev)
+        halves = ((True, False, CONFIG["grads_dq"]), (False, True, CONFIG["grads_dk"]))
+    else:
+        dgc_part = scratch  # unused
+        halves = ((True, True, CONFIG["grads"]),)
+    for dq_side, dk_side, cfg in halves:
+        launch(_grads_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
+               dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, hs, dhs, vn, dvn, do, scratch, dgc_part,
+               dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.HV, p.K, p.V, scale,
+               q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+               dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
+               GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
+               ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee, DQ_SIDE=dq_side,
+               DK_SIDE=dk_side, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if grouped:
         launch(_group_reduce_kernel, (triton.cdiv(p.rows, 32), p.H), q, k, dq_part, dk_part, dq, dk, p.rows, p.H,
                p.HV, p.K, q.stride(1), q.stride(2), k.stride(1), k.stride(2), dq.stride(1), dq.stride(2),
