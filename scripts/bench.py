@@ -410,7 +410,8 @@ def profile_step(step, batches, device: str) -> dict:
 
 
 def cprofile_step(step, batch, top: int) -> str:
-    """cProfile of one step (the host's Python), the `top` functions by cumulative time."""
+    """cProfile of one step (the host's Python), the `top` functions by own and by cumulative time, then the
+    torch profiler's `top` ops of another step by self CPU time."""
     import cProfile
     import io
     import pstats
@@ -424,7 +425,12 @@ def cprofile_step(step, batch, top: int) -> str:
     pr.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(top)
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(top)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(batch)
+        torch.cuda.synchronize()
+    buf.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
     return buf.getvalue()
 
 

@@ -28,13 +28,13 @@ def path(request, use_kernel_path):
     return request.param
 
 
-@pytest.fixture(params=["triton", "triton-split", "torch"])
+@pytest.fixture(params=["triton", "triton-one-grads-kernel", "torch"])
 def grads_path(request, use_kernel_path, monkeypatch):
-    """`path` for the tests of the rule's gradients, plus the Triton path with the gradient kernel split in its dq
-    and dk halves (`_split_grads_kernel`)."""
+    """`path` for the tests of the rule's gradients, plus the Triton path with the gradient kernel as one kernel
+    instead of its dq and dk halves (the default; `_split_grads_kernel`)."""
     use_kernel_path(request.param)
-    if request.param == "triton-split":
-        _split_grads_kernel(monkeypatch)
+    if request.param == "triton-one-grads-kernel":
+        _split_grads_kernel(monkeypatch, split=0)
     return request.param
 
 

@@ -748,12 +748,12 @@ CONFIG = {
     "wu": dict(num_warps=4, num_stages=2, block_v=128),
     "recurrence": dict(num_warps=4, num_stages=3, block_v=64, block_v_few=32),
     "output": dict(num_warps=4, num_stages=2, block_v=64),
-    "grads": dict(num_warps=8, num_stages=3, block_v=32, split=0),
+    "grads": dict(num_warps=8, num_stages=3, block_v=32, split=1),
     # split=1: the gradient kernel's two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE), each with its own settings.
-    # Not yet timed; chosen by ptxas's counts for sm_90 (triton 3.9, bf16, K = V = 128, BV = 32, 16 key / 32 value
-    # heads, gates; scripts/gdn_register_counts.py): the one kernel 255 registers and 1.1 KB of spill stores a
-    # thread at 8 warps (1.3 KB before the dk side's reordering); the dq side none at 4 warps (255 registers; 170
-    # at 8), the dk side 0.25 KB at 8 warps, 1.0 KB at 4.
+    # H100 (scripts/sweep_gated_delta_net.py, layer / long workloads): 7.75 -> 7.26 ms and 13.64 -> 12.32 ms
+    # against the one kernel (split=0); the dk side at 4 warps was faster on the layer workload (7.17) but slower
+    # on the long one (12.58). ptxas for sm_90: the one kernel spills 1.1 KB a thread at 8 warps, the dq side
+    # nothing at 4 warps, the dk side 0.25 KB at 8 (scripts/gdn_register_counts.py).
     "grads_dq": dict(num_warps=4, num_stages=2, block_v=32),
     "grads_dk": dict(num_warps=8, num_stages=3, block_v=32),
 }
