@@ -738,24 +738,28 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 # ------------------------------------------------------------------ chunked gated delta rule: launch wrappers
 
 # launch settings, swept on an H100 (triton 3.6, scripts/sweep_gated_delta_net.py) at Qwen3.5's 8 x 2048 tokens
-# (gated_delta_net_core) and 1 x 32768 (the rule): a one-warp solve 1.07 -> 0.29 ms (its 16 x 16 substitutions are
-# latency-bound reductions); 3 stages in the grads kernel 3.27 -> 3.03 ms; one 128-wide V block in wu 0.76 -> 0.70
-# ms. The serial recurrences take 64-wide V blocks, 32-wide where the (sequence, value head, V block) programs would
-# not fill the GPU twice over (long sequences: 1 x 32768 fwd 2.27 -> 1.43, bwd 1.41 -> 1.19 ms; at 8 x 2048 the
-# 32-wide blocks were slower). 16 warps in the grads kernel were 2x slower, 16-wide V blocks slower.
+# (`layer`: gated_delta_net_core), 1 x 32768 (`long`: the rule) and 8 x 1024 packed in one row (`packed`):
+# - solve: one warp, 1.07 -> 0.29 ms (its 16 x 16 substitutions are latency-bound reductions);
+# - wu: one 128-wide V block, 0.76 -> 0.70 ms (8 warps: slower);
+# - the serial recurrences: 64-wide V blocks at 8 warps; 32-wide blocks at 4 warps where the (sequence, value
+#   head, V block) programs would not fill the GPU twice over (long: fwd 2.27 -> 1.43, bwd 1.41 -> 1.19 ms; 8 warps
+#   there 2.13 -> 2.36 ms, while at `layer` / `packed` 8 warps take 0.17 ms off); 2 stages slower;
+# - output: one 128-wide V block (long 0.87 -> 0.71 ms); 8 warps slower;
+# - the gradient kernel as its two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE; split=0 is the one kernel):
+#   layer 7.75 -> 7.26 ms, long 13.64 -> 12.32 ms. ptxas for sm_90 (scripts/gdn_register_counts.py): the one
+#   kernel spills 1.1 KB a thread at 8 warps, the dq side nothing at 4 warps, the dk side 0.25 KB at 8. Then
+#   64-wide V blocks in both halves (long -0.22 ms dq, -0.11 ms dk); the dk half at 4 warps (layer faster, long
+#   slower), 2 stages or 16-wide blocks: slower; the dq half at 8 warps: slower. One kernel: 3 stages 3.27 -> 3.03
+#   ms, 16 warps 2x slower, 16-wide V blocks slower.
+
 CONFIG = {
     "solve": dict(num_warps=1, num_stages=2, block_k=32),
     "wu": dict(num_warps=4, num_stages=2, block_v=128),
-    "recurrence": dict(num_warps=4, num_stages=3, block_v=64, block_v_few=32),
-    "output": dict(num_warps=4, num_stages=2, block_v=64),
+    "recurrence": dict(num_warps=8, num_stages=3, block_v=64, block_v_few=32, num_warps_few=4),
+    "output": dict(num_warps=4, num_stages=2, block_v=128),
     "grads": dict(num_warps=8, num_stages=3, block_v=32, split=1),
-    # split=1: the gradient kernel's two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE), each with its own settings.
-    # H100 (scripts/sweep_gated_delta_net.py, layer / long workloads): 7.75 -> 7.26 ms and 13.64 -> 12.32 ms
-    # against the one kernel (split=0); the dk side at 4 warps was faster on the layer workload (7.17) but slower
-    # on the long one (12.58). ptxas for sm_90: the one kernel spills 1.1 KB a thread at 8 warps, the dq side
-    # nothing at 4 warps, the dk side 0.25 KB at 8 (scripts/gdn_register_counts.py).
-    "grads_dq": dict(num_warps=4, num_stages=2, block_v=32),
-    "grads_dk": dict(num_warps=8, num_stages=3, block_v=32),
+    "grads_dq": dict(num_warps=4, num_stages=2, block_v=64),
+    "grads_dk": dict(num_warps=8, num_stages=3, block_v=64),
 }
 
 
@@ -790,16 +794,16 @@ class _Problem:
     def block_v(self, cap: int = 1 << 30) -> int:
         return _block(self.V, cap, min(self.least, cap))
 
-    def recurrence_block_v(self) -> int:
-        """V block of the serial recurrences: narrower where the wide blocks' programs would not fill the GPU twice,
-        unless the key lanes are padded (K < BK): there the narrow blocks gave non-finite gradients from
-        `_recurrence_bwd_kernel` on an H100 (triton 3.6, K = 20, fp16 / bf16; not under the interpreter; the
-        wide blocks are exact there, tests/test_gated_delta_net.py's V-block cases)."""
+    def recurrence_launch(self) -> tuple[int, int]:
+        """(V block, warps) of the serial recurrences: narrower blocks where the wide blocks' programs would not
+        fill the GPU twice, unless the key lanes are padded (K < BK): there the narrow blocks gave non-finite
+        gradients from `_recurrence_bwd_kernel` on an H100 (triton 3.6, K = 20, fp16 / bf16; not under the
+        interpreter; the wide blocks are exact there, tests/test_gated_delta_net.py's V-block cases)."""
         cfg = CONFIG["recurrence"]
         bv = self.block_v(cfg["block_v"])
         if self.K == self.BK and self.N * self.HV * triton.cdiv(self.V, bv) < 2 * self.sms:
-            bv = self.block_v(cfg["block_v_few"])
-        return bv
+            return self.block_v(cfg["block_v_few"]), cfg["num_warps_few"]
+        return bv, cfg["num_warps"]
 
 
 def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
@@ -837,7 +841,7 @@ def _recurrence_fwd(p, k, w, u, gc, h0, l2norm, output_final_state, vn_dtype):
     serial recurrence."""
     dev, dt = w.device, w.dtype
     cfg = CONFIG["recurrence"]
-    BV = p.recurrence_block_v()
+    BV, warps = p.recurrence_launch()
     ht = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if output_final_state else w
     hs = torch.empty(p.n_chunks, p.HV, p.K, p.V, dtype=dt, device=dev)
     vn = torch.empty(p.rows, p.HV, p.V, dtype=vn_dtype, device=dev)
@@ -845,7 +849,7 @@ def _recurrence_fwd(p, k, w, u, gc, h0, l2norm, output_final_state, vn_dtype):
            h0 if h0 is not None else w, p.cu, p.chunk_offsets, ht, hs, vn,
            p.T, p.HV, p.K, p.V, k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK, BV=BV, USE_H0=h0 is not None,
            STORE_FINAL=output_final_state, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee,
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           num_warps=warps, num_stages=cfg["num_stages"])
     return ht, hs, vn
 
 
@@ -889,7 +893,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     _, hs, vn = _recurrence_fwd(p, k, w, u, gc, h0, l2norm, False, dt)
     del u
     cfg = CONFIG["recurrence"]
-    BV = p.recurrence_block_v()
+    BV, warps = p.recurrence_launch()
     dhs = torch.empty_like(hs)
     dvn = torch.empty_like(vn)
     dh0 = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if h0 is not None else None
@@ -897,7 +901,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
            dht if dht is not None else w, p.cu, p.chunk_offsets, dh0 if dh0 is not None else w, dhs, dvn,
            p.T, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK,
            BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee,
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           num_warps=warps, num_stages=cfg["num_stages"])
     del w, M
     # the given output views where they have the row layout, else new buffers copied into them at the end
     given = (dq, dk, dv)
