@@ -3,7 +3,7 @@
 
     python scripts/sweep_gated_delta_net.py                       # the default variants, both workloads
     python scripts/sweep_gated_delta_net.py --variants conv_bwd:block_t=32 solve:num_warps=2
-    python scripts/sweep_gated_delta_net.py --variants base grads:split=1 grads:split=1+grads_dk:num_warps=8
+    python scripts/sweep_gated_delta_net.py --variants base grads:split=0 grads_dk:num_warps=4
     python scripts/sweep_gated_delta_net.py --root OTHER_TREE     # another checkout's kernels
 
 Workloads (bf16, Qwen3.5-MoE's 16 key / 32 value heads, head dims 128):
@@ -14,8 +14,9 @@ Workloads (bf16, Qwen3.5-MoE's 16 key / 32 value heads, head dims 128):
   sequences by `cu_seqlens` (where packed input loses time).
 A variant `family:key=value,...` overrides the launch settings of one kernel family (`conv_fwd`, `conv_bwd` in
 triton_conv1d.CONV_CONFIG; `solve`, `wu`, `recurrence`, `output`, `grads`, `grads_dq`, `grads_dk` in
-triton_chunk.CONFIG) on top of the tree's own, several families joined by `+` (`grads:split=1` runs the gradient
-kernel as its two halves, `_grads_dq_kernel` and `_grads_dk_kernel`, whose settings are `grads_dq`, `grads_dk`);
+triton_chunk.CONFIG) on top of the tree's own, several families joined by `+` (`grads:split=0` runs the gradient
+kernel as one kernel, with the `grads` settings, instead of its two halves `_grads_dq_kernel` and `_grads_dk_kernel`,
+whose settings are `grads_dq`, `grads_dk`);
 `base` is the tree's settings. Each (variant, workload): 3 warm-up steps, then torch.profiler over --steps steps;
 the line gives the summed GPU ms per step and each kernel's. Output: stdout and $OUT/sweep_gated_delta_net.txt.
 """
@@ -42,12 +43,11 @@ DEFAULT_VARIANTS = [
     "conv_bwd:block_c=32", "conv_bwd:num_warps=8",
     "solve:num_warps=1", "solve:num_warps=2", "solve:block_k=64", "solve:num_warps=2,block_k=64", "solve:num_stages=1",
     "wu:num_warps=8", "wu:block_v=128", "wu:num_stages=3",
-    "recurrence:block_v=32", "recurrence:num_warps=8", "recurrence:num_stages=2", "recurrence:block_v=32,num_warps=2",
-    "recurrence:block_v=32,num_stages=2",
-    "grads:num_warps=16", "grads:num_stages=3", "grads:block_v=16", "grads:block_v=64,num_warps=16",
-    "grads:split=1", "grads:split=1+grads_dq:num_warps=8", "grads:split=1+grads_dq:num_stages=3",
-    "grads:split=1+grads_dq:block_v=64", "grads:split=1+grads_dk:num_warps=4", "grads:split=1+grads_dk:num_stages=2",
-    "grads:split=1+grads_dk:block_v=64", "grads:split=1+grads_dk:block_v=16",
+    "recurrence:block_v=32", "recurrence:num_warps=4", "recurrence:num_stages=2", "recurrence:num_warps_few=8",
+    "output:block_v=64", "output:num_warps=8",
+    "grads:split=0", "grads:split=0,num_warps=16", "grads:split=0,block_v=16",
+    "grads_dq:num_warps=8", "grads_dq:num_stages=3", "grads_dq:block_v=32",
+    "grads_dk:num_warps=4", "grads_dk:num_stages=2", "grads_dk:block_v=32", "grads_dk:block_v=16",
 ]
 
 

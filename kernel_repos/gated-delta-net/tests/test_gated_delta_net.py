@@ -139,6 +139,28 @@ SPLIT_CASES = [
 ]
 
 
+def test_recurrence_launch_settings():
+    """The serial recurrences take the wide V block and its warps where their programs fill the GPU twice over, the
+    narrow block and its warps where they would not, and the wide block whenever the key lanes are padded."""
+    from hubfuse.gated_delta_net import triton_chunk
+
+    cfg = triton_chunk.CONFIG["recurrence"]
+
+    def settings(B, K, sms=132):
+        q = torch.empty(B, 64, 16, K, dtype=torch.bfloat16)
+        v = torch.empty(B, 64, 32, 128, dtype=torch.bfloat16)
+        p = triton_chunk._Problem(q, v, None, None)
+        p.sms = sms
+        return p.recurrence_launch()
+
+    wide = (cfg["block_v"], cfg["num_warps"])
+    narrow = (cfg["block_v_few"], cfg["num_warps_few"])
+    assert settings(B=8, K=128) == wide  # 8 x 32 heads x 2 blocks = 512 programs >= 2 x 132
+    assert settings(B=1, K=128) == narrow  # 64 programs
+    assert settings(B=1, K=20) == wide  # padded key lanes: never the narrow blocks
+    assert settings(B=1, K=128, sms=0) == wide  # no GPU to fill (CPU)
+
+
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
 def test_split_grads_kernel_equals_one_kernel(case, use_kernel_path, monkeypatch):
     """The gradient kernel's dq and dk halves (split=1, two launches) give the one kernel's gradients (split=0), V in
