@@ -86,3 +86,20 @@ def test_rebuild_writing_in_place_is_caught_by_autograd():
     release_until_backward([y], (h,), lambda h_out: torch.exp(x.detach(), out=h_out))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_release_switch(monkeypatch):
+    """HUBFUSE_RELEASE_ACTIVATIONS: 1 (default) may release, 0 never does, anything else is a clear error."""
+    from hubfuse._common import released
+
+    monkeypatch.delenv(released.RELEASE_SWITCH, raising=False)
+    assert released.can_release()
+    monkeypatch.setenv(released.RELEASE_SWITCH, "0")
+    assert not released.can_release()
+    monkeypatch.setenv(released.RELEASE_SWITCH, "1")
+    assert released.can_release()
+    with torch.no_grad():
+        assert not released.can_release()
+    monkeypatch.setenv(released.RELEASE_SWITCH, "yes")
+    with pytest.raises(ValueError, match="HUBFUSE_RELEASE_ACTIVATIONS must be 0 or 1"):
+        released.can_release()

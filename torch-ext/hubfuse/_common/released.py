@@ -13,10 +13,14 @@ knows it is the output's only reader (the attention fed by the decoder layer's i
 
 Only where nothing else decides what is saved: not under torch.compile (it traces the graph itself), not under
 saved-tensor hooks (activation checkpointing recomputes the forward and reads what it saved without running our
-hooks; CPU offloading copies at save time), not without gradients.
+hooks; CPU offloading copies at save time), not without gradients, and not with
+`HUBFUSE_RELEASE_ACTIVATIONS=0` in the environment.
 """
+import os
+
 import torch
 
+RELEASE_SWITCH = "HUBFUSE_RELEASE_ACTIVATIONS"  # the environment variable of `release_enabled`
 _REBUILD = "_hubfuse_rebuild"  # a tensor attribute: how to rebuild the tensor's values (mark_rebuildable)
 
 
@@ -31,9 +35,19 @@ def saved_tensor_hooks_active() -> bool:
     return hooks is not None and not getattr(hooks[0], OBSERVES_ONLY, False)
 
 
+def release_enabled() -> bool:
+    """The switch `HUBFUSE_RELEASE_ACTIVATIONS`: "1" (the default) releases, "0" keeps every saved tensor (more
+    memory, less host work a step: the rebuilds' launches and hooks). Read at every call, as the device choice."""
+    value = os.environ.get(RELEASE_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{RELEASE_SWITCH} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def can_release() -> bool:
     """Whether tensors saved in this forward may be released until the backward (see the module docstring)."""
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not saved_tensor_hooks_active()
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling() and not saved_tensor_hooks_active()
+            and release_enabled())
 
 
 def write_alias(t: torch.Tensor) -> torch.Tensor:
