@@ -201,7 +201,7 @@ def local_kernels(d: Dist, repos) -> None:
     utils.register_local_kernels(*repos)
 
 
-def load(config: str, path: Path, args, d: Dist, cfg, units: tuple = (1, True)):
+def load(config: str, path: Path, args, d: Dist, cfg, units: tuple = (1, True, False)):
     """(model, how it is sharded) for one configuration."""
     import bench
     import torch
@@ -247,7 +247,10 @@ def load(config: str, path: Path, args, d: Dist, cfg, units: tuple = (1, True)):
     else:
         mesh = init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("dp",))
         how = f"hubfuse: fully_shard_model over {d.world} ranks (no EP)"
-    per_unit, head_unit = units
+    per_unit, head_unit, embedding_rows = units
+    if embedding_rows:
+        distributed.shard_embedding(model, mesh, args.batch * args.seq)
+        how += ", embedding rows sharded (shard_embedding)"
     distributed.fully_shard_model(model, mesh, mp_policy=mp, layers_per_unit=per_unit, head_unit=head_unit)
     if per_unit > 1:
         how += f", {per_unit} layers per FSDP unit"
@@ -289,9 +292,9 @@ def variants(config: str, args, d: Dist) -> list[tuple[str, str | None]]:
     return [(mode, ep) for ep in dispatch for mode in args.fsdp]
 
 
-def variant_name(config: str, mode: str, dispatch: str | None, units: tuple = (1, True)) -> str:
+def variant_name(config: str, mode: str, dispatch: str | None, units: tuple = (1, True, False)) -> str:
     tags = [t for t in (dispatch, None if mode == "default" else mode, f"u{units[0]}" if units[0] > 1 else None,
-                        None if units[1] else "headroot") if t]
+                        None if units[1] else "headroot", "embrows" if units[2] else None) if t]
     return config + (f"[{','.join(tags)}]" if tags else "")
 
 
@@ -323,7 +326,7 @@ def set_ep_dispatch(model, dispatch: str | None, args) -> None:
 
 # ----------------------------------------------------------------------------------------------- one row
 
-def run_one(config: str, path: Path, batches, args, d: Dist, cfg, record, units: tuple = (1, True)) -> None:
+def run_one(config: str, path: Path, batches, args, d: Dist, cfg, record, units: tuple = (1, True, False)) -> None:
     """run_config; in a process on its own an exception (an OOM) becomes the row and the run goes on (with
     several ranks it cannot: the others would wait in a collective)."""
     import torch
@@ -404,7 +407,7 @@ def nvidia_smi_apps() -> list:
         return [f"nvidia-smi: {type(e).__name__}: {e}"]
 
 
-def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record, units: tuple = (1, True)) -> None:
+def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record, units: tuple = (1, True, False)) -> None:
     """Load one configuration, then measure each of its variants (one row each) on the same model."""
     import gc
 
@@ -846,6 +849,9 @@ def main(argv=None) -> int:
     p.add_argument("--head-unit", nargs="+", default=["own"], choices=("own", "root"),
                    help="hubfuse-sharded rows: lm_head as its own FSDP unit (fully_shard_model(head_unit=True), "
                         "the default) or inside the root unit (tag headroot); one loaded model per choice")
+    p.add_argument("--embedding", nargs="+", default=["fsdp"], choices=("fsdp", "rows"),
+                   help="hubfuse-sharded rows: the input embedding in the root FSDP unit, or row-sharded by "
+                        "hubfuse.distributed.shard_embedding (tag embrows); one loaded model per choice")
     p.add_argument("--back-to-back", action="store_true",
                    help="after the measured steps, as many more with no synchronisation between them (a table of its own)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -954,7 +960,9 @@ def main(argv=None) -> int:
             hubfuse_sharded = d.world > 1 and (config == "ours_fsdp" or args.sharding == "hubfuse")
             for per_unit in (args.layers_per_unit if hubfuse_sharded else [1]):
                 for head in (args.head_unit if hubfuse_sharded else ["own"]):
-                    run_one(config, model_dir, batches, args, d, cfg, record, (per_unit, head == "own"))
+                    for embedding in (args.embedding if hubfuse_sharded else ["fsdp"]):
+                        run_one(config, model_dir, batches, args, d, cfg, record,
+                                (per_unit, head == "own", embedding == "rows"))
         if reference == "last":
             one_gpu_rows()
         if d.rank == 0:

@@ -31,8 +31,8 @@
 #                                                    its own timeout (T_SLICE8 200, T_QWEN35 160, T_DEEP 200 s) within
 #                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours
 #                                                    sharded by transformers and by hubfuse (ours_fsdp, with 1 and
-#                                                    8 decoder layers per FSDP unit, lm_head its own unit or in
-#                                                    the root), then the
+#                                                    8 decoder layers per FSDP unit, the embedding in FSDP or
+#                                                    row-sharded by shard_embedding), then the
 #                                                    1-GPU reference, every row profiled and also timed back to
 #                                                    back (--back-to-back), traces in
 #                                                    $OUT/traces; SLICE8_ARGS adds bench args, e.g. --ep-dispatch
@@ -187,7 +187,7 @@ case "$step" in
       case "$part" in
         slice8) run_part slice8 "${T_SLICE8:-200}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
                   --trace "$OUT/traces" --back-to-back --layers-per-unit 1 8 --steps 8 --warmup 3 \
-                  --head-unit own root --configs hf ours ours_fsdp ${SLICE8_ARGS:-} \
+                  --head-unit own --embedding fsdp rows --configs hf ours ours_fsdp ${SLICE8_ARGS:-} \
                   || status=1 ;;
         ep)     run_part ep "${T_EP:-200}" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_distributed.py \
                   -k pipelined_exchange_nccl || status=1 ;;

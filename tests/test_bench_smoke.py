@@ -55,7 +55,8 @@ def test_bench_distributed_smoke(tmp_path):
                TRITON_INTERPRET="0")  # the kernels' torch path: the script, not the kernels, is under test
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_distributed.py"), "--smoke", "--steps", "1",
            "--out", str(tmp_path), "--model-dir", str(tmp_path / "models"), "--one-gpu-reference",
-           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1", "--trace", str(tmp_path / "traces"), "--back-to-back", "--layers-per-unit", "1", "2"]
+           "--init-method", f"file://{tmp_path / 'store'}", "--profile", "1", "--trace", str(tmp_path / "traces"), "--back-to-back", "--layers-per-unit", "1", "2",
+           "--embedding", "fsdp", "rows"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
@@ -70,10 +71,15 @@ def test_bench_distributed_smoke(tmp_path):
     data = json.loads((tmp_path / "bench_distributed_qwen3_30b_a3b_2l_2gpu_ep2.json").read_text())
     rows = {(r["gpus"], r["config"]): r for r in data["results"]}
     assert set(rows) == {(g, c) for g in (1, 2) for c in ("hf", "ours")} | {(2, "ours_fsdp")}
-    assert [r["gpus"] for r in data["results"]] == [2, 2, 2, 2, 1, 1]  # the one-GPU reference after the 2-GPU rows
-    # --layers-per-unit 1 2: the hubfuse-sharded config once per value, its 2 layers in one FSDP unit (tag u2)
-    assert [r["row"] for r in data["results"] if r["config"] == "ours_fsdp"] == ["ours_fsdp[fixed]", "ours_fsdp[fixed,u2]"]
-    assert "2 layers per FSDP unit" in data["results"][3]["sharding"]
+    assert [r["gpus"] for r in data["results"]] == [2] * 6 + [1, 1]  # the one-GPU reference after the 2-GPU rows
+    # --layers-per-unit 1 2 x --embedding fsdp rows: the hubfuse-sharded config once per pair, its 2 layers in one
+    # FSDP unit (tag u2), its input embedding row-sharded by shard_embedding (tag embrows)
+    assert [r["row"] for r in data["results"] if r["config"] == "ours_fsdp"] == [
+        "ours_fsdp[fixed]", "ours_fsdp[fixed,embrows]", "ours_fsdp[fixed,u2]", "ours_fsdp[fixed,u2,embrows]"]
+    assert "2 layers per FSDP unit" in data["results"][4]["sharding"]
+    assert "embedding rows sharded" in data["results"][3]["sharding"]
+    fsdp_rows = [r for r in data["results"] if r["config"] == "ours_fsdp"]
+    assert len({r["loss_step1"] for r in fsdp_rows}) == 1, [r["loss_step1"] for r in fsdp_rows]  # same forward
     for (gpus, config), r in rows.items():
         assert r["status"] == "ok", r
         for key in ("tokens_per_s_per_gpu", "step_ms_median", "loss_step1", "scaling_efficiency", "x_hf"):
@@ -108,7 +114,9 @@ def test_bench_distributed_smoke(tmp_path):
     assert sorted(p.name for p in (tmp_path / "traces").glob("trace_ours*")) == [
         "trace_ours_1gpu_rank0.json.gz", "trace_ours_fixed_2gpu_rank0.json.gz", "trace_ours_fixed_2gpu_rank1.json.gz",
         "trace_ours_fsdp_fixed_2gpu_rank0.json.gz", "trace_ours_fsdp_fixed_2gpu_rank1.json.gz",
-        "trace_ours_fsdp_fixed_u2_2gpu_rank0.json.gz", "trace_ours_fsdp_fixed_u2_2gpu_rank1.json.gz"]
+        "trace_ours_fsdp_fixed_embrows_2gpu_rank0.json.gz", "trace_ours_fsdp_fixed_embrows_2gpu_rank1.json.gz",
+        "trace_ours_fsdp_fixed_u2_2gpu_rank0.json.gz", "trace_ours_fsdp_fixed_u2_2gpu_rank1.json.gz",
+        "trace_ours_fsdp_fixed_u2_embrows_2gpu_rank0.json.gz", "trace_ours_fsdp_fixed_u2_embrows_2gpu_rank1.json.gz"]
 
 
 def _bench_module():

@@ -85,6 +85,9 @@ FIXED_CAPACITY = {"fsdp2_ep_qwen3_5_moe_ep2": 2, "fsdp2_ep_qwen3_5_moe_ep2_packe
 PACKED = {"fsdp2_ep_qwen3_5_moe_ep2_packed"}
 # Scenarios whose decoder layers go to fully_shard_model in FSDP units of several layers (layers_per_unit)
 LAYERS_PER_UNIT = {"fsdp2_ep_qwen3_moe_ep2_units2": 2}
+# Scenarios whose input embedding is row-sharded by hubfuse.distributed.shard_embedding (out of FSDP), name ->
+# tokens_per_rank (above the micro-batch's tokens in one of them: the padding path)
+ROW_SHARDED_EMBEDDING = {"fsdp2_qwen3": ROWS * SEQ + 5, "fsdp2_ep_qwen3_5_moe": ROWS * SEQ}
 
 
 def _packed(micro: dict) -> dict:
@@ -150,7 +153,7 @@ def _average_grads(model, world: int) -> None:
 
 
 def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int | None = None, chunks: int = 1,
-           layers_per_unit: int = 1):
+           layers_per_unit: int = 1, embedding_tokens: int | None = None):
     import torch
     import torch.distributed as dist
     from kernels import get_kernel
@@ -181,6 +184,8 @@ def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int 
                       if name.endswith("mlp.experts")]
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    if embedding_tokens is not None:
+        distributed.shard_embedding(model, mesh, embedding_tokens)
     if sharding == "fsdp":
         distributed.fully_shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                                   reduce_dtype=torch.float32),
@@ -405,6 +410,83 @@ def _pipelined_exchange_nccl(world: int) -> dict:
     return dict(errors=errors, ms=times)
 
 
+def _row_sharded_embedding_functional(world: int) -> list[str]:
+    """hubfuse.distributed.shard_embedding on a bare nn.Embedding (float64, a vocabulary of 11: uneven over 2 and 4
+    ranks, a padding_idx), each rank with its own token count (5 + 2 * rank, below tokens_per_rank): the output
+    equals nn.Embedding's bit for bit, the weight gradient the mean over ranks of every rank's nn.Embedding
+    gradient. Then bad input raises errors naming the problem, on every rank at once (before any exchange)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hubfuse import distributed
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    vocab, hidden, padding_idx, capacity = 11, 6, 3, 5 + 2 * world + 1
+
+    def tokens(r: int, dtype):
+        g = torch.Generator().manual_seed(50 + r)
+        ids = torch.randint(0, vocab, (5 + 2 * r,), generator=g)
+        ids[0] = padding_idx
+        return ids.to(dtype), torch.randn(5 + 2 * r, hidden, generator=g, dtype=torch.float64)
+
+    errors = []
+    for dtype in (torch.int64, torch.int32):
+        full = nn.Embedding(vocab, hidden, padding_idx=padding_idx, dtype=torch.float64)
+        with torch.no_grad():
+            full.weight.copy_(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(5),
+                                          dtype=torch.float64))
+        model = nn.Module()
+        model.embed = nn.Embedding(vocab, hidden, padding_idx=padding_idx, dtype=torch.float64)
+        model.embed.load_state_dict(full.state_dict())
+        model.get_input_embeddings = lambda: model.embed
+        distributed.shard_embedding(model, mesh, capacity)
+        ids, grad = tokens(rank, dtype)
+        out = model.embed(ids.view(1, -1))
+        want_out = full(ids.view(1, -1))
+        if out.shape != want_out.shape or not torch.equal(out, want_out):
+            errors.append(f"rank {rank}, {dtype}: output differs from nn.Embedding")
+        out.backward(grad.view(1, -1, hidden))
+        for r in range(world):
+            other_ids, other_grad = tokens(r, dtype)
+            full(other_ids).backward(other_grad / world)
+        got = model.embed.weight.grad.full_tensor()
+        if not torch.allclose(got, full.weight.grad, rtol=1e-12, atol=1e-12):
+            errors.append(f"rank {rank}, {dtype}: weight gradient off by "
+                          f"{(got - full.weight.grad).abs().max().item():.3g}")
+    tied = nn.Module()
+    tied.embed, tied.head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    tied.head.weight = tied.embed.weight
+    tied.get_input_embeddings = lambda: tied.embed
+    wrapped = nn.Module()
+    wrapped.get_input_embeddings = lambda: nn.Sequential(nn.Embedding(8, 4))
+    plain = nn.Module()
+    plain.embed = nn.Embedding(8, 4)
+    plain.get_input_embeddings = lambda: plain.embed
+    errors += _unmet_errors([
+        ("tokens above tokens_per_rank", lambda: model.embed(torch.zeros(1, capacity + 1, dtype=torch.long)),
+         ValueError, f"{capacity + 1} tokens in this call, more than tokens_per_rank {capacity}"),
+        ("float input_ids", lambda: model.embed(torch.zeros(1, 3)), TypeError, "int32 or int64"),
+        ("input_ids out of range", lambda: model.embed(torch.tensor([[0, vocab]])), ValueError,
+         f"input_ids must be in [0, {vocab})"),
+        ("sharded twice", lambda: distributed.shard_embedding(model, mesh, 8), ValueError, "sharded already"),
+        ("tied head", lambda: distributed.shard_embedding(tied, mesh, 8), ValueError, "tied to head"),
+        ("not an nn.Embedding", lambda: distributed.shard_embedding(wrapped, mesh, 8), ValueError,
+         "not a plain nn.Embedding"),
+        ("tokens_per_rank 0", lambda: distributed.shard_embedding(tied, mesh, 0), ValueError,
+         "tokens_per_rank must be a positive int"),
+        ("tokens_per_rank a float", lambda: distributed.shard_embedding(tied, mesh, 8.0), ValueError,
+         "tokens_per_rank must be a positive int"),
+        ("mesh smaller than the world", lambda: distributed.shard_embedding(
+            plain, init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("a", "b"))["a"], 8), ValueError,
+         f"the world has {world} processes"),
+    ])
+    dist.barrier()
+    return [f"rank {rank}: {p}" for p in errors]
+
+
 def _unmet_errors(cases) -> list[str]:
     """(what, call, exception type, text) cases: each call must raise that type with that text in its message."""
     problems = []
@@ -506,7 +588,8 @@ def _checkpoint_round_trip(model, name: str, path, world: int, out_dir: Path, ra
     if "dcp" in CHECKPOINT_SCENARIOS[name]:
         dcp_dir = out_dir / f"{name}_dcp_checkpoint"
         dcp.save(get_model_state_dict(model), checkpoint_id=str(dcp_dir))
-        fresh, _ = _build(family, path, world, ep, sharding)  # the untrained weights, sharded the same way
+        fresh, _ = _build(family, path, world, ep, sharding,  # the untrained weights, sharded the same way
+                          embedding_tokens=ROW_SHARDED_EMBEDDING.get(name))
         state = get_model_state_dict(fresh)
         dcp.load(state, checkpoint_id=str(dcp_dir))
         set_model_state_dict(fresh, state)
@@ -544,7 +627,7 @@ def _worker(spec_file: str) -> None:
     try:
         t0 = time.time()
         os.environ["TRITON_INTERPRET"] = "0"
-        errors = _expert_parallel_functional(world)
+        errors = _expert_parallel_functional(world) + _row_sharded_embedding_functional(world)
         if world == 2:
             errors += _configuration_errors(world)
         (out_dir / f"functional_rank{rank}.json").write_text(json.dumps(dict(errors=errors,
@@ -559,7 +642,8 @@ def _worker(spec_file: str) -> None:
                 batches = [[_packed(micro) for micro in step] for step in batches]
             model, local_rows = _build(family, path, world, ep, sharding,
                                        capacity=ROWS * SEQ if name in FIXED_CAPACITY else None,
-                                       chunks=FIXED_CAPACITY.get(name, 1), layers_per_unit=LAYERS_PER_UNIT.get(name, 1))
+                                       chunks=FIXED_CAPACITY.get(name, 1), layers_per_unit=LAYERS_PER_UNIT.get(name, 1),
+                                       embedding_tokens=ROW_SHARDED_EMBEDDING.get(name))
             facts = _facts(model, local_rows)
             losses, grads, head = _train(model, batches, rank, world, sharding)
             result = dict(facts, **head, losses=losses)
@@ -704,6 +788,7 @@ def _check_against_reference(name: str, run) -> list[dict]:
             assert r["experts_fsdp"] and set(r["experts_fsdp"]) == {world // ep > 1}, r["experts_fsdp"]
         if family != "qwen3":
             assert "GroupedGemmExperts" in r["bound"], r["bound"]
+        assert ("_row_sharded_forward" in r["bound"]) == (name in ROW_SHARDED_EMBEDDING), r["bound"]
     return results
 
 

@@ -19,9 +19,16 @@ imports transformers; the kernels need nothing from this module (it is the recip
 """
 from __future__ import annotations
 
+from types import MethodType
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ._common.checks import check_range, first_order
+
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); torch 2.11 has only the latter
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _ep_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -147,8 +154,120 @@ def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=N
     head = _untied_head(model) if head_unit else None
     if head is not None:
         fully_shard(head, mesh=dense_mesh, reshard_after_forward=False, **kw)
+    embedding = model.get_input_embeddings()
+    if getattr(embedding, _ROW_SHARDED, None) is not None:  # shard_embedding: its own exchange, out of FSDP
+        unwrapped.add(embedding.weight)
     fully_shard(model, mesh=dense_mesh, ignored_params=unwrapped, **kw)
     return model
+
+
+_ROW_SHARDED = "_hubfuse_row_sharded"  # on an embedding module: (process group, capacity) of shard_embedding
+
+
+def shard_embedding(model: nn.Module, mesh, tokens_per_rank: int) -> nn.Module:
+    """Shard the input embedding's rows over every rank of `mesh` (call it before `fully_shard_model`, which then
+    leaves the embedding out of FSDP), and look tokens up where their rows live. Returns the model.
+
+    Under FSDP the embedding (151936 x 2048 in Qwen3-30B-A3B, 0.6 GB in bf16) is all-gathered whole at the start of
+    the forward, and its dense gradient (1.2 GB in fp32) reduce-scattered after the whole backward, where nothing
+    is left to hide it under. Here rank r keeps rows [r * ceil(V / n), ...) as a DTensor `Shard(0)` over the
+    (flattened) mesh, so the optimizer, `state_dict()` and checkpoints see the original parameter, and one call
+    moves token-sized tensors instead:
+    - forward: the token ids are all-gathered, each rank looks up the rows it owns for every rank's tokens (zero
+      rows elsewhere), and one reduce-scatter of (n x tokens_per_rank, hidden) gives each rank its own tokens'
+      rows. Each row has one nonzero contribution, so the sum is exact: the output equals `nn.Embedding`'s bit
+      for bit.
+    - backward: the output gradients are all-gathered and each rank computes its own rows' gradient over all
+      the ranks' tokens (`embedding_dense_backward`, fp32 accumulation as in one process), divided by n: the mean
+      over ranks that FSDP's gradient reduction gives the other parameters.
+
+    Every rank's call carries at most `tokens_per_rank` tokens (ValueError otherwise); fewer are padded to it, so
+    ranks may hold different token counts and no size crosses to the host (no host sync, static shapes). mesh: the
+    mesh given to `fully_shard_model` (1-D, or 2-D (dp, ep): its ranks flattened), covering every rank. The
+    embedding must be a plain `nn.Embedding` (`model.get_input_embeddings()`) whose weight no other module shares:
+    a head tied to it needs the whole matrix (ValueError).
+    """
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
+        raise ValueError(f"shard_embedding: tokens_per_rank must be a positive int, got {tokens_per_rank!r}")
+    if dist.is_initialized() and mesh.size() != dist.get_world_size():
+        raise ValueError(f"shard_embedding: the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}) but the "
+                         f"world has {dist.get_world_size()} processes; the mesh must cover every rank")
+    if mesh.ndim == 2:
+        mesh = _flattened(mesh, mesh.mesh_dim_names)
+    elif mesh.ndim != 1:
+        raise ValueError(f"shard_embedding: mesh must be 1-D or 2-D, got {mesh.ndim}-D")
+    embedding = model.get_input_embeddings()
+    if type(embedding) is not nn.Embedding:
+        raise ValueError(f"shard_embedding: {type(model).__name__}'s input embedding is "
+                         f"{type(embedding).__name__}, not a plain nn.Embedding")
+    if getattr(embedding, _ROW_SHARDED, None) is not None or isinstance(embedding.weight, DTensor):
+        raise ValueError("shard_embedding: the input embedding is sharded already")
+    if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+        raise ValueError("shard_embedding: max_norm, scale_grad_by_freq and sparse embeddings are not supported")
+    weight = embedding.weight
+    for name, module in model.named_modules():
+        if module is not embedding and any(p is weight for p in module.parameters(recurse=False)):
+            raise ValueError(f"shard_embedding: the input embedding's weight is tied to {name or 'the model'}; a "
+                             "tied head needs the whole matrix (keep the embedding in FSDP)")
+    sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)])
+    embedding.weight = nn.Parameter(sharded, requires_grad=weight.requires_grad)
+    setattr(embedding, _ROW_SHARDED, (mesh.get_group(), tokens_per_rank))
+    embedding.forward = MethodType(_row_sharded_forward, embedding)
+    return model
+
+
+def _row_sharded_forward(self: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    group, capacity = getattr(self, _ROW_SHARDED)
+    weight = self.weight
+    local = weight.to_local()  # differentiable: its gradient comes back as a Shard(0) DTensor
+    num_rows, world, rank = weight.shape[0], dist.get_world_size(group), dist.get_rank(group)
+    offset = min(rank * -(-num_rows // world), num_rows)  # Shard(0) splits as torch.chunk
+    if input_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"shard_embedding: input_ids must be int32 or int64, got {input_ids.dtype}")
+    if input_ids.numel() > capacity:
+        raise ValueError(f"shard_embedding: {input_ids.numel()} tokens in this call, more than tokens_per_rank "
+                         f"{capacity}")
+    check_range(input_ids, 0, num_rows, f"shard_embedding: input_ids must be in [0, {num_rows})")
+    rows = _RowShardedEmbedding.apply(input_ids.reshape(-1), local, group, capacity, offset, self.padding_idx)
+    return rows.view(*input_ids.shape, local.shape[1])
+
+
+class _RowShardedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, local_weight, group, capacity, offset, padding_idx):
+        world, tokens = dist.get_world_size(group), ids.numel()
+        num_local, hidden = local_weight.shape
+        send = ids.new_full((capacity,), -1)  # padding: an id no rank owns
+        send[:tokens] = ids
+        every = ids.new_empty(world * capacity)
+        _all_gather(every, send, group=group)
+        index = every - offset
+        foreign = (index < 0) | (index >= num_local)
+        rows = nn.functional.embedding(index.clamp(0, num_local - 1), local_weight)
+        rows.masked_fill_(foreign.unsqueeze(1), 0)
+        out = rows.new_empty(capacity, hidden)
+        dist.reduce_scatter_tensor(out, rows, group=group)
+        ctx.group, ctx.capacity, ctx.num_local = group, capacity, num_local
+        # rows this rank does not own go to one spare row, dropped after the backward
+        ctx.save_for_backward(index.masked_fill(foreign, num_local))
+        local_padding = padding_idx - offset if padding_idx is not None else -1
+        ctx.padding_idx = local_padding if 0 <= local_padding < num_local else -1
+        return out[:tokens]
+
+    @staticmethod
+    @first_order("shard_embedding")
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        world = dist.get_world_size(ctx.group)
+        send = grad.new_zeros(ctx.capacity, grad.shape[1])
+        send[:grad.shape[0]] = grad
+        every = grad.new_empty(world * ctx.capacity, grad.shape[1])
+        _all_gather(every, send, group=ctx.group)
+        weight_grad = torch.ops.aten.embedding_dense_backward(every, index, ctx.num_local + 1, ctx.padding_idx,
+                                                              False)
+        return None, weight_grad[:ctx.num_local].div_(world), None, None, None, None
 
 
 def _untied_head(model: nn.Module) -> nn.Module | None:
@@ -225,5 +344,5 @@ def save_pretrained(model: nn.Module, directory, **kwargs) -> None:
     dist.barrier()
 
 
-__all__ = ["fully_shard_model", "decoder_layers", "fix_single_rank_expert_reduction", "full_state_dict",
+__all__ = ["fully_shard_model", "shard_embedding", "decoder_layers", "fix_single_rank_expert_reduction", "full_state_dict",
            "save_pretrained"]
