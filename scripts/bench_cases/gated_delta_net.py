@@ -8,7 +8,8 @@ heads repeated to 32, as transformers' GatedDeltaNet calls the hook; "native" = 
 heads each (what our GatedDeltaNet layer passes; FLA accepts it too). flash-linear-attention 0.6.0's backward
 refuses to run on Hopper with Triton >= 3.4, < 3.7.1 (its issue #640: its results may be wrong there): it is run
 with that guard bypassed, as a timing anchor only. Floor: the bytes the op must move (q, k, v, g, beta, o; do, dq,
-dk, dv, dg, dbeta) over the measured copy bandwidth.
+dk, dv, dg, dbeta) over the measured copy bandwidth. `HUBFUSE_GDN_BENCH_SHAPES=2x8192,1x32768` runs only those
+batch x tokens shapes (FLA autotunes for minutes at each new one).
 """
 import os
 import sys
@@ -17,6 +18,17 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = [(8, 1024), (2, 8192), (1, 32768)]
+
+
+def _shapes():
+    wanted = os.environ.get("HUBFUSE_GDN_BENCH_SHAPES")
+    if not wanted:
+        return SHAPES
+    shapes = [tuple(int(n) for n in item.split("x")) for item in wanted.split(",")]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"HUBFUSE_GDN_BENCH_SHAPES: {unknown} not among {SHAPES}")
+    return shapes
 HK, HV, D = 16, 32, 128
 
 
@@ -50,7 +62,7 @@ def run(h):
     kg = h.load_kernel("gated-delta-net")
     fla = _fla()
     dev, dt = h.dev, h.dt
-    for B, T in SHAPES:
+    for B, T in _shapes():
         op = f"gated_delta_rule {B}x{T}"
         n = B * T
         io = n * (2 * HK * D * 2 + HV * D * 2 + HV * 6)          # q, k, v, g (fp32), beta
