@@ -447,6 +447,25 @@ def _local_ids(global_ids: torch.Tensor, first, num_local: int) -> torch.Tensor:
     return torch.where((ids >= 0) & (ids < num_local), ids, num_local).to(torch.int32)
 
 
+_LOCAL_ID_TABLES: dict = {}
+
+
+def _local_ids_on_rank(global_ids: torch.Tensor, rank: int, num_local: int, ep_size: int) -> torch.Tensor:
+    """`_local_ids(global_ids, rank * num_local, num_local)` in one gather from a cached (ep * num_local + 1,)
+    int32 table (global id, or the padding's id E -> local id or the sentinel), instead of six elementwise ops a
+    call. The ids must be in [0, E] (checked where the caller's top_k_index came in). Outside a CUDA-graph
+    capture only (a table created during one would be written only by the graph's replays)."""
+    key = (global_ids.device, rank, num_local, ep_size)
+    table = _LOCAL_ID_TABLES.get(key)
+    if table is None:
+        if global_ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return _local_ids(global_ids, rank * num_local, num_local)
+        table = _local_ids(torch.arange(ep_size * num_local + 1, device=global_ids.device), rank * num_local,
+                           num_local)
+        _LOCAL_ID_TABLES[key] = table
+    return table[global_ids]
+
+
 def _destination_ids(top_k_index: torch.Tensor, ep_size: int, num_local: int) -> torch.Tensor:
     """(ep, T, K) int32: each token's top-k expert ids local to each destination rank (others: the sentinel)."""
     first = torch.arange(ep_size, device=top_k_index.device)[:, None, None] * num_local
@@ -519,17 +538,21 @@ def _pipeline(tokens: int, num_local: int, capacity: int, chunks: int, group) ->
                      group)
 
 
-def _gather_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts):
-    """Pack each chunk (chunk_parts(first, tokens): (tokens, ·) fields; pad_parts: one padding row's (1, ·) fields)
-    into (R, row_bytes) and issue its all-gather over the EP group (before packing the next); returns (recv,
-    works): recv (chunks, ep * R, row_bytes), chunk c's rows grouped by source rank once works[c] is waited."""
-    send = torch.empty((len(pipe.spans), pipe.rows, fmt.row_bytes), dtype=torch.uint8, device=pad_parts[0].device)
+def _gather_chunks(pipe: _Pipeline, fmt: _RowFormat, chunk_parts, pad_parts, device):
+    """Pack each chunk (chunk_parts(first, tokens): (tokens, ·) fields; pad_parts(): one padding row's (1, ·)
+    fields, built only if a chunk has fewer tokens than R) into (R, row_bytes) and issue its all-gather over the EP
+    group (before packing the next); returns (recv, works): recv (chunks, ep * R, row_bytes), chunk c's rows
+    grouped by source rank once works[c] is waited."""
+    send = torch.empty((len(pipe.spans), pipe.rows, fmt.row_bytes), dtype=torch.uint8, device=device)
     recv = torch.empty((len(pipe.spans), pipe.ep_size * pipe.rows, fmt.row_bytes), dtype=torch.uint8,
                        device=send.device)
     works = []
+    pad = None
     for c, (first, n) in enumerate(pipe.spans):
         fmt.pack(send[c, :n], chunk_parts(first, n))
-        fmt.pack(send[c, n:], pad_parts)
+        if n < pipe.rows:
+            pad = pad or pad_parts()
+            fmt.pack(send[c, n:], pad)
         works.append(_all_gather(recv[c], send[c], group=pipe.group, async_op=True))
     return recv, works
 
@@ -545,18 +568,20 @@ def _pipelined_forward(pipe: _Pipeline, hidden_states, top_k_index, top_k_weight
     """The forward pipeline; `saved` (unless None) gets each chunk's tensors for `_experts_bwd`."""
     K, H = top_k_index.shape[1], hidden_states.shape[1]
     fields = [hidden_states, top_k_weights, top_k_index.to(torch.int32)]
-    pad = [hidden_states.new_zeros(1, H), top_k_weights.new_zeros(1, K),
-           fields[2].new_full((1, K), pipe.num_local * pipe.ep_size)]
     fmt = _RowFormat.of(fields)
-    recv, dispatches = _gather_chunks(pipe, fmt, lambda first, n: [f[first:first + n] for f in fields], pad)
+    recv, dispatches = _gather_chunks(
+        pipe, fmt, lambda first, n: [f[first:first + n] for f in fields],
+        lambda: [hidden_states.new_zeros(1, H), top_k_weights.new_zeros(1, K),
+                 fields[2].new_full((1, K), pipe.num_local * pipe.ep_size)], hidden_states.device)
     returns = []
     for c, work in enumerate(dispatches):
         work.wait()
         hidden, weights, global_ids = fmt.unpack(recv[c])
         hidden, weights = hidden.contiguous(), weights.contiguous()
-        local_ids = _local_ids(global_ids, pipe.rank * pipe.num_local, pipe.num_local)
+        local_ids = _local_ids_on_rank(global_ids, pipe.rank, pipe.num_local, pipe.ep_size)
         _check_inputs(hidden, local_ids, weights, gate_up_proj, down_proj)
-        out, *state = _experts_fwd(hidden, local_ids, weights, gate_up_proj, down_proj)
+        # the ids' range was checked on the way in (experts_forward); the table maps them into [0, num_local]
+        out, *state = _experts_fwd(hidden, local_ids, weights, gate_up_proj, down_proj, check_ids=False)
         if saved is not None:
             saved.append((hidden, local_ids, weights, *state))
         back = torch.empty_like(out)
@@ -596,7 +621,7 @@ class _PipelinedExperts(torch.autograd.Function):
         # the returns' gradients: every rank that computed a chunk's rows gets the same d_out rows of the chunk
         d_fmt = _RowFormat.of([d_out])
         d_recv, gathers = _gather_chunks(pipe, d_fmt, lambda first, n: [d_out[first:first + n]],
-                                         [d_out.new_zeros(1, d_out.shape[1])])
+                                         lambda: [d_out.new_zeros(1, d_out.shape[1])], d_out.device)
         # the expert weights' gradients summed over the chunks in fp32, cast at the end; two chunks: their sum in
         # the weights' dtype is that already (an elementwise add rounds its fp32 result once), with no fp32 copy
         sum_dtype = torch.float32 if len(pipe.spans) > 2 else None

@@ -20,13 +20,15 @@ MAX_TOP_K = 16
 MAX_SLOTS = 2**31 - 1  # tokens x top_k
 
 
-def _experts_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+def _experts_fwd(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, check_ids: bool = True):
     """Returns (out, gate_up_out, sorted_slot, expert_offsets, pos); the last four are saved for backward (the
-    activation is recomputed there from gate_up_out; pos[slot] = the slot's row in expert-sorted order)."""
+    activation is recomputed there from gate_up_out; pos[slot] = the slot's row in expert-sorted order).
+    check_ids=False: the caller made top_k_index itself, in range (expert parallelism's local ids)."""
     E = gate_up_proj.shape[0]
     # here, in the op's implementation, so that torch.compile (which runs it as an opaque op) checks too
-    check_range(top_k_index, 0, E + 1, f"moe_experts: top_k_index values must be in [0, {E}) or equal {E} (the "
-                f"expert-parallel skip sentinel)")
+    if check_ids:
+        check_range(top_k_index, 0, E + 1, f"moe_experts: top_k_index values must be in [0, {E}) or equal {E} "
+                    "(the expert-parallel skip sentinel)")
     if use_triton(hidden):
         from .triton_kernels import moe_fwd
 
