@@ -30,15 +30,17 @@
 #   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
 #                                                    its own timeout (T_SLICE8 200, T_QWEN35 160, T_DEEP 200 s) within
 #                                                    SCALE_BUDGET_S (default 500 s): slice8 (8 layers: HF, ours
-#                                                    sharded by transformers and by hubfuse (ours_fsdp, with 1 and
-#                                                    8 decoder layers per FSDP unit, the embedding in FSDP or
-#                                                    row-sharded by shard_embedding), then the
+#                                                    sharded by transformers and by hubfuse (ours_fsdp, with 8
+#                                                    decoder layers per FSDP unit, the embedding in FSDP or
+#                                                    row-sharded by shard_embedding, reshard after forward or
+#                                                    not), then the
 #                                                    1-GPU reference, every row profiled and also timed back to
 #                                                    back (--back-to-back), traces in
 #                                                    $OUT/traces; SLICE8_ARGS adds bench args, e.g. --ep-dispatch
 #                                                    fixed fixed2 --fsdp default prefetch2), qwen35 (Qwen3.5-MoE,
-#                                                    8 layers, the same three configs), deep (48 layers: hubfuse
-#                                                    sharding above 100 GB a GPU (8 layers per FSDP unit,
+#                                                    8 layers, the same three configs, the embedding both ways),
+#                                                    deep (48 layers: hubfuse sharding above 100 GB a GPU (8
+#                                                    layers per FSDP unit, shard_embedding, no reshard,
 #                                                    expandable segments), else transformers' with
 #                                                    per-layer AC; DEEP_ARGS adds bench args), titan
 #                                                    (torchtitan 0.3.0 from .whl/titan/*.whl, if this torch can);
@@ -186,19 +188,20 @@ case "$step" in
     for part in $parts; do
       case "$part" in
         slice8) run_part slice8 "${T_SLICE8:-200}" "${bench[@]}" --layers 8 --one-gpu-reference last --profile 1 \
-                  --trace "$OUT/traces" --back-to-back --layers-per-unit 1 8 --steps 8 --warmup 3 \
-                  --head-unit own --embedding fsdp rows --configs hf ours ours_fsdp ${SLICE8_ARGS:-} \
+                  --trace "$OUT/traces" --back-to-back --layers-per-unit 8 --steps 8 --warmup 3 \
+                  --head-unit own --embedding fsdp rows --fsdp default noreshard --configs hf ours ours_fsdp \
+                  ${SLICE8_ARGS:-} \
                   || status=1 ;;
         ep)     run_part ep "${T_EP:-200}" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_distributed.py \
                   -k pipelined_exchange_nccl || status=1 ;;
         qwen35) run_part qwen35 "${T_QWEN35:-160}" "${bench[@]}" --model qwen3_5_moe --layers 8 --steps 3 \
-                  --warmup 2 --profile 1 --configs hf ours ours_fsdp || status=1 ;;
+                  --warmup 2 --profile 1 --configs hf ours ours_fsdp --embedding fsdp rows || status=1 ;;
         deep)   # within 141 GB (H200): 48 layers sharded by hubfuse (each GPU loads the whole model first), no
           # recompute; within 80 GB: transformers' sharding (each rank reads its shard) and per-layer checkpointing
           if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
             PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" run_part deep48 \
-              "${T_DEEP:-200}" "${bench[@]}" --layers 48 --configs ours_fsdp --steps 3 --warmup 1 \
-              --layers-per-unit 8 ${DEEP_ARGS:-}
+              "${T_DEEP:-200}" "${bench[@]}" --layers 48 --configs ours_fsdp --steps 5 --warmup 2 \
+              --layers-per-unit 8 --embedding rows --fsdp noreshard ${DEEP_ARGS:-}
           else
             false
           fi || run_part deep48ac "${T_DEEP:-200}" "${bench[@]}" --layers 48 --activation-checkpointing \
