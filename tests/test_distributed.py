@@ -483,6 +483,8 @@ def _row_sharded_embedding_functional(world: int, device: str = "cpu") -> list[s
         ("tokens above tokens_per_rank", lambda: model.embed(torch.zeros(1, capacity + 1, dtype=torch.long)),
          ValueError, f"{capacity + 1} tokens in this call, more than tokens_per_rank {capacity}"),
         ("float input_ids", lambda: model.embed(torch.zeros(1, 3)), TypeError, "int32 or int64"),
+        ("input_ids on another device", lambda: model.embed(torch.zeros(1, 3, dtype=torch.long, device="meta")),
+         ValueError, "input_ids are on meta but the embedding on cpu"),
         ("input_ids out of range", lambda: model.embed(torch.tensor([[0, vocab]])), ValueError,
          f"input_ids must be in [0, {vocab})"),
         ("sharded twice", lambda: distributed.shard_embedding(model, mesh, 8), ValueError, "sharded already"),

@@ -226,6 +226,8 @@ def _row_sharded_forward(self: nn.Embedding, input_ids: torch.Tensor) -> torch.T
     offset = min(rank * -(-num_rows // world), num_rows)  # Shard(0) splits as torch.chunk
     if input_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"shard_embedding: input_ids must be int32 or int64, got {input_ids.dtype}")
+    if input_ids.device != local.device:
+        raise ValueError(f"shard_embedding: input_ids are on {input_ids.device} but the embedding on {local.device}")
     if input_ids.numel() > capacity:
         raise ValueError(f"shard_embedding: {input_ids.numel()} tokens in this call, more than tokens_per_rank "
                          f"{capacity}")
