@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (device tool), one step per call of this script; several calls share one wheel install.
 #   bash scripts/gpu_check.sh setup                  install the carried wheels, build every repo, print versions
+#   bash scripts/gpu_check.sh autotune-save          Triton's autotuning results of this machine into
+#                                                    $OUT/autotune/<GPU>.tgz; put it in .whl/autotune/ and later
+#                                                    calls start from them (FLA's peers then fit their slots)
 #   bash scripts/gpu_check.sh tests                  GPU tests: every kernel repo (all shapes on CUDA) and the
 #                                                    gpu-marked model tests, one pytest process each, in parallel
 #   bash scripts/gpu_check.sh ab OLD_TREE [case ...] bitwise A/B: every hubfuse row of bench_ops on fixed inputs,
@@ -73,9 +76,23 @@ if [ -d .whl ]; then
   fi
   export PYTHONPATH="/tmp/site:$PWD/torch-ext${PYTHONPATH:+:$PYTHONPATH}" HUBFUSE_FLA_SITE=/tmp/site_fla
 fi
+# Triton autotuning results kept on disk (FLA's kernels autotune for minutes at each new shape, longer than a
+# peer's time slot): those of earlier calls on the same GPU model come back from .whl/autotune/<GPU>.tgz (made by
+# the autotune-save step, carried with .whl); only the timings, the chosen configs still compile here
+export TRITON_CACHE_AUTOTUNING=1
+triton_cache="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+gpu_model="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9\n' '_')"
+gpu_model="${gpu_model:-no_gpu}"
+if [ -n "$gpu_model" ] && [ -f ".whl/autotune/$gpu_model.tgz" ] && [ ! -f "$triton_cache/.hubfuse_autotune" ]; then
+  mkdir -p "$triton_cache" && tar xzf ".whl/autotune/$gpu_model.tgz" -C "$triton_cache" && touch "$triton_cache/.hubfuse_autotune"
+fi
 step="${1:-tests}"; shift || true
 python3 scripts/build.py >/dev/null || exit 1
 case "$step" in
+  autotune-save)  # this machine's autotuning results -> $OUT/autotune/<GPU>.tgz (put it in .whl/autotune/)
+    mkdir -p "$OUT/autotune"
+    (cd "$triton_cache" && find . -name '*.autotune.json' -print0 | tar czf "$OUT/autotune/$gpu_model.tgz" --null -T -)
+    echo "$(tar tzf "$OUT/autotune/$gpu_model.tgz" | wc -l) autotuning results -> $OUT/autotune/$gpu_model.tgz" ;;
   setup)
     python3 -c "import torch, triton, transformers, kernels; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'kernels', kernels.__version__)" ;;
   tests)
