@@ -9,6 +9,7 @@
     model = ...kernelized from_pretrained on every rank...
     presets.enable_losses(model, "qwen3_moe", aux_loss_group=dist.group.WORLD)
     moe.shard_experts(model, mesh["ep"])                 # the moe kernel (get_kernel("hubfuse/moe"))
+    distributed.shard_embedding(model, mesh, tokens_per_rank=batch * seq)  # optional: the embedding out of FSDP
     distributed.fully_shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     optimizer = torch.optim.AdamW(model.parameters(), ...)
     ...
