@@ -479,6 +479,9 @@ def _row_sharded_embedding_functional(world: int, device: str = "cpu") -> list[s
     plain = nn.Module()
     plain.embed = nn.Embedding(8, 4)
     plain.get_input_embeddings = lambda: plain.embed
+    small = nn.Module()
+    small.embed = nn.Embedding(1, 4)
+    small.get_input_embeddings = lambda: small.embed
     errors += _unmet_errors([
         ("tokens above tokens_per_rank", lambda: model.embed(torch.zeros(1, capacity + 1, dtype=torch.long)),
          ValueError, f"{capacity + 1} tokens in this call, more than tokens_per_rank {capacity}"),
@@ -491,6 +494,8 @@ def _row_sharded_embedding_functional(world: int, device: str = "cpu") -> list[s
         ("tied head", lambda: distributed.shard_embedding(tied, mesh, 8), ValueError, "tied to head"),
         ("not an nn.Embedding", lambda: distributed.shard_embedding(wrapped, mesh, 8), ValueError,
          "not a plain nn.Embedding"),
+        ("fewer rows than ranks", lambda: distributed.shard_embedding(small, mesh, 8), ValueError,
+         f"1 embedding rows cannot be shared by {world} ranks"),
         ("tokens_per_rank 0", lambda: distributed.shard_embedding(tied, mesh, 0), ValueError,
          "tokens_per_rank must be a positive int"),
         ("tokens_per_rank a float", lambda: distributed.shard_embedding(tied, mesh, 8.0), ValueError,

@@ -208,6 +208,8 @@ def shard_embedding(model: nn.Module, mesh, tokens_per_rank: int) -> nn.Module:
     if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
         raise ValueError("shard_embedding: max_norm, scale_grad_by_freq and sparse embeddings are not supported")
     weight = embedding.weight
+    if weight.shape[0] < mesh.size():
+        raise ValueError(f"shard_embedding: {weight.shape[0]} embedding rows cannot be shared by {mesh.size()} ranks")
     for name, module in model.named_modules():
         if module is not embedding and any(p is weight for p in module.parameters(recurse=False)):
             raise ValueError(f"shard_embedding: the input embedding's weight is tied to {name or 'the model'}; a "
