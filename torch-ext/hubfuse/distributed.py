@@ -27,9 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._common.checks import check_range, first_order
-
-# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); torch 2.11 has only the latter
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from ._common.collectives import all_gather_single, reduce_scatter_single
 
 
 def _ep_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -247,13 +245,13 @@ class _RowShardedEmbedding(torch.autograd.Function):
         send = ids.new_full((capacity,), -1)  # padding: an id no rank owns
         send[:tokens] = ids
         every = ids.new_empty(world * capacity)
-        _all_gather(every, send, group=group)
+        all_gather_single(every, send, group=group)
         index = every - offset
         foreign = (index < 0) | (index >= num_local)
         rows = nn.functional.embedding(index.clamp(0, num_local - 1), local_weight)
         rows.masked_fill_(foreign.unsqueeze(1), 0)
         out = rows.new_empty(capacity, hidden)
-        dist.reduce_scatter_tensor(out, rows, group=group)
+        reduce_scatter_single(out, rows, group=group)
         ctx.group, ctx.capacity, ctx.num_local = group, capacity, num_local
         # rows this rank does not own go to one spare row, dropped after the backward
         ctx.save_for_backward(index.masked_fill(foreign, num_local))
@@ -269,7 +267,7 @@ class _RowShardedEmbedding(torch.autograd.Function):
         send = grad.new_zeros(ctx.capacity, grad.shape[1])
         send[:grad.shape[0]] = grad
         every = grad.new_empty(world * ctx.capacity, grad.shape[1])
-        _all_gather(every, send, group=ctx.group)
+        all_gather_single(every, send, group=ctx.group)
         weight_grad = torch.ops.aten.embedding_dense_backward(every, index, ctx.num_local + 1, ctx.padding_idx,
                                                               False)
         return None, weight_grad[:ctx.num_local].div_(world), None, None, None, None

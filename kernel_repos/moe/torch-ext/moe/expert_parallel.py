@@ -57,8 +57,7 @@ if DISTRIBUTED:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); torch 2.11 has only the latter
-    _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    from hubfuse._common.collectives import all_gather_single as _all_gather
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _ALIGN = 16  # bytes: each packed field starts aligned, so it can be viewed back as its dtype
