@@ -313,9 +313,6 @@ def apply_rotary_pos_emb_(q, k, cos, sin, unsqueeze_dim: int = 1):
     if _cos_sin_need_grad(cos, sin):
         raise ValueError(f"{name}: cos and sin require grad, and their gradient needs the unrotated q and k, which "
                          "the in-place rotation overwrites: use apply_rotary_pos_emb, or detach cos and sin")
-    if torch.compiler.is_compiling() and torch.__version__ < (2, 13):
-        raise RuntimeError(f"{name}: torch.compile needs torch >= 2.13 here (older Dynamo can drop ctx.mark_dirty, "
-                           "pytorch#184113); use apply_rotary_pos_emb")
     cos, sin = _cos_sin(cos, sin)
     if torch.compiler.is_compiling():
         # AOTAutograd loses the backward of an autograd.Function that marks a graph input dirty (torch 2.13: q / k
