@@ -184,12 +184,16 @@ def _build(family: str, path, world: int, ep: int, sharding: str, capacity: int 
                       if name.endswith("mlp.experts")]
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    if embedding_tokens is not None:
-        distributed.shard_embedding(model, mesh, embedding_tokens)
-    if sharding == "fsdp":
-        distributed.fully_shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
-                                                                                  reduce_dtype=torch.float32),
-                                      layers_per_unit=layers_per_unit)
+    with warnings.catch_warnings(record=True) as caught:  # both flatten a 2-D mesh: quietly, on every torch
+        warnings.simplefilter("always")
+        if embedding_tokens is not None:
+            distributed.shard_embedding(model, mesh, embedding_tokens)
+        if sharding == "fsdp":
+            distributed.fully_shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                                      reduce_dtype=torch.float32),
+                                          layers_per_unit=layers_per_unit)
+    mesh_warnings = [str(w.message) for w in caught if "mesh" in str(w.message).lower()]
+    assert not mesh_warnings, mesh_warnings
     return model, local_rows
 
 

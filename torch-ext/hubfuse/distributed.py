@@ -54,11 +54,11 @@ def decoder_layers(model: nn.Module):
 
 
 def _flattened(mesh, dims: tuple[str, ...]):
-    name = "_".join(dims)
-    try:
-        return mesh[name]  # flattened already (an earlier call)
-    except (KeyError, RuntimeError, ValueError):
-        return mesh[dims]._flatten(name)
+    """`mesh`'s dims `dims` as one 1-D mesh. Flattening again under the same name returns the earlier mesh
+    (torch >= 2.11); slicing it back out of the root by name (`mesh[name]`) is deprecated and warns."""
+    if tuple(dims) == tuple(mesh.mesh_dim_names or ()) and mesh.ndim == 1:
+        return mesh
+    return mesh[tuple(dims)]._flatten("_".join(dims))
 
 
 def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=None, offload_policy=None,
