@@ -58,7 +58,11 @@ def _flattened(mesh, dims: tuple[str, ...]):
     (torch >= 2.11); slicing it back out of the root by name (`mesh[name]`) is deprecated and warns."""
     if tuple(dims) == tuple(mesh.mesh_dim_names or ()) and mesh.ndim == 1:
         return mesh
-    return mesh[tuple(dims)]._flatten("_".join(dims))
+    name = "_".join(dims)
+    try:
+        return mesh[tuple(dims)]._flatten(name)
+    except (RuntimeError, ValueError):  # a torch that refuses to flatten under the same name twice
+        return mesh[name]
 
 
 def fully_shard_model(model: nn.Module, mesh, *, ep_dim: str = "ep", mp_policy=None, offload_policy=None,
