@@ -122,8 +122,8 @@ def _sum_partials_kernel(P, OUT_A, OUT_B, split, rows, N, BLOCK_R: tl.constexpr,
 
 def _sum_config(n_cols: int):
     """(BLOCK_R, BLOCK_N, num_warps): 16-column strips, 512 rows a tile, so that the sum runs on many SMs
-    (H200: 256 x 1024 partials 2.4 us, 528 x 128 in two groups 2.6 us; 256-column strips of 32 rows took 7.8 us
-    at N = 1024)."""
+    (H200, alone: 256 x 1024 partials 2.4 us, 528 x 128 in two groups 2.6 us, against 7.8 us for 256-column strips
+    of 32 rows; inside Qwen3-0.6B's step: 3.4 us a call, against 48 us)."""
     return 512, min(16, next_power_of_2(n_cols)), 8
 
 
