@@ -6,6 +6,7 @@
 #                                                    calls start from them (FLA's peers then fit their slots)
 #   bash scripts/gpu_check.sh tests                  GPU tests: every kernel repo (all shapes on CUDA) and the
 #                                                    gpu-marked model tests, one pytest process each, in parallel
+#                                                    (the bad-input matrix's GPU cells in one of their own, -v)
 #   bash scripts/gpu_check.sh ab OLD_TREE [case ...] bitwise A/B: every hubfuse row of bench_ops on fixed inputs,
 #                                                    this tree against OLD_TREE (another checkout)
 #   bash scripts/gpu_check.sh ops [case ...]         bench_ops: per-op side by side with the peers
@@ -101,11 +102,22 @@ case "$step" in
       timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider "$path" >"$logs/$(basename "$path").log" 2>&1 &
       pids+=($!)
     done
-    timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -m gpu ${MODEL_TEST_PATHS:-tests} \
-      >"$logs/models.log" 2>&1 & pids+=($!)
+    if [ -n "${MODEL_TEST_PATHS:-}" ]; then
+      timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -m gpu $MODEL_TEST_PATHS \
+        >"$logs/models.log" 2>&1 & pids+=($!)
+    else
+      # the bad-input matrix's ~2,000 GPU cells in a process of their own, one line per cell (a failure keeps its
+      # name when the slot ends first); the other gpu-marked model tests beside it
+      timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -m gpu tests \
+        --deselect tests/test_bad_input_matrix.py >"$logs/models.log" 2>&1 & pids+=($!)
+      timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_bad_input_matrix.py \
+        >"$logs/matrix.log" 2>&1 & pids+=($!)
+    fi
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-    for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done >"$OUT/gpu_tests.log"
-    for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$f" | tail -n 15; done
+    for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; echo; done >"$OUT/gpu_tests.log"
+    for f in "$logs"/*.log; do
+      echo "=== $(basename "$f" .log)"; grep -E "^(FAILED|ERROR)| FAILED| ERROR|passed|failed|error" "$f" | tail -n 15
+    done
     exit $status ;;
   ab)
     old="$1"; shift
