@@ -48,7 +48,8 @@ def _check_against_float64(variant, shape, dtype, device, seed=0):
         assert err <= tol * scale, f"{variant} {name} {shape} {dtype}: max err {err:.3g} > {tol * scale:.3g}"
 
 
-CPU_SHAPES = [(1, 33), (5, 64), (3, 7, 100), (37, 128), (2, 257)]
+# (70, 1025): the 1024-2048-feature launch settings (4-row tiles), two tiles per program on 4 "SMs"
+CPU_SHAPES = [(1, 33), (5, 64), (3, 7, 100), (37, 128), (2, 257), (70, 1025)]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
