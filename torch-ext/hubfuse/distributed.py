@@ -54,10 +54,9 @@ def decoder_layers(model: nn.Module):
 
 
 def _flattened(mesh, dims: tuple[str, ...]):
-    """`mesh`'s dims `dims` as one 1-D mesh. Flattening again under the same name returns the earlier mesh
-    (torch >= 2.11); slicing it back out of the root by name (`mesh[name]`) is deprecated and warns."""
-    if tuple(dims) == tuple(mesh.mesh_dim_names or ()) and mesh.ndim == 1:
-        return mesh
+    """`mesh`'s dims `dims` (2-D callers) as one 1-D mesh. Flattening again under the same name returns the
+    earlier mesh (torch 2.13); slicing it back out of the root by name (`mesh[name]`) is deprecated and warns,
+    so it is only the fallback."""
     name = "_".join(dims)
     try:
         return mesh[tuple(dims)]._flatten(name)
