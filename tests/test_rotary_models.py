@@ -259,14 +259,59 @@ def _assert_same_greedy_tokens(got, want, prompt_len, tie_tol=3e-2):
             f"row {row}: generation diverges at step {step} where eager's logit gap is {gap:.3g} (not a tie)")
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_moe_text"])
-def test_rotated_qk_released_until_backward(family, model_dirs, monkeypatch):
-    """In training the q/k norm + RoPE attentions free the rotated q / k the attention saved and rebuild them in
-    the backward: gradients bit for bit those without the release, storage empty between forward and backward,
+def _graph_nodes(t: torch.Tensor) -> list:
+    seen, stack = {}, [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and id(node) not in seen:
+            seen[id(node)] = node
+            stack += [n for n, _ in node.next_functions]
+    return list(seen.values())
+
+
+def _attention_blocks(t: torch.Tensor) -> list:
+    return [n for n in _graph_nodes(t) if type(n).__name__ == "_QKNormRopeAttentionBlockBackward"]
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_attention_block_one_node_no_rotated_qk_saved(family, path, model_dirs, monkeypatch):
+    """In training with no mask and no cache the Qwen3 attention runs as one autograd node (projections, q/k
+    norm + RoPE, SDPA and o_proj): loss, logits and every gradient match eager on the torch path and on the
+    Triton path (interpreter: q/k/v as one GEMM); the node keeps the attention output but no rotated q / k (the
+    backward rebuilds them); a padding mask or a hook on q_proj take the per-op path, with the same results."""
+    if path == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = tiny_config(family)
+    model_path = model_dirs[family]
+    eager, ours = load(model_path).train(), load(model_path, LAYOUT_MAPPINGS[family]).train()
+    batch = make_batch(cfg.vocab_size, seq=9)
+    blocks = _attention_blocks(ours(**batch).loss)
+    assert len(blocks) == EXPECTED_ATTENTION[family]
+    B, S, D = 2, 9, cfg.head_dim
+    for node in blocks:
+        per_head = [tuple(t.shape) for t in node.saved_tensors if t.dim() == 4 and t.shape[2] == S]
+        assert per_head == [(B, cfg.num_attention_heads, S, D)], per_head  # the attention output alone
+    assert_parity(eager, ours, batch)
+    padded = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
+    padded["attention_mask"][0, :3] = 0
+    assert not _attention_blocks(ours(**padded).loss)
+    assert_parity(eager, ours, padded)
+    hooks = [m.q_proj.register_forward_hook(lambda *_: None) for m in ours.modules() if hasattr(m, "q_proj")]
+    assert not _attention_blocks(ours(**batch).loss)
+    assert_parity(eager, ours, batch)
+    for hook in hooks:
+        hook.remove()
+
+
+def test_rotated_qk_released_until_backward(model_dirs, monkeypatch):
+    """In training the gated q/k norm + RoPE attention (Qwen3.5) frees the rotated q / k the attention saved and
+    rebuilds them in the backward: gradients bit for bit those without the release, storage empty between forward and backward,
     and no release with HUBFUSE_RELEASE_ACTIVATIONS=0, under activation checkpointing (which recomputes the forward
-    itself) or without gradients."""
+    itself) or without gradients. (Qwen3's attention saves no rotated q / k at all: the test above.)"""
     from tests.utils import forward_backward
 
+    family = "qwen3_5_moe_text"
     model = load(model_dirs[family], LAYOUT_MAPPINGS[family])
     model.train()
     layers = __import__("sys").modules[type(modules_running_layouts(model)[0]).__module__]

@@ -196,6 +196,17 @@ def test_swiglu_mlp_second_backward_raises_instead_of_wrong_grads():
         out.sum().backward()
 
 
+def test_rms_norm_swiglu_mlp_second_backward_raises_instead_of_wrong_grads():
+    # the same for the fused norm + MLP (one autograd node in eager mode), whose backward also reuses gate_up
+    x, w_gu, w_d, _, _ = _mlp_inputs((5, 16), 8, torch.float32, False)
+    x.requires_grad_(True)
+    w = torch.randn(16, device=x.device, requires_grad=True)
+    out = swiglu.rms_norm_swiglu_mlp(x, w, 1e-6, w_gu, w_d)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.sum().backward()
+
+
 def test_swiglu_mlp_deterministic():
     inputs = _mlp_inputs((40, 32), 24, torch.float32, True)
     dout = torch.randn(40, 35, device=DEV)

@@ -33,8 +33,9 @@ from torch import nn
 from hubfuse._common.causal_marker import is_causal_marker
 from hubfuse._common.released import can_release, rebuildable, release_until_backward
 from hubfuse.rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
+from hubfuse._common.device import autocast_dtype
 from .ops import _cos_sin_need_grad, _qkv_projections, apply_rotary_pos_emb, qk_norm_rope, _qk_norm_rope_rebuild, \
-    qk_norm_rope_zero_centered
+    _qk_norm_rope_attention_block, qk_norm_rope_zero_centered
 from .reference import apply_rotary_pos_emb_hf
 
 
@@ -126,8 +127,62 @@ def _init_attention(module: nn.Module, config, layer_idx: int, gated: bool, qk_n
 SEQUENTIAL_DECODERS = frozenset({"qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "llama", "qwen2"})
 
 
+@functools.lru_cache(maxsize=None)
+def _sdpa_attention_forward():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def _plain_linear(m, dtype) -> bool:
+    return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) and m.weight.dtype == dtype
+
+
+def _attention_block_applies(module, x, position_embeddings, attention_mask, past_key_values, kwargs) -> bool:
+    """Whether `_qk_norm_rope_attention_block` computes exactly what the per-op path would: transformers' sdpa
+    attention, causal without a mask, no cache, no dropout, no option sdpa_attention_forward reads, plain
+    `nn.Linear` projections and norm weights of x's dtype, eager mode."""
+    if (past_key_values is not None or attention_mask is not None or torch.compiler.is_compiling()
+            or x.dim() != 3 or (module.training and module.attention_dropout)
+            or getattr(module, "sliding_window", None) is not None):
+        return False
+    if any(kwargs.get(key) is not None for key in ("softcap", "cache", "position_bias", "is_causal")) \
+            or kwargs.get("output_attentions"):
+        return False
+    cos, sin = position_embeddings
+    projections = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
+    if not all(_plain_linear(m, x.dtype) for m in projections) or len({m.bias is None for m in projections[:3]}) > 1:
+        return False
+    if {module.q_norm.weight.dtype, module.k_norm.weight.dtype, cos.dtype, sin.dtype} != {x.dtype}:
+        return False
+    if _cos_sin_need_grad(cos, sin) or autocast_dtype(x) is not None or torch.are_deterministic_algorithms_enabled():
+        return False
+    return _attention_interface(module.config._attn_implementation) is _sdpa_attention_forward()
+
+
+def _attention_block(module, hidden_states, position_embeddings):
+    """Qwen3 / Qwen3-MoE attention in one autograd node (`_qk_norm_rope_attention_block`); the input norm's output
+    released until the backward where the decoder layer feeds it to the attention alone (see `_release`)."""
+    cos, sin = position_embeddings
+    q_proj, k_proj, v_proj, o_proj = module.q_proj, module.k_proj, module.v_proj, module.o_proj
+    out = _qk_norm_rope_attention_block(
+        hidden_states, q_proj.weight, k_proj.weight, v_proj.weight, q_proj.bias, k_proj.bias, v_proj.bias,
+        module.q_norm.weight, module.k_norm.weight, cos, sin, o_proj.weight, o_proj.bias,
+        module.q_norm.variance_epsilon, module.head_dim, module.scaling)
+    rebuild_input = rebuildable(hidden_states)
+    if (rebuild_input is not None and out.grad_fn is not None and module.config.model_type in SEQUENTIAL_DECODERS
+            and can_release()):
+        release_until_backward([out], [hidden_states], rebuild_input)
+    return out, None
+
+
 def _attention_forward(module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
                        gated: bool, fused: bool, qk_norm: bool = True):
+    if is_causal_marker(attention_mask):  # hubfuse.training's "causal, no mask" (see _common.causal_marker)
+        attention_mask = None
+    if fused and qk_norm and not gated and _attention_block_applies(
+            module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs):
+        return _attention_block(module, hidden_states, position_embeddings)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     # what this attention frees after the attention function and rebuilds when the backward reaches it
@@ -167,8 +222,6 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, module.layer_idx)
 
-    if is_causal_marker(attention_mask):  # hubfuse.training's "causal, no mask" (see _common.causal_marker)
-        attention_mask = None
     attention_interface = _attention_interface(module.config._attn_implementation)
     if hasattr(module, "sliding_window"):  # Qwen3, Qwen3-MoE, Qwen2 (not Llama, not Qwen3.5)
         kwargs = {"sliding_window": module.sliding_window, **kwargs}

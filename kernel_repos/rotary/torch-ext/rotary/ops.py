@@ -24,6 +24,7 @@ from hubfuse._common.checks import first_order
 from hubfuse._common.device import autocast_dtype, use_triton
 from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from hubfuse._common.released import write_alias
+from hubfuse._common.sdpa import sdpa_backend, sdpa_backward, sdpa_forward
 from .reference import (
     NONE, STANDARD, ZERO_CENTERED, apply_rotary_pos_emb_hf, qk_norm_rope_bwd_reference, qk_norm_rope_hf,
     rope_bwd_reference,
@@ -576,6 +577,110 @@ def _qkv_projections(x: torch.Tensor, q_proj, k_proj, v_proj) -> tuple[torch.Ten
     if not plain:
         return q_proj(x), k_proj(x), v_proj(x)
     return _qkv_proj_op(x, q_proj.weight, k_proj.weight, v_proj.weight, q_proj.bias, k_proj.bias, v_proj.bias)
+
+
+# ----------------------------------------------------------------------------- the attention block, one node
+
+def _qkv_weight(q_weight, k_weight, v_weight, q_bias, k_bias, v_bias):
+    """The three projections stacked: one GEMM instead of three (forward and both backward products)."""
+    bias = torch.cat((q_bias, k_bias, v_bias)) if q_bias is not None else None
+    return torch.cat((q_weight, k_weight, v_weight)), bias
+
+
+def _split_heads(qkv, sizes, head_dim):
+    """(B, S, Hq, D), (B, S, Hk, D), (B, S, Hk, D) column views of the stacked projections (B, S, W)."""
+    B, S = qkv.shape[:2]
+    return [part.view(B, S, -1, head_dim) for part in torch.split(qkv, sizes, dim=-1)]
+
+
+class _QKNormRopeAttentionBlock(torch.autograd.Function):
+    """`o_proj(SDPA(rope(q_norm(q_proj x)), rope(k_norm(k_proj x)), v_proj x))` as one autograd node, for eager
+    mode: the kernels of `_qkv_projections`, `qk_norm_rope`, SDPA (causal, no mask, no dropout) and `o_proj`
+    without the host work of ~14 autograd nodes a layer (views, transposes, four ops). On the Triton path the
+    q/k/v projections run as one GEMM over the stacked weights (forward, and each of the two backward products:
+    four GEMM calls fewer a layer); the torch path keeps HF's three.
+
+    Saved: x, the q/k/v projections, the attention output and what SDPA's backward reads (its log-sum-exp). The
+    rotated q and k SDPA reads are not kept: the backward rebuilds them from the projections (one norm + RoPE
+    pass), bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, cos,
+                sin, o_weight, o_bias, eps, mode, head_dim, scale):
+        B, S = x.shape[:2]
+        stacked = use_triton(x)
+        if stacked:
+            weight, bias = _qkv_weight(q_weight, k_weight, v_weight, q_bias, k_bias, v_bias)
+            sizes = (q_weight.shape[0], k_weight.shape[0], v_weight.shape[0])
+            q, k, v = _split_heads(F.linear(x, weight, bias), sizes, head_dim)
+        else:
+            q, k, v = (F.linear(x, w, b).view(B, S, -1, head_dim)
+                       for w, b in ((q_weight, q_bias), (k_weight, k_bias), (v_weight, v_bias)))
+        q_rot, k_rot = _qk_norm_rope_fwd.eager_impl(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+        is_causal = S > 1  # as transformers' sdpa_attention_forward: one query attends to every key
+        backend = sdpa_backend(q_rot, k_rot, v.transpose(1, 2), is_causal, scale, any(ctx.needs_input_grad))
+        out, saved, sdpa_sizes = sdpa_forward(backend, q_rot, k_rot, v.transpose(1, 2), is_causal, scale)
+        y = F.linear(out.transpose(1, 2).reshape(B, S, -1), o_weight, o_bias)
+        ctx.save_for_backward(x, q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos,
+                              sin, o_weight, *saved)
+        ctx.args = (eps, mode, scale, is_causal, backend, sdpa_sizes, q_bias is not None, o_bias is not None,
+                    stacked)
+        return y
+
+    @staticmethod
+    @first_order("attention block")
+    def backward(ctx, dy):
+        x, q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, o_weight, *saved = \
+            ctx.saved_tensors
+        eps, mode, scale, is_causal, backend, sdpa_sizes, has_bias, has_o_bias, stacked = ctx.args
+        B, S = x.shape[:2]
+        dy2 = dy.reshape(B * S, -1)
+        d_attn = (dy2 @ o_weight).view(B, S, -1, q.shape[-1])
+        d_o_weight = dy2.t() @ out.transpose(1, 2).reshape(B * S, -1)
+        d_o_bias = dy2.sum(0) if has_o_bias else None
+        q_rot, k_rot = _qk_norm_rope_fwd.eager_impl(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+        dq_rot, dk_rot, dv = sdpa_backward(backend, d_attn.transpose(1, 2), q_rot, k_rot, v.transpose(1, 2), out,
+                                           saved, sdpa_sizes, is_causal, scale)
+        del q_rot, k_rot, d_attn
+        dq_rot, dk_rot = _last_contig(dq_rot), _last_contig(dk_rot)
+        if not stacked:
+            dq, dk, dwq_norm, dwk_norm = _qk_norm_rope_bwd.eager_impl(
+                dq_rot, dk_rot, q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+            dx, dwq, dwk, dwv, dbq, dbk, dbv = _qkv_proj_bwd.eager_impl(
+                dq.reshape(B, S, -1), dk.reshape(B, S, -1), dv.transpose(1, 2).reshape(B, S, -1), x, q_weight,
+                k_weight, v_weight, has_bias)
+        else:
+            from .triton_kernels import qk_rope_bwd
+
+            sizes = (q_weight.shape[0], k_weight.shape[0], v_weight.shape[0])
+            d_qkv = x.new_empty((B, S, sum(sizes)))
+            dq, dk, d_v = _split_heads(d_qkv, sizes, q.shape[-1])
+            dwq_norm, dwk_norm = qk_rope_bwd(dq_rot, dk_rot, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2),
+                                             q.transpose(1, 2), k.transpose(1, 2), q_norm_weight, k_norm_weight,
+                                             eps, mode)
+            d_v.copy_(dv.transpose(1, 2))
+            weight, _ = _qkv_weight(q_weight, k_weight, v_weight, None, None, None)
+            d_qkv2 = d_qkv.view(B * S, -1)
+            dx = (d_qkv2 @ weight).view(x.shape)
+            dwq, dwk, dwv = torch.split(d_qkv2.t() @ x.reshape(B * S, -1), sizes)
+            dbq, dbk, dbv = torch.split(d_qkv2.sum(0), sizes) if has_bias else (None, None, None)
+        biases = (dbq, dbk, dbv) if has_bias else (None, None, None)
+        return (dx, dwq, dwk, dwv, *biases, dwq_norm, dwk_norm, None, None, d_o_weight, d_o_bias,
+                None, None, None, None)
+
+
+def _qk_norm_rope_attention_block(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight,
+                                 k_norm_weight, cos, sin, o_weight, o_bias, eps: float, head_dim: int, scale: float):
+    """The Qwen3 attention from the input norm's output to `o_proj`'s output (no cache, no mask: causal; no
+    dropout), in one autograd node: Qwen3Attention's q/k/v projections, q/k RMSNorm + RoPE (one kernel), SDPA on
+    the backend SDPA itself would choose (grouped-query natively), `o_proj`. Eager mode only (torch.compile
+    traces the ops one by one); the caller checks the preconditions (`QKNormRopeAttention` does).
+
+    x: (B, S, hidden); q/k/v/o weights and biases as the `nn.Linear`s' (all of x's dtype; q/k/v biased or
+    not together); q/k norm weights (head_dim,); cos / sin (B or 1, S, R) not requiring grad."""
+    return _QKNormRopeAttentionBlock.apply(
+        x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, *_cos_sin(cos, sin),
+        o_weight, o_bias, float(eps), STANDARD, head_dim, float(scale))
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "apply_rotary_pos_emb_", "qk_norm_rope",

@@ -190,6 +190,37 @@ _rms_norm_gate_up = differentiable_op(_rms_norm_gate_up_fwd, _rms_norm_gate_up_s
                                       _rms_norm_gate_up_backward)
 
 
+# ---------------------------------------------------------------- the whole fused MLP, one node (eager)
+class _RMSNormSwiGLUMLPBlock(torch.autograd.Function):
+    """`rms_norm_gate_up` then `swiglu_down` as one autograd node, for eager mode (torch.compile traces the two
+    ops): the same implementations and saved tensors, one node instead of two and their views."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, down_bias):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        gate_up, rstd = _rms_norm_gate_up_fwd.eager_impl(x, norm_weight, eps, gate_up_weight, gate_up_bias)
+        out = _swiglu_down_fwd.eager_impl(gate_up, down_weight, down_bias)
+        ctx.save_for_backward(x, norm_weight, rstd, gate_up_weight, gate_up, down_weight)
+        ctx.biases = (gate_up_bias is not None, down_bias is not None)
+        ctx.shape = shape
+        return out.view(*shape[:-1], down_weight.shape[0])
+
+    @staticmethod
+    @first_order("rms_norm_swiglu_mlp")
+    def backward(ctx, dout):
+        x, norm_weight, rstd, gate_up_weight, gate_up, down_weight = ctx.saved_tensors
+        has_gate_up_bias, has_down_bias = ctx.biases
+        dout = dout.reshape(-1, dout.shape[-1]).contiguous()
+        d_down_weight, d_down_bias = _swiglu_down_bwd.eager_impl(dout, gate_up, down_weight, has_down_bias)
+        torch.autograd.graph.increment_version(gate_up)  # it now holds its gradient: a second backward raises
+        dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias = _rms_norm_gate_up_bwd.eager_impl(
+            gate_up, x, norm_weight, rstd, gate_up_weight, has_gate_up_bias)
+        return (dx.view(ctx.shape), d_norm_weight, None,
+                d_gate_up_weight, d_gate_up_bias if has_gate_up_bias else None, d_down_weight,
+                d_down_bias if has_down_bias else None)
+
+
 # ---------------------------------------------------------------- input checks
 def _check_tensor(name: str, what: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
@@ -296,6 +327,9 @@ def rms_norm_swiglu_mlp(
         return swiglu_mlp(normed, gate_up_weight, down_weight, gate_up_bias, down_bias)
     check_rms_norm_inputs("rms_norm_swiglu_mlp", hidden_states, norm_weight, None)
     _check_mlp("rms_norm_swiglu_mlp", hidden_states, gate_up_weight, down_weight, gate_up_bias, down_bias)
+    if not torch.compiler.is_compiling():
+        return _RMSNormSwiGLUMLPBlock.apply(hidden_states.contiguous(), norm_weight.contiguous(), float(eps),
+                                            gate_up_weight, gate_up_bias, down_weight, down_bias)
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1]).contiguous()
     gate_up, _ = _rms_norm_gate_up(x, norm_weight.contiguous(), float(eps), gate_up_weight, gate_up_bias)
