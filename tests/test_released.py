@@ -8,7 +8,8 @@ from hubfuse._common.released import (OBSERVES_ONLY, can_release, release_until_
 
 
 def test_saved_tensor_hooks_query_follows_torch():
-    """The one torch-private access of the op packages: fails when torch renames or changes it."""
+    """A torch-private access of the op packages (the other: tests/test_sdpa_private.py): fails when torch
+    renames or changes it."""
     assert not saved_tensor_hooks_active() and can_release()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert saved_tensor_hooks_active() and not can_release()

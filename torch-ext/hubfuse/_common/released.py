@@ -29,8 +29,8 @@ OBSERVES_ONLY = "_hubfuse_observes_only"  # on a pack hook that returns its tens
 
 def saved_tensor_hooks_active() -> bool:
     """Whether a `torch.autograd.graph.saved_tensors_hooks` context is active (checkpointing, offloading), other
-    than one whose pack hook is marked `OBSERVES_ONLY`. torch has no public query: the one torch-private access of
-    the op packages (tests/test_released.py fails when torch changes it)."""
+    than one whose pack hook is marked `OBSERVES_ONLY`. torch has no public query: a torch-private access (the op
+    packages' other one is `_common.sdpa`); tests/test_released.py fails when torch changes it."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return hooks is not None and not getattr(hooks[0], OBSERVES_ONLY, False)
 

@@ -35,7 +35,7 @@ from hubfuse._common.released import can_release, rebuildable, release_until_bac
 from hubfuse.rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
 from hubfuse._common.device import autocast_dtype
 from .ops import _cos_sin_need_grad, _qkv_projections, apply_rotary_pos_emb, qk_norm_rope, _qk_norm_rope_rebuild, \
-    _qk_norm_rope_attention_block, qk_norm_rope_zero_centered
+    _attention_block, qk_norm_rope_zero_centered
 from .reference import apply_rotary_pos_emb_hf
 
 
@@ -138,8 +138,9 @@ def _plain_linear(m, dtype) -> bool:
     return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) and m.weight.dtype == dtype
 
 
-def _attention_block_applies(module, x, position_embeddings, attention_mask, past_key_values, kwargs) -> bool:
-    """Whether `_qk_norm_rope_attention_block` computes exactly what the per-op path would: transformers' sdpa
+def _attention_block_applies(module, x, position_embeddings, attention_mask, past_key_values, kwargs,
+                             qk_norm: bool) -> bool:
+    """Whether `ops._attention_block` computes exactly what the per-op path would: transformers' sdpa
     attention, causal without a mask, no cache, no dropout, no option sdpa_attention_forward reads, plain
     `nn.Linear` projections and norm weights of x's dtype, eager mode."""
     if (past_key_values is not None or attention_mask is not None or torch.compiler.is_compiling()
@@ -153,22 +154,24 @@ def _attention_block_applies(module, x, position_embeddings, attention_mask, pas
     projections = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
     if not all(_plain_linear(m, x.dtype) for m in projections) or len({m.bias is None for m in projections[:3]}) > 1:
         return False
-    if {module.q_norm.weight.dtype, module.k_norm.weight.dtype, cos.dtype, sin.dtype} != {x.dtype}:
+    norms = (module.q_norm.weight, module.k_norm.weight) if qk_norm else ()
+    if {t.dtype for t in (*norms, cos, sin)} != {x.dtype}:
         return False
     if _cos_sin_need_grad(cos, sin) or autocast_dtype(x) is not None or torch.are_deterministic_algorithms_enabled():
         return False
     return _attention_interface(module.config._attn_implementation) is _sdpa_attention_forward()
 
 
-def _attention_block(module, hidden_states, position_embeddings):
-    """Qwen3 / Qwen3-MoE attention in one autograd node (`_qk_norm_rope_attention_block`); the input norm's output
-    released until the backward where the decoder layer feeds it to the attention alone (see `_release`)."""
+def _run_attention_block(module, hidden_states, position_embeddings, qk_norm: bool):
+    """The attention in one autograd node (`ops._attention_block`); the input norm's output released until the
+    backward where the decoder layer feeds it to the attention alone (see `_release`)."""
     cos, sin = position_embeddings
     q_proj, k_proj, v_proj, o_proj = module.q_proj, module.k_proj, module.v_proj, module.o_proj
-    out = _qk_norm_rope_attention_block(
+    out = _attention_block(
         hidden_states, q_proj.weight, k_proj.weight, v_proj.weight, q_proj.bias, k_proj.bias, v_proj.bias,
-        module.q_norm.weight, module.k_norm.weight, cos, sin, o_proj.weight, o_proj.bias,
-        module.q_norm.variance_epsilon, module.head_dim, module.scaling)
+        module.q_norm.weight if qk_norm else None, module.k_norm.weight if qk_norm else None, cos, sin,
+        o_proj.weight, o_proj.bias, module.q_norm.variance_epsilon if qk_norm else 0.0, module.head_dim,
+        module.scaling)
     rebuild_input = rebuildable(hidden_states)
     if (rebuild_input is not None and out.grad_fn is not None and module.config.model_type in SEQUENTIAL_DECODERS
             and can_release()):
@@ -180,9 +183,9 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
                        gated: bool, fused: bool, qk_norm: bool = True):
     if is_causal_marker(attention_mask):  # hubfuse.training's "causal, no mask" (see _common.causal_marker)
         attention_mask = None
-    if fused and qk_norm and not gated and _attention_block_applies(
-            module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs):
-        return _attention_block(module, hidden_states, position_embeddings)
+    if fused and not gated and _attention_block_applies(
+            module, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs, qk_norm):
+        return _run_attention_block(module, hidden_states, position_embeddings, qk_norm)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     # what this attention frees after the attention function and rebuilds when the backward reaches it

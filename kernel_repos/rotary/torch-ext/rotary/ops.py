@@ -593,9 +593,18 @@ def _split_heads(qkv, sizes, head_dim):
     return [part.view(B, S, -1, head_dim) for part in torch.split(qkv, sizes, dim=-1)]
 
 
+def _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode):
+    """The (B, H, S, D) q / k the attention reads, from the (B, S, H, D) projections: q/k norm + RoPE, or RoPE
+    alone (mode NONE: Llama, Qwen2), in the layouts of the per-op path."""
+    if mode == NONE:
+        return _rope_fwd.eager_impl(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
+    return _qk_norm_rope_fwd.eager_impl(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+
+
 class _QKNormRopeAttentionBlock(torch.autograd.Function):
-    """`o_proj(SDPA(rope(q_norm(q_proj x)), rope(k_norm(k_proj x)), v_proj x))` as one autograd node, for eager
-    mode: the kernels of `_qkv_projections`, `qk_norm_rope`, SDPA (causal, no mask, no dropout) and `o_proj`
+    """`o_proj(SDPA(rope(q_norm(q_proj x)), rope(k_norm(k_proj x)), v_proj x))` (mode NONE: no q/k norm) as one
+    autograd node, for eager mode: the kernels of `_qkv_projections`, `qk_norm_rope` (or `apply_rotary_pos_emb`),
+    SDPA (causal, no mask, no dropout) and `o_proj`
     without the host work of ~14 autograd nodes a layer (views, transposes, four ops). On the Triton path the
     q/k/v projections run as one GEMM over the stacked weights (forward, and each of the two backward products:
     four GEMM calls fewer a layer); the torch path keeps HF's three.
@@ -616,7 +625,7 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
         else:
             q, k, v = (F.linear(x, w, b).view(B, S, -1, head_dim)
                        for w, b in ((q_weight, q_bias), (k_weight, k_bias), (v_weight, v_bias)))
-        q_rot, k_rot = _qk_norm_rope_fwd.eager_impl(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+        q_rot, k_rot = _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
         is_causal = S > 1  # as transformers' sdpa_attention_forward: one query attends to every key
         backend = sdpa_backend(q_rot, k_rot, v.transpose(1, 2), is_causal, scale, any(ctx.needs_input_grad))
         out, saved, sdpa_sizes = sdpa_forward(backend, q_rot, k_rot, v.transpose(1, 2), is_causal, scale)
@@ -638,14 +647,18 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
         d_attn = (dy2 @ o_weight).view(B, S, -1, q.shape[-1])
         d_o_weight = dy2.t() @ out.transpose(1, 2).reshape(B * S, -1)
         d_o_bias = dy2.sum(0) if has_o_bias else None
-        q_rot, k_rot = _qk_norm_rope_fwd.eager_impl(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+        q_rot, k_rot = _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
         dq_rot, dk_rot, dv = sdpa_backward(backend, d_attn.transpose(1, 2), q_rot, k_rot, v.transpose(1, 2), out,
                                            saved, sdpa_sizes, is_causal, scale)
         del q_rot, k_rot, d_attn
         dq_rot, dk_rot = _last_contig(dq_rot), _last_contig(dk_rot)
         if not stacked:
-            dq, dk, dwq_norm, dwk_norm = _qk_norm_rope_bwd.eager_impl(
-                dq_rot, dk_rot, q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+            if mode == NONE:
+                dq, dk = (t.transpose(1, 2) for t in rope_bwd_reference(dq_rot, dk_rot, cos, sin, q.dtype))
+                dwq_norm = dwk_norm = None
+            else:
+                dq, dk, dwq_norm, dwk_norm = _qk_norm_rope_bwd.eager_impl(
+                    dq_rot, dk_rot, q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
             dx, dwq, dwk, dwv, dbq, dbk, dbv = _qkv_proj_bwd.eager_impl(
                 dq.reshape(B, S, -1), dk.reshape(B, S, -1), dv.transpose(1, 2).reshape(B, S, -1), x, q_weight,
                 k_weight, v_weight, has_bias)
@@ -655,9 +668,13 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
             sizes = (q_weight.shape[0], k_weight.shape[0], v_weight.shape[0])
             d_qkv = x.new_empty((B, S, sum(sizes)))
             dq, dk, d_v = _split_heads(d_qkv, sizes, q.shape[-1])
-            dwq_norm, dwk_norm = qk_rope_bwd(dq_rot, dk_rot, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2),
-                                             q.transpose(1, 2), k.transpose(1, 2), q_norm_weight, k_norm_weight,
-                                             eps, mode)
+            if mode == NONE:
+                qk_rope_bwd(dq_rot, dk_rot, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2))
+                dwq_norm = dwk_norm = None
+            else:
+                dwq_norm, dwk_norm = qk_rope_bwd(dq_rot, dk_rot, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2),
+                                                 q.transpose(1, 2), k.transpose(1, 2), q_norm_weight,
+                                                 k_norm_weight, eps, mode)
             d_v.copy_(dv.transpose(1, 2))
             weight, _ = _qkv_weight(q_weight, k_weight, v_weight, None, None, None)
             d_qkv2 = d_qkv.view(B * S, -1)
@@ -669,18 +686,20 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
                 None, None, None, None)
 
 
-def _qk_norm_rope_attention_block(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight,
-                                 k_norm_weight, cos, sin, o_weight, o_bias, eps: float, head_dim: int, scale: float):
-    """The Qwen3 attention from the input norm's output to `o_proj`'s output (no cache, no mask: causal; no
-    dropout), in one autograd node: Qwen3Attention's q/k/v projections, q/k RMSNorm + RoPE (one kernel), SDPA on
-    the backend SDPA itself would choose (grouped-query natively), `o_proj`. Eager mode only (torch.compile
-    traces the ops one by one); the caller checks the preconditions (`QKNormRopeAttention` does).
+def _attention_block(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, cos,
+                     sin, o_weight, o_bias, eps: float, head_dim: int, scale: float):
+    """The attention of Qwen3 / Qwen3-MoE (q/k norm weights given) or Llama / Qwen2 (None: RoPE alone) from the
+    input norm's output to `o_proj`'s output (no cache, no mask: causal; no dropout), in one autograd node: the
+    q/k/v projections, q/k RMSNorm + RoPE (one kernel), SDPA on the backend SDPA itself would choose (grouped-query
+    natively), `o_proj`. Eager mode only (torch.compile traces the ops one by one); the caller checks the
+    preconditions (`rotary.layers._attention_block_applies`).
 
     x: (B, S, hidden); q/k/v/o weights and biases as the `nn.Linear`s' (all of x's dtype; q/k/v biased or
-    not together); q/k norm weights (head_dim,); cos / sin (B or 1, S, R) not requiring grad."""
+    not together); q/k norm weights (head_dim,) or None; cos / sin (B or 1, S, R) not requiring grad."""
+    mode = NONE if q_norm_weight is None else STANDARD
     return _QKNormRopeAttentionBlock.apply(
         x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, *_cos_sin(cos, sin),
-        o_weight, o_bias, float(eps), STANDARD, head_dim, float(scale))
+        o_weight, o_bias, float(eps), mode, head_dim, float(scale))
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_flat", "apply_rotary_pos_emb_", "qk_norm_rope",
