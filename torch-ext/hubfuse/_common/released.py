@@ -9,7 +9,8 @@ the saved tensors' version counters where they were (autograd's in-place check p
 place unseen by autograd, torch ops write through an alias of the storage (`write_alias`).
 
 An op whose output can be rebuilt so (the RMSNorm from its input) marks it (`mark_rebuildable`); a consumer that
-knows it is the output's only reader (the attention fed by the decoder layer's input norm) releases it.
+knows it is the output's only reader (the attention fed by the decoder layer's input norm) releases it, or, where
+it runs its own backward, keeps the output's sources instead and rebuilds it there.
 
 Only where nothing else decides what is saved: not under torch.compile (it traces the graph itself), not under
 saved-tensor hooks (activation checkpointing recomputes the forward and reads what it saved without running our
@@ -85,14 +86,30 @@ def release_until_backward(anchors, tensors, rebuild) -> None:
         node.register_prehook(refill)
 
 
-def mark_rebuildable(t: torch.Tensor, rebuild) -> torch.Tensor:
-    """Record on `t` (an op's output, owning its storage) how to rebuild its values: `rebuild(out)` writes them
-    into `out`, bit for bit, from tensors its producer saves for the backward anyway. A consumer that alone reads
-    `t` may then release it until the backward (`rebuildable`). Returns t."""
-    setattr(t, _REBUILD, rebuild)
+class Rebuild:
+    """How to rebuild a tensor's values: `write(out, *sources)` writes them into `out`, bit for bit, from `sources`
+    (tensors its producer saves for the backward anyway). Calling it (`rebuild(out)`) writes from the sources it
+    holds; a consumer that runs its own backward may instead save `sources` itself (autograd then checks them) and
+    call `write` with them."""
+
+    __slots__ = ("write", "sources")
+
+    def __init__(self, write, sources):
+        self.write, self.sources = write, tuple(sources)
+
+    def __call__(self, out: torch.Tensor) -> None:
+        self.write(out, *self.sources)
+
+
+def mark_rebuildable(t: torch.Tensor, write, *sources: torch.Tensor) -> torch.Tensor:
+    """Record on `t` (an op's output, owning its storage) how to rebuild its values: `write(out, *sources)`
+    writes them into `out`, bit for bit, from `sources`, tensors its producer saves for the backward anyway. A
+    consumer that alone reads `t` may then release it until the backward, or not keep it at all (`rebuildable`).
+    Returns t."""
+    setattr(t, _REBUILD, Rebuild(write, sources))
     return t
 
 
 def rebuildable(t: torch.Tensor):
-    """`t`'s rebuild function (mark_rebuildable), or None."""
+    """`t`'s `Rebuild` (mark_rebuildable), or None."""
     return getattr(t, _REBUILD, None)

@@ -143,7 +143,7 @@ def _apply(name, x, weight, gate, eps, mode, rebuildable: bool = False):
     y = y.view(shape)
     if rebuildable and can_release() and y.grad_fn is not None:
         # the op saves x2 and weight: a consumer that alone reads y may release it until the backward
-        mark_rebuildable(y, functools.partial(_rebuild_output, x2, weight, float(eps), mode))
+        mark_rebuildable(y, functools.partial(_rebuild_output, eps=float(eps), mode=mode), x2, weight)
     return y
 
 
@@ -155,7 +155,7 @@ def _module_forward(module, hidden_states, weight, eps, mode):
     return _apply(name, hidden_states, weight, None, eps, mode, rebuildable=not module._forward_hooks)
 
 
-def _rebuild_output(x2, weight, eps, mode, out):
+def _rebuild_output(out, x2, weight, *, eps, mode):
     """The forward's output of (x2, weight), bit for bit, into `out` (its version counter left as it is)."""
     if use_triton(x2):
         from .triton_kernels import rms_norm_fwd

@@ -163,19 +163,19 @@ def _attention_block_applies(module, x, position_embeddings, attention_mask, pas
 
 
 def _run_attention_block(module, hidden_states, position_embeddings, qk_norm: bool):
-    """The attention in one autograd node (`ops._attention_block`); the input norm's output released until the
-    backward where the decoder layer feeds it to the attention alone (see `_release`)."""
+    """The attention in one autograd node (`ops._attention_block`). Where the input norm's output is its input
+    (hubfuse's RMSNorm marked it rebuildable, and the decoder layer feeds it to the attention alone), the node
+    keeps the norm's input instead of it and rebuilds it in the backward: the output is freed after the forward."""
     cos, sin = position_embeddings
     q_proj, k_proj, v_proj, o_proj = module.q_proj, module.k_proj, module.v_proj, module.o_proj
+    x_rebuild = rebuildable(hidden_states)
+    if x_rebuild is not None and (module.config.model_type not in SEQUENTIAL_DECODERS or not can_release()):
+        x_rebuild = None
     out = _attention_block(
         hidden_states, q_proj.weight, k_proj.weight, v_proj.weight, q_proj.bias, k_proj.bias, v_proj.bias,
         module.q_norm.weight if qk_norm else None, module.k_norm.weight if qk_norm else None, cos, sin,
         o_proj.weight, o_proj.bias, module.q_norm.variance_epsilon if qk_norm else 0.0, module.head_dim,
-        module.scaling)
-    rebuild_input = rebuildable(hidden_states)
-    if (rebuild_input is not None and out.grad_fn is not None and module.config.model_type in SEQUENTIAL_DECODERS
-            and can_release()):
-        release_until_backward([out], [hidden_states], rebuild_input)
+        module.scaling, x_rebuild)
     return out, None
 
 

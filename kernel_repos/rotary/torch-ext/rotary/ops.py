@@ -609,13 +609,14 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
     q/k/v projections run as one GEMM over the stacked weights (forward, and each of the two backward products:
     four GEMM calls fewer a layer); the torch path keeps HF's three.
 
-    Saved: x, the q/k/v projections, the attention output and what SDPA's backward reads (its log-sum-exp). The
-    rotated q and k SDPA reads are not kept: the backward rebuilds them from the projections (one norm + RoPE
-    pass), bit for bit."""
+    Saved: x (or, where x is the input norm's output, the norm's input and weight: x is rebuilt in the backward,
+    one norm pass), the q/k/v projections, the attention output and what SDPA's backward reads (its
+    log-sum-exp). The rotated q and k SDPA reads are not kept: the backward rebuilds them from the projections
+    (one norm + RoPE pass). Both rebuilds are bit for bit."""
 
     @staticmethod
-    def forward(ctx, x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, cos,
-                sin, o_weight, o_bias, eps, mode, head_dim, scale):
+    def forward(ctx, x, x_rebuild, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight,
+                k_norm_weight, cos, sin, o_weight, o_bias, eps, mode, head_dim, scale):
         B, S = x.shape[:2]
         stacked = use_triton(x)
         if stacked:
@@ -630,8 +631,11 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
         backend = sdpa_backend(q_rot, k_rot, v.transpose(1, 2), is_causal, scale, any(ctx.needs_input_grad))
         out, saved, sdpa_sizes = sdpa_forward(backend, q_rot, k_rot, v.transpose(1, 2), is_causal, scale)
         y = F.linear(out.transpose(1, 2).reshape(B, S, -1), o_weight, o_bias)
-        ctx.save_for_backward(x, q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos,
-                              sin, o_weight, *saved)
+        # x itself, or (x_rebuild) the sources it is rebuilt from in the backward: x need not outlive the forward
+        x_saved = (x,) if x_rebuild is None else x_rebuild.sources
+        ctx.save_for_backward(*x_saved, q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight,
+                              cos, sin, o_weight, *saved)
+        ctx.x_rebuild = None if x_rebuild is None else (x_rebuild.write, len(x_saved), x.shape, x.dtype)
         ctx.args = (eps, mode, scale, is_causal, backend, sdpa_sizes, q_bias is not None, o_bias is not None,
                     stacked)
         return y
@@ -639,8 +643,16 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
     @staticmethod
     @first_order("attention block")
     def backward(ctx, dy):
-        x, q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, o_weight, *saved = \
-            ctx.saved_tensors
+        n_x = 1 if ctx.x_rebuild is None else ctx.x_rebuild[1]
+        tensors = ctx.saved_tensors
+        q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, o_weight, *saved = \
+            tensors[n_x:]
+        if ctx.x_rebuild is None:
+            x = tensors[0]
+        else:
+            write, _, shape, dtype = ctx.x_rebuild
+            x = q.new_empty(shape, dtype=dtype)
+            write(x, *tensors[:n_x])
         eps, mode, scale, is_causal, backend, sdpa_sizes, has_bias, has_o_bias, stacked = ctx.args
         B, S = x.shape[:2]
         dy2 = dy.reshape(B * S, -1)
@@ -682,12 +694,12 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
             dwq, dwk, dwv = torch.split(d_qkv2.t() @ x.reshape(B * S, -1), sizes)
             dbq, dbk, dbv = torch.split(d_qkv2.sum(0), sizes) if has_bias else (None, None, None)
         biases = (dbq, dbk, dbv) if has_bias else (None, None, None)
-        return (dx, dwq, dwk, dwv, *biases, dwq_norm, dwk_norm, None, None, d_o_weight, d_o_bias,
+        return (dx, None, dwq, dwk, dwv, *biases, dwq_norm, dwk_norm, None, None, d_o_weight, d_o_bias,
                 None, None, None, None)
 
 
 def _attention_block(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, cos,
-                     sin, o_weight, o_bias, eps: float, head_dim: int, scale: float):
+                     sin, o_weight, o_bias, eps: float, head_dim: int, scale: float, x_rebuild=None):
     """The attention of Qwen3 / Qwen3-MoE (q/k norm weights given) or Llama / Qwen2 (None: RoPE alone) from the
     input norm's output to `o_proj`'s output (no cache, no mask: causal; no dropout), in one autograd node: the
     q/k/v projections, q/k RMSNorm + RoPE (one kernel), SDPA on the backend SDPA itself would choose (grouped-query
@@ -695,10 +707,12 @@ def _attention_block(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_
     preconditions (`rotary.layers._attention_block_applies`).
 
     x: (B, S, hidden); q/k/v/o weights and biases as the `nn.Linear`s' (all of x's dtype; q/k/v biased or
-    not together); q/k norm weights (head_dim,) or None; cos / sin (B or 1, S, R) not requiring grad."""
+    not together); q/k norm weights (head_dim,) or None; cos / sin (B or 1, S, R) not requiring grad.
+    x_rebuild: x's `_common.released.Rebuild` (its sources are kept instead of x, which the backward rebuilds), or
+    None (x is kept)."""
     mode = NONE if q_norm_weight is None else STANDARD
     return _QKNormRopeAttentionBlock.apply(
-        x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, *_cos_sin(cos, sin),
+        x, x_rebuild, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, *_cos_sin(cos, sin),
         o_weight, o_bias, float(eps), mode, head_dim, float(scale))
 
 
