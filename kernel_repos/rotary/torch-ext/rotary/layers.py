@@ -15,6 +15,10 @@
   Attention itself goes through transformers' `ALL_ATTENTION_FUNCTIONS` (sdpa / flash / eager all work) and
   the KV cache is updated as in HF. A mask that is `_common.causal_marker`'s marker (passed by hubfuse.training)
   reaches the attention function as None: the causal path.
+- In eager training with transformers' sdpa, no mask and no KV cache, the Qwen3 / Qwen3-MoE / Llama / Qwen2
+  attention runs as one autograd node (`ops._attention_block`, preconditions in `_attention_block_applies`):
+  it keeps neither the rotated q / k nor the input norm's output where hubfuse's RMSNorm made it, and rebuilds
+  both in its backward. Elsewhere the per-op path below runs.
 - In training (no KV cache, no saved-tensor hooks, not under torch.compile) the q/k norm + RoPE attentions free
   the rotated q and k the attention function saved once it returns, and rebuild them bit for bit from the
   projections (which the norm + RoPE backward keeps anyway) when the backward reaches the attention
