@@ -292,7 +292,8 @@ def _attention_blocks(t: torch.Tensor) -> list:
 def test_attention_block_one_node_no_rotated_qk_saved(family, path, model_dirs, monkeypatch):
     """In training with no mask and no cache the Qwen3 / Llama / Qwen2 attention runs as one autograd node
     (projections, q/k norm + RoPE or RoPE alone, SDPA and o_proj): loss, logits and every gradient match eager on
-    the torch path and on the Triton path (interpreter: q/k/v as one GEMM); the node keeps the attention output but no rotated q / k (the
+    the torch path and on the Triton path (interpreter: q/k/v as one GEMM), and with SDPA held to its math backend
+    (SDPA run again in the node's backward); the node keeps the attention output but no rotated q / k (the
     backward rebuilds them); a padding mask or a hook on q_proj take the per-op path, with the same results."""
     if path == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -309,6 +310,11 @@ def test_attention_block_one_node_no_rotated_qk_saved(family, path, model_dirs, 
         per_head = [tuple(t.shape) for t in node.saved_tensors if t is not None and t.dim() == 4 and t.shape[2] == S]
         assert per_head == [(B, cfg.num_attention_heads, S, D)], per_head  # the attention output alone
     _assert_relative_parity(eager, ours, batch)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # no kernel the node calls directly: SDPA again under autograd
+        assert len(_attention_blocks(ours(**batch).loss)) == EXPECTED_ATTENTION[family]
+        _assert_relative_parity(eager, ours, batch)
     padded = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
     padded["attention_mask"][0, :3] = 0
     assert not _attention_blocks(ours(**padded).loss)
@@ -322,9 +328,10 @@ def test_attention_block_one_node_no_rotated_qk_saved(family, path, model_dirs, 
 
 def test_rotated_qk_released_until_backward(model_dirs, monkeypatch):
     """In training the gated q/k norm + RoPE attention (Qwen3.5) frees the rotated q / k the attention saved and
-    rebuilds them in the backward: gradients bit for bit those without the release, storage empty between forward and backward,
-    and no release with HUBFUSE_RELEASE_ACTIVATIONS=0, under activation checkpointing (which recomputes the forward
-    itself) or without gradients. (Qwen3's attention saves no rotated q / k at all: the test above.)"""
+    rebuilds them in the backward: gradients bit for bit those without the release, storage empty between forward
+    and backward, and no release with HUBFUSE_RELEASE_ACTIVATIONS=0, under activation checkpointing (which
+    recomputes the forward itself) or without gradients. (Qwen3's attention saves no rotated q / k at all: the
+    test above.)"""
     from tests.utils import forward_backward
 
     family = "qwen3_5_moe_text"

@@ -163,6 +163,9 @@ def _attention_block_applies(module, x, position_embeddings, attention_mask, pas
         return False
     if _cos_sin_need_grad(cos, sin) or autocast_dtype(x) is not None or torch.are_deterministic_algorithms_enabled():
         return False
+    if x.device.type == "cuda" and (x.dtype not in (torch.float16, torch.bfloat16) or not (
+            torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled())):
+        return False  # the node would run SDPA's forward again in its backward (no flash / cuDNN kernel to call)
     return _attention_interface(module.config._attn_implementation) is _sdpa_attention_forward()
 
 

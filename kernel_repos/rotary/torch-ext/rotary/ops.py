@@ -712,7 +712,8 @@ def _attention_block(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_
     None (x is kept)."""
     mode = NONE if q_norm_weight is None else STANDARD
     return _QKNormRopeAttentionBlock.apply(
-        x, x_rebuild, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, *_cos_sin(cos, sin),
+        x, x_rebuild, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight,
+        *_cos_sin(cos, sin),
         o_weight, o_bias, float(eps), mode, head_dim, float(scale))
 
 
