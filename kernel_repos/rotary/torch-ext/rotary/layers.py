@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from hubfuse._common.causal_marker import is_causal_marker
+from hubfuse._common.device import autocast_dtype
 from hubfuse._common.released import can_release, rebuildable, release_until_backward
 from hubfuse.rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
-from hubfuse._common.device import autocast_dtype
 from .ops import _cos_sin_need_grad, _qkv_projections, apply_rotary_pos_emb, qk_norm_rope, _qk_norm_rope_rebuild, \
     _attention_block, qk_norm_rope_zero_centered
 from .reference import apply_rotary_pos_emb_hf

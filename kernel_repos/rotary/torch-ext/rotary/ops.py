@@ -604,10 +604,10 @@ def _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode):
 class _QKNormRopeAttentionBlock(torch.autograd.Function):
     """`o_proj(SDPA(rope(q_norm(q_proj x)), rope(k_norm(k_proj x)), v_proj x))` (mode NONE: no q/k norm) as one
     autograd node, for eager mode: the kernels of `_qkv_projections`, `qk_norm_rope` (or `apply_rotary_pos_emb`),
-    SDPA (causal, no mask, no dropout) and `o_proj`
-    without the host work of ~14 autograd nodes a layer (views, transposes, four ops). On the Triton path the
-    q/k/v projections run as one GEMM over the stacked weights (forward, and each of the two backward products:
-    four GEMM calls fewer a layer); the torch path keeps HF's three.
+    SDPA (causal, no mask, no dropout) and `o_proj` without the host work of ~14 autograd nodes a layer (views,
+    transposes, four ops). On the Triton path the q/k/v projections run as one GEMM over the stacked weights
+    (forward, and each of the two backward products: six GEMM calls fewer a layer); the torch path keeps HF's
+    three.
 
     Saved: x (or, where x is the input norm's output, the norm's input and weight: x is rebuilt in the backward,
     one norm pass), the q/k/v projections, the attention output and what SDPA's backward reads (its
@@ -628,8 +628,9 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
                        for w, b in ((q_weight, q_bias), (k_weight, k_bias), (v_weight, v_bias)))
         q_rot, k_rot = _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
         is_causal = S > 1  # as transformers' sdpa_attention_forward: one query attends to every key
-        backend = sdpa_backend(q_rot, k_rot, v.transpose(1, 2), is_causal, scale, any(ctx.needs_input_grad))
-        out, saved, sdpa_sizes = sdpa_forward(backend, q_rot, k_rot, v.transpose(1, 2), is_causal, scale)
+        v_heads = v.transpose(1, 2)
+        backend = sdpa_backend(q_rot, k_rot, v_heads, is_causal, scale, any(ctx.needs_input_grad))
+        out, saved, sdpa_sizes = sdpa_forward(backend, q_rot, k_rot, v_heads, is_causal, scale)
         y = F.linear(out.transpose(1, 2).reshape(B, S, -1), o_weight, o_bias)
         # x itself, or (x_rebuild) the sources it is rebuilt from in the backward: x need not outlive the forward
         x_saved = (x,) if x_rebuild is None else x_rebuild.sources
