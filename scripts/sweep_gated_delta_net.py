@@ -23,6 +23,7 @@ the line gives the summed GPU ms per step and each kernel's. Output: stdout and 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -133,8 +134,9 @@ def main(argv=None) -> int:
     for step in steps.values():  # imports the Triton modules (lazily imported by the ops)
         step()
     pkg = kg.__name__
-    conv_config = sys.modules[f"{pkg}.triton_conv1d"].CONV_CONFIG
-    chunk_config = sys.modules[f"{pkg}.triton_chunk"].CONFIG
+    # the workloads that ran may not have imported both (the conv runs in `layer` only)
+    conv_config = importlib.import_module(f"{pkg}.triton_conv1d").CONV_CONFIG
+    chunk_config = importlib.import_module(f"{pkg}.triton_chunk").CONFIG
     tables = {f"conv_{name}": conv_config[name] for name in conv_config} | dict(chunk_config)
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)

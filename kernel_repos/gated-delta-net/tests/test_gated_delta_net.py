@@ -197,6 +197,41 @@ def test_split_grads_kernel_equals_one_kernel(case, use_kernel_path, monkeypatch
             _close(got, want, 1e-5 if got.dtype == torch.float32 else 2e-3, name)
 
 
+def test_full_chunk_launches_equal_one_launch(use_kernel_path, monkeypatch):
+    """The gradient halves launched over the 64-row chunks (row masks known to the compiler), then the shorter ones,
+    give the gradients of one launch over every chunk: dense rows of a multiple of 64 (one launch), of other
+    lengths, and packed sequences with full and partial chunks. The same operations per chunk: bitwise under the
+    interpreter, within a few roundings on a GPU (other register allocation)."""
+    from hubfuse.gated_delta_net import triton_chunk
+
+    use_kernel_path("triton")
+    q = torch.empty(2, 128, 1, 16)
+    v = torch.empty(2, 128, 2, 16)
+    assert triton_chunk._Problem(q, v, None, None).chunk_classes(1) == (1,)
+    assert triton_chunk._Problem(q[:, :100], v[:, :100], None, None).chunk_classes(1) == (1, 2)
+    assert triton_chunk._Problem(q, v, None, None).chunk_classes(0) == (0,)
+    for B, T, cu in ((2, 128, None), (1, 100, None), (1, 230, [0, 64, 65, 200, 230])):
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu is not None else None
+        q, k, v, g, beta, h0 = _inputs(B, T, 1, 2, 16, 16, torch.float32, len(cu) - 1 if cu else B, seed=T)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+        o, ht = gdn.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+        gen = torch.Generator().manual_seed(T)
+        do, dht = torch.randn(o.shape, generator=gen).to(DEV), torch.randn(ht.shape, generator=gen).to(DEV)
+        loss = (o * do).sum() + (ht * dht).sum()
+
+        def grads(full):
+            for half in ("grads_dq", "grads_dk"):
+                monkeypatch.setitem(triton_chunk.CONFIG[half], "full_chunks", full)
+            return torch.autograd.grad(loss, leaves, retain_graph=True)
+
+        for name, got, want in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads(1), grads(0), strict=True):
+            if DEV == "cpu":
+                assert torch.equal(got, want), f"T={T}, cu={cu}: {name} differs by {_rel(got, want):.3g}"
+            else:
+                _close(got, want, 1e-5, f"T={T}, cu={cu}: {name}")
+
+
 def _check_rule(case, dtype):
     """The rule's outputs and every input gradient against the float64 run."""
     B, T, H, HV, K, V, l2norm, with_h0, cu = case
