@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hubfuse._common.missing_init import init_missing
+from hubfuse._common.modules import hooked
 from hubfuse.rmsnorm.layers import RMSNormGatedLayout
 from hubfuse.rmsnorm.ops import rms_norm_gated
 from .ops import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_net_core,
@@ -190,7 +191,7 @@ def _gated_delta_net_forward(module, hidden_states, cache_params, attention_mask
 
     core = core.reshape(-1, V)
     z = z.reshape(-1, V)
-    if fused:
+    if fused and not hooked(module.norm):  # the fused norm reads its weight: a hooked norm is called
         core = rms_norm_gated(core, z, module.norm.weight, module.norm.variance_epsilon)
     else:
         core = module.norm(core, z)

@@ -36,6 +36,7 @@ from torch import nn
 
 from hubfuse._common.causal_marker import is_causal_marker
 from hubfuse._common.device import autocast_dtype
+from hubfuse._common.modules import hooked, plain_linear
 from hubfuse._common.released import can_release, rebuildable, release_until_backward
 from hubfuse.rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
 from .ops import _cos_sin_need_grad, _qkv_projections, apply_rotary_pos_emb, qk_norm_rope, _qk_norm_rope_rebuild, \
@@ -138,15 +139,12 @@ def _sdpa_attention_forward():
     return sdpa_attention_forward
 
 
-def _plain_linear(m, dtype) -> bool:
-    return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) and m.weight.dtype == dtype
-
-
 def _attention_block_applies(module, x, position_embeddings, attention_mask, past_key_values, kwargs,
                              qk_norm: bool) -> bool:
     """Whether `ops._attention_block` computes exactly what the per-op path would: transformers' sdpa
     attention, causal without a mask, no cache, no dropout, no option sdpa_attention_forward reads, plain
-    `nn.Linear` projections and norm weights of x's dtype, eager mode."""
+    `nn.Linear` projections (`_common.modules.plain_linear`) and hook-free q/k norms with weights of x's dtype,
+    eager mode. (Submodules and parameters are read from the module's dicts: this runs every layer, every step.)"""
     if (past_key_values is not None or attention_mask is not None or torch.compiler.is_compiling()
             or x.dim() != 3 or (module.training and module.attention_dropout)
             or getattr(module, "sliding_window", None) is not None):
@@ -155,15 +153,22 @@ def _attention_block_applies(module, x, position_embeddings, attention_mask, pas
             or kwargs.get("output_attentions"):
         return False
     cos, sin = position_embeddings
-    projections = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
-    if not all(_plain_linear(m, x.dtype) for m in projections) or len({m.bias is None for m in projections[:3]}) > 1:
+    dtype = x.dtype
+    modules = module._modules
+    projections = [modules.get(name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not all(plain_linear(m, dtype) for m in projections) \
+            or len({m._parameters.get("bias") is None for m in projections[:3]}) > 1:
         return False
-    norms = (module.q_norm.weight, module.k_norm.weight) if qk_norm else ()
-    if {t.dtype for t in (*norms, cos, sin)} != {x.dtype}:
+    if qk_norm:
+        norms = (modules.get("q_norm"), modules.get("k_norm"))
+        if any(n is None or hooked(n) or n._parameters.get("weight") is None
+               or n._parameters["weight"].dtype != dtype for n in norms):
+            return False
+    if cos.dtype != dtype or sin.dtype != dtype:
         return False
     if _cos_sin_need_grad(cos, sin) or autocast_dtype(x) is not None or torch.are_deterministic_algorithms_enabled():
         return False
-    if x.device.type == "cuda" and (x.dtype not in (torch.float16, torch.bfloat16) or not (
+    if x.device.type == "cuda" and (dtype not in (torch.float16, torch.bfloat16) or not (
             torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled())):
         return False  # the node would run SDPA's forward again in its backward (no flash / cuDNN kernel to call)
     return _attention_interface(module.config._attn_implementation) is _sdpa_attention_forward()
@@ -213,11 +218,13 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
         k_raw = k.view(hidden_shape)
     value_states = v.view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
+    # the fused q/k norm reads the norms' weights: hooks on a norm module make it call the modules (HF path)
+    fused_norms = fused and not (qk_norm and (hooked(module.q_norm) or hooked(module.k_norm)))
 
     if not qk_norm:
         rope = apply_rotary_pos_emb if fused else apply_rotary_pos_emb_hf  # q and k in one launch
         query_states, key_states = rope(query_states, key_states, cos, sin)
-    elif fused:  # q_norm, k_norm, transpose and RoPE in one kernel, q and k in one launch
+    elif fused_norms:  # q_norm, k_norm, transpose and RoPE in one kernel, q and k in one launch
         if gated:
             query_states, key_states = qk_norm_rope_zero_centered(
                 q_raw, k_raw, module.q_norm.weight, module.k_norm.weight, cos, sin, module.q_norm.eps)
@@ -241,7 +248,8 @@ def _attention_forward(module, hidden_states, position_embeddings, attention_mas
     )
     if release and attn_weights is None and attn_output.grad_fn is not None:
         _release(module, attn_output, hidden_states, query_states, key_states,
-                 (q_raw, k_raw, cos, sin) if qk_norm and not _cos_sin_need_grad(cos, sin) else None, gated)
+                 (q_raw, k_raw, cos, sin) if fused_norms and qk_norm and not _cos_sin_need_grad(cos, sin) else None,
+                 gated)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     if gated:
         attn_output = attn_output * torch.sigmoid(gate)

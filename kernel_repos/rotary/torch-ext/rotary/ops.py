@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from hubfuse._common.checks import first_order
 from hubfuse._common.device import autocast_dtype, use_triton
+from hubfuse._common.modules import plain_linear
 from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from hubfuse._common.released import write_alias
 from hubfuse._common.sdpa import sdpa_backend, sdpa_backward, sdpa_forward
@@ -571,8 +572,7 @@ def _qkv_projections(x: torch.Tensor, q_proj, k_proj, v_proj) -> tuple[torch.Ten
     other Linear classes, autocast, mixed dtypes or biases kept) unless all three are plain hook-free
     `nn.Linear`s of x's dtype, all biased or none."""
     mods = (q_proj, k_proj, v_proj)
-    plain = (all(type(m) is torch.nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in mods)
-             and all(m.weight.dtype == x.dtype for m in mods) and len({m.bias is None for m in mods}) == 1
+    plain = (all(plain_linear(m, x.dtype) for m in mods) and len({m.bias is None for m in mods}) == 1
              and autocast_dtype(x) is None)
     if not plain:
         return q_proj(x), k_proj(x), v_proj(x)

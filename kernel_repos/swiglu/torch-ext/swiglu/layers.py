@@ -22,13 +22,19 @@ exception reaches the caller; with stock transformers' `KernelConfig`, start a f
 failure.)
 
 A Layer has no `__init__` and no state: `kernelize` binds its `forward` to the Layout instance.
+
+The fused forwards read `gate_up_proj` / `down_proj`'s parameters only while both are plain hook-free
+`nn.Linear`s (`_common.modules.plain_linear`). A hook, a LoRA / PEFT wrapper or another Linear class on either
+makes the forward call the two modules around the fused activation (and the norm), so that what they add runs.
 """
 import torch
 from torch import nn
 
+from hubfuse._common.modules import plain_linear
+from hubfuse.rmsnorm.ops import rms_norm
 from hubfuse.rmsnorm.reference import rms_norm_hf
-from .ops import rms_norm_swiglu_mlp, swiglu_mlp
-from .reference import swiglu_mlp_hf
+from .ops import rms_norm_swiglu_mlp, swiglu, swiglu_mlp
+from .reference import swiglu_hf, swiglu_mlp_hf
 
 _SILU_NAMES = ("silu", "swish")
 
@@ -84,6 +90,19 @@ def _rms_norm_swiglu_mlp_conversions() -> list:
     ]
 
 
+def _fused_projections(mlp: nn.Module) -> bool:
+    """Whether the fused op may read the two projections' parameters instead of calling them."""
+    return plain_linear(mlp.gate_up_proj) and plain_linear(mlp.down_proj)
+
+
+def _mlp_forward(mlp: nn.Module, x: torch.Tensor, activation, fused_mlp) -> torch.Tensor:
+    """`down_proj(activation(gate_up_proj(x)))`: `fused_mlp` on the projections' parameters where it may read them,
+    else the two modules called."""
+    if not _fused_projections(mlp):
+        return mlp.down_proj(activation(mlp.gate_up_proj(x)))
+    return fused_mlp(x, mlp.gate_up_proj.weight, mlp.down_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.bias)
+
+
 # ---------------------------------------------------------------- 1-to-1: the MLP
 class SwiGLUMLP(nn.Module):
     """SwiGLU MLP on a `SwiGLUMLPLayout`: one gate/up GEMM, fused activation, down_proj. Hub name `SwiGLUMLP`."""
@@ -92,8 +111,7 @@ class SwiGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_mlp(x, self.gate_up_proj.weight, self.down_proj.weight, self.gate_up_proj.bias,
-                          self.down_proj.bias)
+        return _mlp_forward(self, x, swiglu, swiglu_mlp)
 
 
 class SwiGLUMLPLayout(nn.Module):
@@ -114,8 +132,7 @@ class SwiGLUMLPLayout(nn.Module):
         self.hidden_act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_mlp_hf(x, self.gate_up_proj.weight, self.down_proj.weight, self.gate_up_proj.bias,
-                             self.down_proj.bias)
+        return _mlp_forward(self, x, swiglu_hf, swiglu_mlp_hf)
 
 
 # ---------------------------------------------------------------- n-to-1: RMSNorm + MLP
@@ -128,6 +145,8 @@ class RMSNormSwiGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not _fused_projections(self):
+            return _mlp_forward(self, rms_norm(hidden_states, self.weight, self.variance_epsilon), swiglu, None)
         return rms_norm_swiglu_mlp(hidden_states, self.weight, self.variance_epsilon, self.gate_up_proj.weight,
                                    self.down_proj.weight, self.gate_up_proj.bias, self.down_proj.bias)
 
@@ -179,9 +198,8 @@ class RMSNormSwiGLUMLPLayout(nn.Module):
         self.down_proj = mlp.down_proj
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        normed = rms_norm_hf(hidden_states, self.weight, self.variance_epsilon)
-        return swiglu_mlp_hf(normed, self.gate_up_proj.weight, self.down_proj.weight, self.gate_up_proj.bias,
-                             self.down_proj.bias)
+        return _mlp_forward(self, rms_norm_hf(hidden_states, self.weight, self.variance_epsilon), swiglu_hf,
+                            swiglu_mlp_hf)
 
     def extra_repr(self):
         return f"norm={tuple(self.weight.shape)}, eps={self.variance_epsilon}"

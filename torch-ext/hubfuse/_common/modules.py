@@ -1,0 +1,25 @@
+"""When a fused op may read a submodule's parameters instead of calling it (vendored into every hub variant).
+
+A fused op that takes `q_proj.weight` or `down_proj.weight` and runs its own GEMM skips the module's call: its
+hooks would not run and a wrapper's own computation (a LoRA / PEFT layer, a quantized or other Linear class) would
+be lost, silently. So the fused path is taken only for modules whose call is exactly what the op computes; every
+other module is called. Global module hooks (`torch.nn.modules.module.register_module_forward_hook` and the like)
+are not consulted: they are process-wide, and tools use them to attribute work to modules (FlopCounterMode).
+"""
+from torch import nn
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether the module has a forward, forward-pre, backward or backward-pre hook of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def plain_linear(module, dtype=None) -> bool:
+    """True for an `nn.Linear` itself (no subclass, wrapper or adapter) without hooks, with its weight a parameter
+    (of `dtype` if given): calling it is `F.linear(x, weight, bias)`, which a fused op may compute from the
+    parameters."""
+    if type(module) is not nn.Linear or hooked(module):
+        return False
+    weight = module._parameters.get("weight")
+    return weight is not None and (dtype is None or weight.dtype == dtype)
