@@ -37,6 +37,16 @@ class Adapter(nn.Module):
         return self.base_layer(x) + x @ self.delta.t()
 
 
+class _InstanceForward:
+    """A handle that removes an instance-level `forward`."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def remove(self):
+        del self.module.forward
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hooks")
@@ -83,10 +93,11 @@ def path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("kind", ["forward", "backward"])
+@pytest.mark.parametrize("kind", ["forward", "backward", "instance-forward"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hooks_take_effect(family, kind, path, model_dirs):
-    """Forward hooks that scale q_proj's, down_proj's (and Qwen3's q_norm's) outputs, or full backward hooks alone
+    """Forward hooks that scale q_proj's, down_proj's (and Qwen3's q_norm's) outputs, the same scaling as an
+    instance-level `forward` of the two Linears (as accelerate installs its hooks), or full backward hooks alone
     that scale q_proj's and down_proj's input gradients: the kernelized model equals the stock one with the same
     hooks (loss, logits, the embedding's gradient, which every backward hook scales), and differs from itself
     without them (the hooks do act)."""
@@ -114,6 +125,11 @@ def test_hooks_take_effect(family, kind, path, model_dirs):
                 if family.startswith("qwen3"):
                     targets.append(f"model.layers.{i}.self_attn.q_norm")
                 handles += [model.get_submodule(name).register_forward_hook(forward_hook) for name in targets]
+            elif kind == "instance-forward":  # what accelerate's hooks do: the instance's own forward
+                for name in targets:
+                    linear = model.get_submodule(name)
+                    linear.forward = lambda x, m=linear: forward_hook(m, (x,), nn.Linear.forward(m, x))
+                    handles.append(_InstanceForward(linear))
             else:
                 handles += [model.get_submodule(name).register_full_backward_hook(backward_hook(key))
                             for name in targets]
@@ -125,7 +141,7 @@ def test_hooks_take_effect(family, kind, path, model_dirs):
     finally:
         for h in handles:
             h.remove()
-    if kind == "forward":
+    if kind != "backward":
         assert not torch.allclose(logits_o, plain_logits), "the forward hooks changed nothing"
     else:
         assert not torch.allclose(embed_o, plain_embed), "the backward hooks changed nothing"

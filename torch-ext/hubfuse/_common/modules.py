@@ -16,10 +16,10 @@ def hooked(module: nn.Module) -> bool:
 
 
 def plain_linear(module, dtype=None) -> bool:
-    """True for an `nn.Linear` itself (no subclass, wrapper or adapter) without hooks, with its weight a parameter
-    (of `dtype` if given): calling it is `F.linear(x, weight, bias)`, which a fused op may compute from the
-    parameters."""
-    if type(module) is not nn.Linear or hooked(module):
+    """True for an `nn.Linear` itself (no subclass, wrapper or adapter) without hooks or a forward of its own
+    instance (accelerate's offloading hooks replace `module.forward`), with its weight a parameter (of `dtype` if
+    given): calling it is `F.linear(x, weight, bias)`, which a fused op may compute from the parameters."""
+    if type(module) is not nn.Linear or hooked(module) or "forward" in module.__dict__:
         return False
     weight = module._parameters.get("weight")
     return weight is not None and (dtype is None or weight.dtype == dtype)
