@@ -538,7 +538,7 @@ def _grads_kernel(
     The halves do the whole kernel's operations in its order: the same gradients (bitwise under the interpreter).
     CHUNKS: 0 every chunk; 1 the 64-row chunks only, with row masks the compiler knows to be all true; 2 the
     shorter (last) chunks only. A length read from cu_seqlens leaves the compiler nothing to know of the masks, and
-    the dk half then spills more (packed input 20 % slower than dense): packed input runs 1, then 2."""
+    the dk half then spills more (0.90 against 0.73 ms dense at 8 x 1024, H100): packed input runs 1, then 2."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     hv = i_bh % HV

@@ -160,10 +160,10 @@ def _attention_block_applies(module, x, position_embeddings, attention_mask, pas
             or len({m._parameters.get("bias") is None for m in projections[:3]}) > 1:
         return False
     if qk_norm:
-        norms = (modules.get("q_norm"), modules.get("k_norm"))
-        if any(n is None or hooked(n) or n._parameters.get("weight") is None
-               or n._parameters["weight"].dtype != dtype for n in norms):
-            return False
+        for norm in (modules.get("q_norm"), modules.get("k_norm")):
+            weight = norm._parameters.get("weight") if norm is not None else None
+            if weight is None or weight.dtype != dtype or hooked(norm):
+                return False
     if cos.dtype != dtype or sin.dtype != dtype:
         return False
     if _cos_sin_need_grad(cos, sin) or autocast_dtype(x) is not None or torch.are_deterministic_algorithms_enabled():

@@ -95,11 +95,16 @@ def _fused_projections(mlp: nn.Module) -> bool:
     return plain_linear(mlp.gate_up_proj) and plain_linear(mlp.down_proj)
 
 
+def _called_projections(mlp: nn.Module, x: torch.Tensor, activation) -> torch.Tensor:
+    """`down_proj(activation(gate_up_proj(x)))` with the two modules called (their hooks and wrappers run)."""
+    return mlp.down_proj(activation(mlp.gate_up_proj(x)))
+
+
 def _mlp_forward(mlp: nn.Module, x: torch.Tensor, activation, fused_mlp) -> torch.Tensor:
     """`down_proj(activation(gate_up_proj(x)))`: `fused_mlp` on the projections' parameters where it may read them,
     else the two modules called."""
     if not _fused_projections(mlp):
-        return mlp.down_proj(activation(mlp.gate_up_proj(x)))
+        return _called_projections(mlp, x, activation)
     return fused_mlp(x, mlp.gate_up_proj.weight, mlp.down_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.bias)
 
 
@@ -146,7 +151,7 @@ class RMSNormSwiGLUMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not _fused_projections(self):
-            return _mlp_forward(self, rms_norm(hidden_states, self.weight, self.variance_epsilon), swiglu, None)
+            return _called_projections(self, rms_norm(hidden_states, self.weight, self.variance_epsilon), swiglu)
         return rms_norm_swiglu_mlp(hidden_states, self.weight, self.variance_epsilon, self.gate_up_proj.weight,
                                    self.down_proj.weight, self.gate_up_proj.bias, self.down_proj.bias)
 
