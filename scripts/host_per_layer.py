@@ -160,14 +160,15 @@ def main(argv=None) -> int:
         AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(tmp)
         for config in args.configs:
             base, backend = bench.split_config(config)
-            if base not in ("eager", "ours"):
-                p.error(f"--configs: {config!r}: expected eager or ours, optionally @<backend>")
+            if base not in ("eager", "ours", "ours_modules"):
+                p.error(f"--configs: {config!r}: expected eager, ours or ours_modules, optionally @<backend>")
             scope = contextlib.ExitStack()
             if backend is not None:
                 from torch.nn.attention import SDPBackend, sdpa_kernel
 
                 scope.enter_context(sdpa_kernel(getattr(SDPBackend, bench.SDPA_BACKENDS[backend])))
-            mapping = presets.kernel_mapping("qwen3", revision=bench.REVISION) if base == "ours" else None
+            mapping = (None if base == "eager" else
+                       presets.kernel_mapping("qwen3", revision=bench.REVISION, decoder_layer=base == "ours"))
             model = load(tmp, mapping, dtype=dtype, device=device, attn_implementation="sdpa").train()
             layer = model.model.layers[0]
             hidden, kwargs = layer_inputs(model, args.batch, args.seq, device, dtype)

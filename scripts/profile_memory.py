@@ -38,7 +38,11 @@ from hubfuse._common.released import OBSERVES_ONLY  # noqa: E402
 
 _SKIP = ("torch/autograd/", "torch/_library/", "torch/_ops.py", "_common/custom_op.py", "torch/utils/",
          "profile_memory.py", "torch/nn/modules/module.py")
-_LAYER = re.compile(r"layers\.(\d+)\.")
+_LAYER = re.compile(r"layers\.(\d+)(\.|\b)")  # a decoder layer's index, in its own name or a submodule's
+
+
+def _layers_folded(where: str) -> str:
+    return _LAYER.sub(lambda m: "layers.*" + m.group(2), where)
 
 
 def _saver() -> str:
@@ -56,13 +60,16 @@ def saved_tensors(model, batch) -> tuple[list[dict], torch.Tensor]:
     names = {m: n for n, m in model.named_modules()}
 
     def enter(module, _args):
-        path.append(names[module])
+        path.append(names.get(module, path[-1]))
 
     def leave(*_):
         path.pop()
 
-    hooks = [m.register_forward_pre_hook(enter) for m in model.modules()]
-    hooks += [m.register_forward_hook(leave) for m in model.modules()]
+    # global module hooks: hooks of a module's own make a fused Layer call that submodule instead of reading its
+    # weights (`_common.modules.hooked`), which would change what is measured
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
     by_storage: dict[int, dict] = {}
 
     def pack(t):
@@ -108,9 +115,9 @@ def report(config: str, records: list[dict], tokens: int, seq: int, layers: int,
     outside = collections.defaultdict(lambda: [0, 0])  # label -> [bytes, scales with the tokens]
     for r in records:
         layer_ids = {m.group(1) for m in _LAYER.finditer(" ".join([r["where"]] + r["also"]))}
-        label = f"{_LAYER.sub('layers.*.', r['where'])} [{r['dtype']} {r['shape']}]"
+        label = f"{_layers_folded(r['where'])} [{r['dtype']} {r['shape']}]"
         if r["also"]:
-            label += " (also saved by " + "; ".join(_LAYER.sub("layers.*.", a) for a in r["also"]) + ")"
+            label += " (also saved by " + "; ".join(_layers_folded(a) for a in r["also"]) + ")"
         entry = per_layer[label] if len(layer_ids) == 1 else outside[label + (" (shared by layers)" if layer_ids else "")]
         entry[0] += r["nbytes"]
         entry[1] += 1 if len(layer_ids) == 1 else bool({tokens, seq} & set(r["shape"]))

@@ -650,6 +650,94 @@ def _rotary_targets():
                 layout_roles=("input",), paths=("ref",))
 
 
+
+# dense decoder layers: "qwen3" (q/k norm), "qwen2" (RoPE alone, biased q/k/v)
+def _decoder_args(kind):
+    def args(shape):
+        B, S = {"one_row": (1, 1), "odd": (3, 7), "batch1": (1, 5)}.get(shape, (2, 5))
+        if shape not in ("base", "one_row", "odd", "batch1"):
+            return None
+        D, R, hidden, heads, kv_heads, inter = 8, 8, 32, 4, 2, 48
+        out = {"hidden_states": Arg((B, S, hidden), aliases=("x",)), "cos": Arg((B, S, R), "buffer"),
+               "sin": Arg((B, S, R), "buffer"),
+               "input_layernorm": Arg((hidden,), "param"), "post_attention_layernorm": Arg((hidden,), "param"),
+               "q_proj": Arg((heads * D, hidden), "param", scale=0.3),
+               "k_proj": Arg((kv_heads * D, hidden), "param", scale=0.3),
+               "v_proj": Arg((kv_heads * D, hidden), "param", scale=0.3),
+               "o_proj": Arg((hidden, heads * D), "param", scale=0.3),
+               "gate_up_proj": Arg((2 * inter, hidden), "param", scale=0.3),
+               "down_proj": Arg((hidden, inter), "param", scale=0.3)}
+        if kind == "qwen3":
+            out.update(q_norm=Arg((D,), "param"), k_norm=Arg((D,), "param"))
+        else:
+            out.update(q_bias=Arg((heads * D,), "param"), k_bias=Arg((kv_heads * D,), "param"),
+                       v_bias=Arg((kv_heads * D,), "param"))
+        return out
+    return args
+
+
+def _decoder_config(kind):
+    from transformers import Qwen2Config, Qwen3Config
+
+    config = (Qwen3Config if kind == "qwen3" else Qwen2Config)(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+        rms_norm_eps=EPS, attention_dropout=0.0, vocab_size=16, num_hidden_layers=1)
+    config._attn_implementation = "sdpa"  # the node's condition (another implementation: the per-op path)
+    return config
+
+
+def _decoder_params(kind, split_gate_up=False):
+    names = {"input_layernorm.weight": "input_layernorm", "post_attention_layernorm.weight": "post_attention_layernorm",
+             **{f"self_attn.{n}.weight": n for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+             "mlp.down_proj.weight": "down_proj"}
+    if not split_gate_up:
+        names["mlp.gate_up_proj.weight"] = "gate_up_proj"
+    if kind == "qwen3":
+        names.update({"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"})
+    else:
+        names.update({f"self_attn.{n}_proj.bias": f"{n}_bias" for n in "qkv"})
+    return names
+
+
+def _decoder_oracle(kind):
+    def oracle(a, lp):
+        if kind == "qwen3":
+            from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer as HF
+        else:
+            from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as HF
+        module = HF(_decoder_config(kind), 0).double()
+        params = {p: a[n] for p, n in _decoder_params(kind, split_gate_up=True).items()}
+        params["mlp.gate_proj.weight"], params["mlp.up_proj.weight"] = a["gate_up_proj"].chunk(2, dim=0)
+        return torch.func.functional_call(module, params, (a["hidden_states"],),
+                                          {"position_embeddings": (a["cos"], a["sin"])})
+    return oracle
+
+
+def _decoder_layer_targets():
+    from hubfuse.decoder_layer import layers as L
+
+    module_axes = ("dtype", "shape", "layout", "values", "grad")
+    for kind in ("qwen3", "qwen2"):
+        p = Problem(f"DecoderLayerLayout ({kind})", _decoder_args(kind), primary="hidden_states",
+                    oracle=_decoder_oracle(kind))
+
+        def build(s, kind=kind, forward=None):
+            module = L.DecoderLayerLayout(_decoder_config(kind), 0)
+            if forward is not None:
+                module.forward = types.MethodType(forward, module)
+            return lambda a: torch.func.functional_call(
+                module, {p_: a[n] for p_, n in _decoder_params(kind).items()}, (a["hidden_states"],),
+                {"position_embeddings": (a["cos"], a["sin"])})
+
+        shapes = ("base", "one_row", "odd", "batch1")
+        _target(f"DecoderLayer (Layer, {kind})", "layer", p,
+                lambda s, build=build: build(s, forward=L.DecoderLayer.forward), shapes=shapes, axes=module_axes,
+                layout_roles=("input",), dtype_values=("fp16", "bf16", "fp64"),
+                note="a decoder layer: the projections are torch Linears, as in HF (no device / integer / "
+                     "mixed-dtype cells: torch's own errors)")
+        _target(f"DecoderLayerLayout ({kind})", "layout", p, build, shapes=shapes, dtypes=HALF + ("fp64",),
+                axes=module_axes, layout_roles=("input",), paths=("ref",))
+
 # ----------------------------------------------------------------------------------------------- load balancing
 
 LBL_LAYERS, LBL_TOP_K = 3, 2
@@ -1073,6 +1161,7 @@ def _register():
     _cross_entropy_targets()
     _moe_targets()
     _rotary_targets()
+    _decoder_layer_targets()
     _load_balancing_targets()
     _gated_delta_net_targets()
     EXCLUDED.update({

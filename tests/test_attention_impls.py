@@ -1,5 +1,6 @@
 """Our attention Layouts (`kernel_repos/rotary`: `QKNormRopeAttention`, `GatedQKNormRopeAttention`,
-`RopeAttention`) under every attention implementation a user picks, on padded and on padding-free packed batches.
+`RopeAttention`; in the dense families inside the `DecoderLayer` Layout) under every attention implementation a
+user picks, on padded and on padding-free packed batches.
 
 A one-argument kernelized load (`hubfuse.KernelConfig()`, every kernel of the family) against a plain load with the
 same `attn_implementation`: loss and every gradient equal (CPU fp32: `sdpa`, `eager`; GPU bf16:
@@ -17,6 +18,10 @@ from hubfuse import presets
 from tests.utils import save_tiny_model, tiny_config
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "llama", "qwen2")
+# the attention Layout of each family, and the Layer kernelize binds where it runs (the dense families' decoder
+# layer runs it inside, hubfuse/decoder-layer)
+BOUND_LAYER = {"qwen3": "DecoderLayer", "qwen3_moe": "QKNormRopeAttention",
+               "qwen3_5_moe_text": "GatedQKNormRopeAttention", "llama": "DecoderLayer", "qwen2": "DecoderLayer"}
 ATTENTION_LAYER = {"qwen3": "QKNormRopeAttention", "qwen3_moe": "QKNormRopeAttention",
                    "qwen3_5_moe_text": "GatedQKNormRopeAttention", "llama": "RopeAttention", "qwen2": "RopeAttention"}
 # the GPU models: head_dim 128 (flash kernels), still tiny
@@ -112,7 +117,7 @@ def assert_packed_equals_separate(model, batch, seqs, atol):
 def test_padded_batch(family, attn, model_dirs):
     plain, ours = load_pair(model_dirs[family], attn)
     assert ours.config._attn_implementation == attn
-    assert len(attention_modules_bound(ours, ATTENTION_LAYER[family])) >= 1
+    assert len(attention_modules_bound(ours, BOUND_LAYER[family])) >= 1
     assert_same_step(plain, ours, padded_batch(tiny_config(family).vocab_size, seed=_seed()), atol=2e-5, rtol=2e-5)
 
 
@@ -139,7 +144,7 @@ def _flash_attention_4_available() -> bool:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_flash_attention_4(family, packed, gpu_model_dirs):
     plain, ours = load_pair(gpu_model_dirs[family], "flash_attention_4", dtype=torch.bfloat16, device="cuda")
-    assert len(attention_modules_bound(ours, ATTENTION_LAYER[family])) >= 1
+    assert len(attention_modules_bound(ours, BOUND_LAYER[family])) >= 1
     vocab = tiny_config(family).vocab_size
     if packed:
         packed_hf_ok = family != "qwen3_5_moe_text"
@@ -183,7 +188,7 @@ def test_released_activations_rebuilt_bit_for_bit(family, model_dirs, monkeypatc
     batch = padded_batch(tiny_config(family).vocab_size)
     got = forward_backward(ours, batch)
     per_layer = [3] if ATTENTION_LAYER[family] != "RopeAttention" else [1]  # the norm output (+ rotated q, k)
-    attention_layers = len(attention_modules_bound(ours, ATTENTION_LAYER[family]))
+    attention_layers = len(attention_modules_bound(ours, BOUND_LAYER[family]))
     assert sorted(released) == sorted(per_layer * attention_layers), released
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         want = forward_backward(ours, batch)

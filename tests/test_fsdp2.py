@@ -150,8 +150,9 @@ def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path, backend):
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     for r in results:
         assert r["sharded_params"] == r["params"] > 0  # every parameter is a DTensor shard
-        assert {"QKNormRopeAttentionLayout", "RMSNormLayout", "RMSNormSwiGLUMLPLayout"} <= set(r["layouts"])
-        assert {"QKNormRopeAttention", "RMSNorm", "RMSNormSwiGLUMLP"} <= set(r["bound"])
+        assert {"DecoderLayerLayout", "QKNormRopeAttentionLayout", "RMSNormLayout", "SwiGLUMLPLayout"} \
+            <= set(r["layouts"])
+        assert {"DecoderLayer", "RMSNorm"} <= set(r["bound"])
     want = _reference_losses(path, batches, backend)
     got = [[results[rank]["losses"][step] for rank in range(WORLD_SIZE)] for step in range(STEPS)]
     print(f"{backend}: FSDP2 + kernels {got}; unsharded eager {want}")

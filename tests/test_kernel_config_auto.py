@@ -19,7 +19,7 @@ FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text")
 OVERRIDES = {"qwen3_moe": dict(output_router_logits=True), "qwen3_5_moe_text": dict(output_router_logits=True)}
 # kernel layer -> modules bound, tiny models (2 layers; Qwen3-MoE all sparse; Qwen3.5: 1 linear + 1 full attention)
 EXPECTED_BOUND = {
-    "qwen3": {"RMSNorm": 3, "QKNormRopeAttention": 2, "RMSNormSwiGLUMLP": 2},
+    "qwen3": {"RMSNorm": 1, "DecoderLayer": 2},
     "qwen3_moe": {"RMSNorm": 5, "QKNormRopeAttention": 2, "GroupedGemmExperts": 2, "TopKRouter": 2},
     "qwen3_5_moe_text": {"RMSNormZeroCentered": 5, "GatedDeltaNet": 1, "SoftmaxTopKRouter": 2,
                          "GatedQKNormRopeAttention": 1, "GroupedGemmExperts": 2, "SwiGLUMLP": 2},
@@ -128,9 +128,10 @@ def test_repo_not_found_names_the_existing_repos(model_dirs):
         one_argument(model_dirs["qwen3"], kernel_mapping={"RMSNorm": "hubfuse/rmsnom:RMSNorm"})
     msg = str(e.value)
     assert "kernel repo 'hubfuse/rmsnom' not found (did you mean 'hubfuse/rmsnorm'?)" in msg
-    assert "local builds (LOCAL_KERNELS): hubfuse/cross-entropy, hubfuse/gated-delta-net, hubfuse/hubfuse" in msg
-    assert "hubfuse repos known here (the presets and this clone): hubfuse/cross-entropy, hubfuse/gated-delta-net, " \
+    assert "local builds (LOCAL_KERNELS): hubfuse/cross-entropy, hubfuse/decoder-layer, hubfuse/gated-delta-net, " \
            "hubfuse/hubfuse" in msg
+    assert "hubfuse repos known here (the presets and this clone): hubfuse/cross-entropy, hubfuse/decoder-layer, " \
+           "hubfuse/gated-delta-net, hubfuse/hubfuse" in msg
     assert "trust_remote_code" not in msg
 
 

@@ -22,13 +22,13 @@ OVERRIDES = {
 }
 # modules bound to each kernel layer in the tiny models (2 layers; Qwen3.5: 1 linear-attention + 1 full-attention)
 EXPECTED_BOUND = {
-    "qwen3": {"RMSNorm": 3, "QKNormRopeAttention": 2, "RMSNormSwiGLUMLP": 2},
+    "qwen3": {"RMSNorm": 1, "DecoderLayer": 2},
     "qwen3_moe": {"RMSNorm": 5, "QKNormRopeAttention": 2, "GroupedGemmExperts": 1, "TopKRouter": 1,
                   "SwiGLUMLP": 1},
     "qwen3_5_moe_text": {"RMSNormZeroCentered": 5, "GatedDeltaNet": 1, "SoftmaxTopKRouter": 2,
                          "GatedQKNormRopeAttention": 1, "GroupedGemmExperts": 2, "SwiGLUMLP": 2},
-    "llama": {"RMSNorm": 3, "RopeAttention": 2, "RMSNormSwiGLUMLP": 2},
-    "qwen2": {"RMSNorm": 3, "RopeAttention": 2, "RMSNormSwiGLUMLP": 2},
+    "llama": {"RMSNorm": 1, "DecoderLayer": 2},
+    "qwen2": {"RMSNorm": 1, "DecoderLayer": 2},
 }
 ROPE_HUB_FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")  # `apply_rotary_pos_emb` carries the hub name
 
@@ -74,6 +74,10 @@ def _step(model, batch):
     return logits, out.loss.detach(), None if aux is None else aux.detach(), grads
 
 
+# decoder_layer=False: the attention Layout and the RMSNorm + MLP fusion
+EXPECTED_BOUND_MODULES = {"qwen3": {"RMSNorm": 3, "QKNormRopeAttention": 2, "RMSNormSwiGLUMLP": 2},
+                          "llama": {"RMSNorm": 3, "RopeAttention": 2, "RMSNormSwiGLUMLP": 2},
+                          "qwen2": {"RMSNorm": 3, "RopeAttention": 2, "RMSNormSwiGLUMLP": 2}}
 # fuse_norm_mlp=False: the 1-to-1 SwiGLUMLP Layout (decoder layer class kept) and RMSNorm on every norm
 EXPECTED_BOUND_UNFUSED = {"qwen3": {"RMSNorm": 5, "QKNormRopeAttention": 2, "SwiGLUMLP": 2},
                           "llama": {"RMSNorm": 5, "RopeAttention": 2, "SwiGLUMLP": 2}}
@@ -82,6 +86,12 @@ EXPECTED_BOUND_UNFUSED = {"qwen3": {"RMSNorm": 5, "QKNormRopeAttention": 2, "Swi
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preset_parity_with_eager(family, model_dirs):
     _check_parity(family, model_dirs[family], EXPECTED_BOUND[family])
+
+
+@pytest.mark.parametrize("family", list(EXPECTED_BOUND_MODULES))
+def test_per_module_preset_parity_with_eager(family, model_dirs):
+    ours = _check_parity(family, model_dirs[family], EXPECTED_BOUND_MODULES[family], decoder_layer=False)
+    assert not any(type(m).__name__ == "DecoderLayerLayout" for m in ours.modules())
 
 
 @pytest.mark.parametrize("family", list(EXPECTED_BOUND_UNFUSED))
@@ -190,30 +200,39 @@ def test_plain_models_beside_a_kernelized_one_run_stock_code(family, model_dirs)
 
 def test_preset_names_and_options(monkeypatch):
     # local builds (LOCAL_KERNELS, set by the module fixture) get revision "v1", the hub version 1
-    assert presets.kernel_mapping("qwen3")["^Qwen3Attention$"] == \
-        ("hubfuse/rotary:QKNormRopeAttention", {"revision": "v1"})
-    assert presets.kernel_mapping("qwen3", version=1)["^Qwen3Attention$"][1] == {"version": 1}
+    assert presets.kernel_mapping("qwen3")["^Qwen3DecoderLayer$"] == \
+        ("hubfuse/decoder-layer:DecoderLayer", {"revision": "v1"})
+    assert presets.kernel_mapping("qwen3", version=1)["^Qwen3DecoderLayer$"][1] == {"version": 1}
     monkeypatch.delenv("LOCAL_KERNELS")
     m = presets.kernel_mapping("qwen3")
-    assert m["^Qwen3Attention$"] == ("hubfuse/rotary:QKNormRopeAttention", {"version": 1})
-    assert presets.kernel_mapping("qwen3", trust_remote_code=True)["^Qwen3Attention$"][1] == \
+    assert m["^Qwen3DecoderLayer$"] == ("hubfuse/decoder-layer:DecoderLayer", {"version": 1})
+    assert set(m) == {"^Qwen3RMSNorm$", "^Qwen3DecoderLayer$"}
+    assert presets.kernel_mapping("qwen3", trust_remote_code=True)["^Qwen3DecoderLayer$"][1] == \
         {"version": 1, "trust_remote_code": True}
+    modules = presets.kernel_mapping("qwen3", decoder_layer=False)
+    assert modules["^Qwen3Attention$"] == ("hubfuse/rotary:QKNormRopeAttention", {"version": 1})
+    assert presets.FUSION_KEY in modules and "^Qwen3DecoderLayer$" not in modules
     assert presets.kernel_mapping("qwen3_5_moe") == presets.kernel_mapping("qwen3_5_moe_text")
-    assert presets.kernel_mapping("llama")["^LlamaAttention$"][0] == "hubfuse/rotary:RopeAttention"
+    assert presets.kernel_mapping("llama")["^LlamaDecoderLayer$"][0] == "hubfuse/decoder-layer:DecoderLayer"
+    assert presets.kernel_mapping("llama", decoder_layer=False)["^LlamaAttention$"][0] == \
+        "hubfuse/rotary:RopeAttention"
     assert not any("rotary_pos_emb" in presets.kernel_mapping(f) for f in FAMILIES)  # nothing process-wide
-    assert presets.FUSION_KEY in presets.kernel_mapping("qwen2")
+    assert presets.FUSION_KEY in presets.kernel_mapping("qwen2", decoder_layer=False)
     assert presets.kernel_mapping("qwen3_5_moe")["^Qwen3_5MoeGatedDeltaNet$"] == \
         ("hubfuse/gated-delta-net:GatedDeltaNet", {"version": 1})
     assert "gated-delta-net" in presets.kernel_repos("qwen3_5_moe")
     assert "gated-delta-net" not in presets.kernel_repos("qwen3_moe")
+    assert {"decoder-layer", "rotary", "swiglu", "rmsnorm"} <= set(presets.kernel_repos("qwen3"))
     unfused = presets.kernel_mapping("qwen2", fuse_norm_mlp=False)
     assert presets.FUSION_KEY not in unfused and unfused["^Qwen2MLP$"][0] == "hubfuse/swiglu:SwiGLUMLP"
+    assert "^Qwen2DecoderLayer$" not in unfused
     assert presets.kernel_mapping("qwen2", org="me", revision="main")["^Qwen2RMSNorm$"] == \
         ("me/rmsnorm:RMSNorm", {"revision": "main"})
     for family in FAMILIES:  # anchored class regexes, or hub names of kernels without a Layout
-        for key in presets.kernel_mapping(family):
-            assert isinstance(key, tuple) or key.startswith("^") and key.endswith("$") or \
-                key == "SoftmaxTopKRouter", key
+        for options in ({}, {"decoder_layer": False}):
+            for key in presets.kernel_mapping(family, **options):
+                assert isinstance(key, tuple) or key.startswith("^") and key.endswith("$") or \
+                    key == "SoftmaxTopKRouter", key
     with pytest.raises(ValueError, match="hubfuse has no kernels for model family 'mistral'; supported model "
                                          "types: qwen3, qwen3_moe, qwen3_5_moe, llama, qwen2"):
         presets.kernel_mapping("mistral")

@@ -23,7 +23,7 @@ def test_profile_memory_tiny():
     totals = [float(t) for t in re.findall(r"\| \*\*total\*\* \| \| \*\*([\d.]+)\*\* \|", out)]
     assert len(totals) == 2, out  # eager, ours
     assert 0 < totals[1] < totals[0], totals
-    assert "swiglu" in out.lower() or "rms_norm_swiglu_mlp" in out, out  # attributed to our ops
+    assert "_decoder_layer_block" in out, out  # attributed to our ops (the decoder layer as one node)
     assert out.count("CUDA peak") == 2
 
 

@@ -17,7 +17,11 @@ Families: `qwen3` (dense), `qwen3_moe`, `qwen3_5_moe` (the text model classes; `
 Choices where two of our kernels cover the same modules (measured on H200, bf16, fwd+bwd, 16384 tokens,
 hidden 4096, intermediate 12288):
 
-- Dense decoder layers (qwen3, llama, qwen2): the n-to-1 fusion `RMSNormSwiGLUMLP` over
+- Dense decoder layers (qwen3, llama, qwen2): the `DecoderLayer` Layout (hubfuse/decoder-layer) over the
+  per-module kernels below: the same kernels, bit for bit the same results and saved tensors, one autograd node a
+  layer in eager training instead of five; host work a step -11 to -32 %, step 78.9 against 80.4 ms on Qwen3-0.6B
+  (H200, docs/benchmarks.md "Dense step and host path"). `decoder_layer=False` takes the per-module kernels:
+- Per module, dense decoder layers: the n-to-1 fusion `RMSNormSwiGLUMLP` over
   `(post_attention_layernorm, mlp)` instead of the 1-to-1 `SwiGLUMLP` Layout (+ the `RMSNorm` hub kernel on the
   post-attention norm). Fusion 22.32 ms vs SwiGLUMLP 22.39 ms + RMSNorm 0.56 ms = 22.95 ms per layer, and no
   more activation memory (1088 MiB vs 960 + 132 MiB). The two cannot be combined anyway (same modules, same
@@ -77,12 +81,15 @@ def family_of(model_type: str, model: str | None = None) -> str:
     return _family(model_type, model)
 
 
-def _layers(family: str, fuse_norm_mlp: bool = True) -> dict:
+def _layers(family: str, fuse_norm_mlp: bool = True, decoder_layer: bool = True) -> dict:
     """KernelConfig key -> (kernel repo, layer) for one family."""
     fam = _family(family)
     if fam in ("qwen3", "llama", "qwen2"):
         prefix = {"qwen3": "Qwen3", "llama": "Llama", "qwen2": "Qwen2"}[fam]
-        layers = {f"^{prefix}RMSNorm$": ("rmsnorm", "RMSNorm")}
+        layers = {f"^{prefix}RMSNorm$": ("rmsnorm", "RMSNorm")}  # the final norm (and the layers' without the Layout)
+        if decoder_layer and fuse_norm_mlp:
+            layers[f"^{prefix}DecoderLayer$"] = ("decoder-layer", "DecoderLayer")
+            return layers
         layers[f"^{prefix}Attention$"] = ("rotary", "QKNormRopeAttention" if fam == "qwen3" else "RopeAttention")
         if fuse_norm_mlp:
             layers[FUSION_KEY] = ("swiglu", "RMSNormSwiGLUMLP")
@@ -121,23 +128,29 @@ def _meta(repo_id: str, revision, version, trust_remote_code: bool = False) -> d
 
 
 def kernel_mapping(family: str, org: str = ORG, revision: str | None = None, version: int | None = None, *,
-                   fuse_norm_mlp: bool = True, trust_remote_code: bool = False) -> dict:
+                   decoder_layer: bool = True, fuse_norm_mlp: bool = True, trust_remote_code: bool = False) -> dict:
     """The `KernelConfig` mapping that turns on every hubfuse kernel applying to `family`.
 
     `revision` wins over `version`; with neither, each repo gets `revision="v1"` if it is a local build
     (LOCAL_KERNELS, `hubfuse.use_local_builds()`) and `version=1` otherwise.
-    `fuse_norm_mlp=False` (dense families) uses the 1-to-1 `SwiGLUMLP` Layout instead of the RMSNorm+MLP
-    fusion: the fusion subclasses the decoder layer (`FusedQwen3DecoderLayer`), which wrap policies that look
-    layers up by class name (accelerate's FSDP `transformer_cls_names_to_wrap` from `_no_split_modules`) miss.
+    Dense families (qwen3, llama, qwen2):
+    - `decoder_layer=True` (default): the `DecoderLayer` Layout (hubfuse/decoder-layer) replaces the decoder layer,
+      one autograd node a layer in eager training, and the `RMSNorm` Layout the final norm;
+    - `decoder_layer=False`: per-module Layouts, the attention Layout and the RMSNorm + MLP fusion;
+    - `fuse_norm_mlp=False`: per-module Layouts with the 1-to-1 `SwiGLUMLP` Layout instead of the fusion, the one
+      choice that keeps the decoder layer class (the Layout is `DecoderLayerLayout`, the fusion subclasses it as
+      `FusedQwen3DecoderLayer`), for wrap policies that look layers up by class name (accelerate's FSDP
+      `transformer_cls_names_to_wrap` from `_no_split_modules`).
     Pass the result to `hubfuse.KernelConfig` (training, CPU) or transformers' own (CUDA inference).
     """
     return {key: (f"{org}/{repo}:{layer}", _meta(f"{org}/{repo}", revision, version, trust_remote_code))
-            for key, (repo, layer) in _layers(family, fuse_norm_mlp).items()}
+            for key, (repo, layer) in _layers(family, fuse_norm_mlp, decoder_layer).items()}
 
 
 def kernel_repos(family: str) -> tuple[str, ...]:
     """The kernel repos (names under the org) a family's preset and loss hooks use."""
-    repos = {repo for repo, _ in _layers(family).values()} | {"cross-entropy"}
+    repos = {repo for options in ((True, True), (True, False), (False, True))
+             for repo, _ in _layers(family, *options).values()} | {"cross-entropy"}
     if _family(family) in MOE_FAMILIES:
         repos.add("load-balancing-loss")
     return tuple(sorted(repos))

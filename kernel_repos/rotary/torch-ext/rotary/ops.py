@@ -601,6 +601,79 @@ def _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode):
     return _qk_norm_rope_fwd.eager_impl(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
 
 
+def _attention_block_forward(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight,
+                             cos, sin, o_weight, o_bias, eps, mode, head_dim, scale, needs_grad: bool):
+    """The forward of `_QKNormRopeAttentionBlock` (no autograd, for nodes that run it): (y, saved, args), where
+    `saved` are the tensors the backward reads besides x and `args` its other arguments."""
+    B, S = x.shape[:2]
+    stacked = use_triton(x)
+    if stacked:
+        weight, bias = _qkv_weight(q_weight, k_weight, v_weight, q_bias, k_bias, v_bias)
+        sizes = (q_weight.shape[0], k_weight.shape[0], v_weight.shape[0])
+        q, k, v = _split_heads(F.linear(x, weight, bias), sizes, head_dim)
+    else:
+        q, k, v = (F.linear(x, w, b).view(B, S, -1, head_dim)
+                   for w, b in ((q_weight, q_bias), (k_weight, k_bias), (v_weight, v_bias)))
+    q_rot, k_rot = _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+    is_causal = S > 1  # as transformers' sdpa_attention_forward: one query attends to every key
+    v_heads = v.transpose(1, 2)
+    backend = sdpa_backend(q_rot, k_rot, v_heads, is_causal, scale, needs_grad)
+    out, sdpa_saved, sdpa_sizes = sdpa_forward(backend, q_rot, k_rot, v_heads, is_causal, scale)
+    y = F.linear(out.transpose(1, 2).reshape(B, S, -1), o_weight, o_bias)
+    saved = (q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, o_weight,
+             *sdpa_saved)
+    args = (eps, mode, scale, is_causal, backend, sdpa_sizes, q_bias is not None, o_bias is not None, stacked)
+    return y, saved, args
+
+
+def _attention_block_backward(dy, x, saved, args):
+    """The backward of `_QKNormRopeAttentionBlock` from `_attention_block_forward`'s `saved` / `args` and x:
+    (dx, dwq, dwk, dwv, dbq, dbk, dbv, dwq_norm, dwk_norm, d_o_weight, d_o_bias)."""
+    q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, o_weight, *sdpa_saved = saved
+    eps, mode, scale, is_causal, backend, sdpa_sizes, has_bias, has_o_bias, stacked = args
+    B, S = x.shape[:2]
+    dy2 = dy.reshape(B * S, -1)
+    d_attn = (dy2 @ o_weight).view(B, S, -1, q.shape[-1])
+    d_o_weight = dy2.t() @ out.transpose(1, 2).reshape(B * S, -1)
+    d_o_bias = dy2.sum(0) if has_o_bias else None
+    q_rot, k_rot = _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+    dq_rot, dk_rot, dv = sdpa_backward(backend, d_attn.transpose(1, 2), q_rot, k_rot, v.transpose(1, 2), out,
+                                       sdpa_saved, sdpa_sizes, is_causal, scale)
+    del q_rot, k_rot, d_attn
+    dq_rot, dk_rot = _last_contig(dq_rot), _last_contig(dk_rot)
+    if not stacked:
+        if mode == NONE:
+            dq, dk = (t.transpose(1, 2) for t in rope_bwd_reference(dq_rot, dk_rot, cos, sin, q.dtype))
+            dwq_norm = dwk_norm = None
+        else:
+            dq, dk, dwq_norm, dwk_norm = _qk_norm_rope_bwd.eager_impl(
+                dq_rot, dk_rot, q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+        dx, dwq, dwk, dwv, dbq, dbk, dbv = _qkv_proj_bwd.eager_impl(
+            dq.reshape(B, S, -1), dk.reshape(B, S, -1), dv.transpose(1, 2).reshape(B, S, -1), x, q_weight,
+            k_weight, v_weight, has_bias)
+    else:
+        from .triton_kernels import qk_rope_bwd
+
+        sizes = (q_weight.shape[0], k_weight.shape[0], v_weight.shape[0])
+        d_qkv = x.new_empty((B, S, sum(sizes)))
+        dq, dk, d_v = _split_heads(d_qkv, sizes, q.shape[-1])
+        if mode == NONE:
+            qk_rope_bwd(dq_rot, dk_rot, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2))
+            dwq_norm = dwk_norm = None
+        else:
+            dwq_norm, dwk_norm = qk_rope_bwd(dq_rot, dk_rot, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2),
+                                             q.transpose(1, 2), k.transpose(1, 2), q_norm_weight,
+                                             k_norm_weight, eps, mode)
+        d_v.copy_(dv.transpose(1, 2))
+        weight, _ = _qkv_weight(q_weight, k_weight, v_weight, None, None, None)
+        d_qkv2 = d_qkv.view(B * S, -1)
+        dx = (d_qkv2 @ weight).view(x.shape)
+        dwq, dwk, dwv = torch.split(d_qkv2.t() @ x.reshape(B * S, -1), sizes)
+        dbq, dbk, dbv = torch.split(d_qkv2.sum(0), sizes) if has_bias else (None, None, None)
+    biases = (dbq, dbk, dbv) if has_bias else (None, None, None)
+    return dx, dwq, dwk, dwv, *biases, dwq_norm, dwk_norm, d_o_weight, d_o_bias
+
+
 class _QKNormRopeAttentionBlock(torch.autograd.Function):
     """`o_proj(SDPA(rope(q_norm(q_proj x)), rope(k_norm(k_proj x)), v_proj x))` (mode NONE: no q/k norm) as one
     autograd node, for eager mode: the kernels of `_qkv_projections`, `qk_norm_rope` (or `apply_rotary_pos_emb`),
@@ -617,28 +690,13 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_rebuild, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight,
                 k_norm_weight, cos, sin, o_weight, o_bias, eps, mode, head_dim, scale):
-        B, S = x.shape[:2]
-        stacked = use_triton(x)
-        if stacked:
-            weight, bias = _qkv_weight(q_weight, k_weight, v_weight, q_bias, k_bias, v_bias)
-            sizes = (q_weight.shape[0], k_weight.shape[0], v_weight.shape[0])
-            q, k, v = _split_heads(F.linear(x, weight, bias), sizes, head_dim)
-        else:
-            q, k, v = (F.linear(x, w, b).view(B, S, -1, head_dim)
-                       for w, b in ((q_weight, q_bias), (k_weight, k_bias), (v_weight, v_bias)))
-        q_rot, k_rot = _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
-        is_causal = S > 1  # as transformers' sdpa_attention_forward: one query attends to every key
-        v_heads = v.transpose(1, 2)
-        backend = sdpa_backend(q_rot, k_rot, v_heads, is_causal, scale, any(ctx.needs_input_grad))
-        out, saved, sdpa_sizes = sdpa_forward(backend, q_rot, k_rot, v_heads, is_causal, scale)
-        y = F.linear(out.transpose(1, 2).reshape(B, S, -1), o_weight, o_bias)
+        y, saved, ctx.args = _attention_block_forward(
+            x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, cos, sin,
+            o_weight, o_bias, eps, mode, head_dim, scale, any(ctx.needs_input_grad))
         # x itself, or (x_rebuild) the sources it is rebuilt from in the backward: x need not outlive the forward
         x_saved = (x,) if x_rebuild is None else x_rebuild.sources
-        ctx.save_for_backward(*x_saved, q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight,
-                              cos, sin, o_weight, *saved)
+        ctx.save_for_backward(*x_saved, *saved)
         ctx.x_rebuild = None if x_rebuild is None else (x_rebuild.write, len(x_saved), x.shape, x.dtype)
-        ctx.args = (eps, mode, scale, is_causal, backend, sdpa_sizes, q_bias is not None, o_bias is not None,
-                    stacked)
         return y
 
     @staticmethod
@@ -646,56 +704,16 @@ class _QKNormRopeAttentionBlock(torch.autograd.Function):
     def backward(ctx, dy):
         n_x = 1 if ctx.x_rebuild is None else ctx.x_rebuild[1]
         tensors = ctx.saved_tensors
-        q, k, v, out, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, o_weight, *saved = \
-            tensors[n_x:]
+        saved = tensors[n_x:]
         if ctx.x_rebuild is None:
             x = tensors[0]
         else:
             write, _, shape, dtype = ctx.x_rebuild
-            x = q.new_empty(shape, dtype=dtype)
+            x = saved[0].new_empty(shape, dtype=dtype)
             write(x, *tensors[:n_x])
-        eps, mode, scale, is_causal, backend, sdpa_sizes, has_bias, has_o_bias, stacked = ctx.args
-        B, S = x.shape[:2]
-        dy2 = dy.reshape(B * S, -1)
-        d_attn = (dy2 @ o_weight).view(B, S, -1, q.shape[-1])
-        d_o_weight = dy2.t() @ out.transpose(1, 2).reshape(B * S, -1)
-        d_o_bias = dy2.sum(0) if has_o_bias else None
-        q_rot, k_rot = _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
-        dq_rot, dk_rot, dv = sdpa_backward(backend, d_attn.transpose(1, 2), q_rot, k_rot, v.transpose(1, 2), out,
-                                           saved, sdpa_sizes, is_causal, scale)
-        del q_rot, k_rot, d_attn
-        dq_rot, dk_rot = _last_contig(dq_rot), _last_contig(dk_rot)
-        if not stacked:
-            if mode == NONE:
-                dq, dk = (t.transpose(1, 2) for t in rope_bwd_reference(dq_rot, dk_rot, cos, sin, q.dtype))
-                dwq_norm = dwk_norm = None
-            else:
-                dq, dk, dwq_norm, dwk_norm = _qk_norm_rope_bwd.eager_impl(
-                    dq_rot, dk_rot, q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
-            dx, dwq, dwk, dwv, dbq, dbk, dbv = _qkv_proj_bwd.eager_impl(
-                dq.reshape(B, S, -1), dk.reshape(B, S, -1), dv.transpose(1, 2).reshape(B, S, -1), x, q_weight,
-                k_weight, v_weight, has_bias)
-        else:
-            from .triton_kernels import qk_rope_bwd
-
-            sizes = (q_weight.shape[0], k_weight.shape[0], v_weight.shape[0])
-            d_qkv = x.new_empty((B, S, sum(sizes)))
-            dq, dk, d_v = _split_heads(d_qkv, sizes, q.shape[-1])
-            if mode == NONE:
-                qk_rope_bwd(dq_rot, dk_rot, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2))
-                dwq_norm = dwk_norm = None
-            else:
-                dwq_norm, dwk_norm = qk_rope_bwd(dq_rot, dk_rot, cos, sin, dq.transpose(1, 2), dk.transpose(1, 2),
-                                                 q.transpose(1, 2), k.transpose(1, 2), q_norm_weight,
-                                                 k_norm_weight, eps, mode)
-            d_v.copy_(dv.transpose(1, 2))
-            weight, _ = _qkv_weight(q_weight, k_weight, v_weight, None, None, None)
-            d_qkv2 = d_qkv.view(B * S, -1)
-            dx = (d_qkv2 @ weight).view(x.shape)
-            dwq, dwk, dwv = torch.split(d_qkv2.t() @ x.reshape(B * S, -1), sizes)
-            dbq, dbk, dbv = torch.split(d_qkv2.sum(0), sizes) if has_bias else (None, None, None)
-        biases = (dbq, dbk, dbv) if has_bias else (None, None, None)
-        return (dx, None, dwq, dwk, dwv, *biases, dwq_norm, dwk_norm, None, None, d_o_weight, d_o_bias,
+        dx, dwq, dwk, dwv, dbq, dbk, dbv, dwq_norm, dwk_norm, d_o_weight, d_o_bias = _attention_block_backward(
+            dy, x, saved, ctx.args)
+        return (dx, None, dwq, dwk, dwv, dbq, dbk, dbv, dwq_norm, dwk_norm, None, None, d_o_weight, d_o_bias,
                 None, None, None, None)
 
 

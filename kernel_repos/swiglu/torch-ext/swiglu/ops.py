@@ -191,6 +191,26 @@ _rms_norm_gate_up = differentiable_op(_rms_norm_gate_up_fwd, _rms_norm_gate_up_s
 
 
 # ---------------------------------------------------------------- the whole fused MLP, one node (eager)
+def _mlp_block_forward(x, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, down_bias):
+    """`rms_norm_gate_up` then `swiglu_down` on 2-D x, no autograd (for nodes that run it): (out, saved)."""
+    gate_up, rstd = _rms_norm_gate_up_fwd.eager_impl(x, norm_weight, eps, gate_up_weight, gate_up_bias)
+    out = _swiglu_down_fwd.eager_impl(gate_up, down_weight, down_bias)
+    return out, (x, norm_weight, rstd, gate_up_weight, gate_up, down_weight)
+
+
+def _mlp_block_backward(dout, saved, has_gate_up_bias: bool, has_down_bias: bool):
+    """The backward of `_mlp_block_forward` (2-D, contiguous dout): (dx, d_norm_weight, d_gate_up_weight,
+    d_gate_up_bias, d_down_weight, d_down_bias), a bias gradient None where there is no bias. Writes the
+    gradient of gate_up over the saved gate_up (its version is bumped: a second backward raises)."""
+    x, norm_weight, rstd, gate_up_weight, gate_up, down_weight = saved
+    d_down_weight, d_down_bias = _swiglu_down_bwd.eager_impl(dout, gate_up, down_weight, has_down_bias)
+    torch.autograd.graph.increment_version(gate_up)  # it now holds its gradient: a second backward raises
+    dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias = _rms_norm_gate_up_bwd.eager_impl(
+        gate_up, x, norm_weight, rstd, gate_up_weight, has_gate_up_bias)
+    return (dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias if has_gate_up_bias else None, d_down_weight,
+            d_down_bias if has_down_bias else None)
+
+
 class _RMSNormSwiGLUMLPBlock(torch.autograd.Function):
     """`rms_norm_gate_up` then `swiglu_down` as one autograd node, for eager mode (torch.compile traces the two
     ops): the same implementations and saved tensors, one node instead of two and their views."""
@@ -198,10 +218,9 @@ class _RMSNormSwiGLUMLPBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, down_bias):
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        gate_up, rstd = _rms_norm_gate_up_fwd.eager_impl(x, norm_weight, eps, gate_up_weight, gate_up_bias)
-        out = _swiglu_down_fwd.eager_impl(gate_up, down_weight, down_bias)
-        ctx.save_for_backward(x, norm_weight, rstd, gate_up_weight, gate_up, down_weight)
+        out, saved = _mlp_block_forward(x.reshape(-1, shape[-1]), norm_weight, eps, gate_up_weight, gate_up_bias,
+                                        down_weight, down_bias)
+        ctx.save_for_backward(*saved)
         ctx.biases = (gate_up_bias is not None, down_bias is not None)
         ctx.shape = shape
         return out.view(*shape[:-1], down_weight.shape[0])
@@ -209,16 +228,10 @@ class _RMSNormSwiGLUMLPBlock(torch.autograd.Function):
     @staticmethod
     @first_order("rms_norm_swiglu_mlp")
     def backward(ctx, dout):
-        x, norm_weight, rstd, gate_up_weight, gate_up, down_weight = ctx.saved_tensors
-        has_gate_up_bias, has_down_bias = ctx.biases
         dout = dout.reshape(-1, dout.shape[-1]).contiguous()
-        d_down_weight, d_down_bias = _swiglu_down_bwd.eager_impl(dout, gate_up, down_weight, has_down_bias)
-        torch.autograd.graph.increment_version(gate_up)  # it now holds its gradient: a second backward raises
-        dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias = _rms_norm_gate_up_bwd.eager_impl(
-            gate_up, x, norm_weight, rstd, gate_up_weight, has_gate_up_bias)
-        return (dx.view(ctx.shape), d_norm_weight, None,
-                d_gate_up_weight, d_gate_up_bias if has_gate_up_bias else None, d_down_weight,
-                d_down_bias if has_down_bias else None)
+        dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias, d_down_weight, d_down_bias = _mlp_block_backward(
+            dout, ctx.saved_tensors, *ctx.biases)
+        return dx.view(ctx.shape), d_norm_weight, None, d_gate_up_weight, d_gate_up_bias, d_down_weight, d_down_bias
 
 
 # ---------------------------------------------------------------- input checks
