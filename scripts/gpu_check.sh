@@ -20,6 +20,9 @@
 #                                                    peers --configs ours_compile`); rows add up in $OUT/dense.
 #                                                    A part stops launching runs after its budget (DENSE_PEERS_S,
 #                                                    DENSE_ATTN_S, DENSE_MOE_S seconds); rows left say so.
+#   bash scripts/gpu_check.sh interleaved [args]     training steps of several configurations in one process,
+#                                                    interleaved (scripts/bench_interleaved.py; e.g. `interleaved
+#                                                    ours ours_modules compile`)
 #   bash scripts/gpu_check.sh host [args]            host time and launches of one Qwen3-0.6B decoder layer, fwd and
 #                                                    bwd, HF against hubfuse (scripts/host_per_layer.py; e.g.
 #                                                    `host --configs eager ours ours@cudnn ours@flash --table 25`)
@@ -181,6 +184,8 @@ case "$step" in
       2>&1 | grep -v -i "warn"
     timeout "${GDN_OPS_S:-280}" python3 scripts/bench_ops.py gated_delta_net 2>&1 | tee "$OUT/bench_ops.log" | grep -v "^{"
     exit $status ;;
+  interleaved)
+    python3 scripts/bench_interleaved.py "$@" 2>&1 | tee "$OUT/interleaved.log" | grep -v "^Loading" | tail -n 20 ;;
   host)
     python3 scripts/host_per_layer.py "$@" 2>&1 | tee "$OUT/host_per_layer.log" | grep -v "^\s*$" | tail -n 120 ;;
   kernels-benchmark)

@@ -332,3 +332,17 @@ def test_checkpoint_without_routed_experts(tmp_path):
     bench.ensure_model("qwen3_30b_a3b", tmp_path, args, "cpu")  # with the experts: rebuilt
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert any(".experts." in k for k in f.keys())
+
+
+def test_bench_interleaved_smoke():
+    """scripts/bench_interleaved.py on CPU: the configurations' steps interleaved in one process, one table row each."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_interleaved.py"), "ours", "ours_modules",
+                           "eager", "--smoke", "--slice", "qwen3_small", "--rounds", "2", "--warmup", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split("|")[1].strip() for r in rows] == ["ours", "ours_modules", "eager"], proc.stdout
+    for r in rows:
+        median, low, high, speed = (float(c) for c in r.split("|")[2:6])
+        assert 0 < low <= median <= high and speed > 0, r
+    assert rows[0].split("|")[5].strip() == "1.000"

@@ -19,8 +19,8 @@ hidden 4096, intermediate 12288):
 
 - Dense decoder layers (qwen3, llama, qwen2): the `DecoderLayer` Layout (hubfuse/decoder-layer) over the
   per-module kernels below: the same kernels, bit for bit the same results and saved tensors, one autograd node a
-  layer in eager training instead of five; Qwen3-0.6B step 86.7 against 99.3 ms (H100, one process, steps
-  interleaved; docs/benchmarks.md "Dense step and host path"). `decoder_layer=False` takes the per-module kernels:
+  layer in eager training instead of five; Qwen3-0.6B step 86.7 / 90.3 against 99.3 / 104.4 ms (H100, one
+  process, steps interleaved; docs/benchmarks.md "Dense step and host path"). `decoder_layer=False` takes the per-module kernels:
 - Per module, dense decoder layers: the n-to-1 fusion `RMSNormSwiGLUMLP` over
   `(post_attention_layernorm, mlp)` instead of the 1-to-1 `SwiGLUMLP` Layout (+ the `RMSNorm` hub kernel on the
   post-attention norm). Fusion 22.32 ms vs SwiGLUMLP 22.39 ms + RMSNorm 0.56 ms = 22.95 ms per layer, and no
