@@ -145,3 +145,14 @@ def test_torch_compile_fullgraph(model_dirs):
     eager, ours = load(model_path).train(), _ours(model_path, family).train()
     batch = make_batch(tiny_config(family).vocab_size, seq=9)
     assert_parity(eager, torch.compile(ours, fullgraph=True), batch)
+
+
+def test_no_split_modules_name_the_layout(model_dirs):
+    """The instance's `_no_split_modules` names the Layout class (wrap policies find the layers by these names); the
+    class's list and a plain model's are unchanged."""
+    model_path = model_dirs["qwen3"]
+    ours, plain = _ours(model_path, "qwen3"), load(model_path)
+    assert set(ours._no_split_modules) == {"Qwen3DecoderLayer", "DecoderLayerLayout"}
+    assert set(plain._no_split_modules) == {"Qwen3DecoderLayer"} == set(type(ours)._no_split_modules)
+    per_module = _ours(model_path, "qwen3", decoder_layer=False)
+    assert set(per_module._no_split_modules) == {"Qwen3DecoderLayer", "FusedQwen3DecoderLayer"}

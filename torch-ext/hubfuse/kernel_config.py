@@ -435,6 +435,7 @@ class KernelConfig(transformers.KernelConfig):
 
             presets.enable_losses(model, load["family"], **self._source)
         _init_missing_parameters(model)
+        _name_decoder_layers_unsplit(model)
         from .training import apply_training_defaults  # no KV cache in training, the causal mask path (training.py)
 
         apply_training_defaults(model)
@@ -449,6 +450,20 @@ def _init_missing_parameters(model) -> None:
         init = getattr(module, "init_missing_parameters", None)
         if callable(init):
             init(std)
+
+
+def _name_decoder_layers_unsplit(model) -> None:
+    """A Layout that replaces the decoder layer (`DecoderLayerLayout`, or the `Fused*DecoderLayer` subclass of an
+    n-to-1 fusion) has a class name that `model._no_split_modules` lacks; wrap policies that find the layers by
+    those names (accelerate's FSDP `TRANSFORMER_BASED_WRAP`) would miss them. This model instance's list gets the
+    new names (the class's list is left as it is)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    names = getattr(model, "_no_split_modules", None)
+    if layers is None or not names:
+        return
+    new = [n for n in dict.fromkeys(type(layer).__name__ for layer in layers) if n not in names]
+    if new:  # transformers keeps a set on the instance (a list on the class)
+        model._no_split_modules = set(names) | set(new) if isinstance(names, set) else [*names, *new]
 
 
 def _has_lm_head(model) -> bool:

@@ -139,8 +139,8 @@ def kernel_mapping(family: str, org: str = ORG, revision: str | None = None, ver
     - `decoder_layer=False`: per-module Layouts, the attention Layout and the RMSNorm + MLP fusion;
     - `fuse_norm_mlp=False`: per-module Layouts with the 1-to-1 `SwiGLUMLP` Layout instead of the fusion, the one
       choice that keeps the decoder layer class (the Layout is `DecoderLayerLayout`, the fusion subclasses it as
-      `FusedQwen3DecoderLayer`), for wrap policies that look layers up by class name (accelerate's FSDP
-      `transformer_cls_names_to_wrap` from `_no_split_modules`).
+      `FusedQwen3DecoderLayer`; `hubfuse.KernelConfig` adds either name to the model's `_no_split_modules`, which
+      accelerate's FSDP `TRANSFORMER_BASED_WRAP` reads, but an explicit wrap list by class name must name it).
     Pass the result to `hubfuse.KernelConfig` (training, CPU) or transformers' own (CUDA inference).
     """
     return {key: (f"{org}/{repo}:{layer}", _meta(f"{org}/{repo}", revision, version, trust_remote_code))
