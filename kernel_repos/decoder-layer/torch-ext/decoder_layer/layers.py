@@ -12,7 +12,8 @@ conditions of rotary's attention block, hook-free submodules with x's dtype): th
 node (`ops._decoder_layer_block`, bit for bit the per-op path below, with one node a layer instead of five).
 Elsewhere (a KV cache, a mask, torch.compile, hooks or adapters on a submodule, another attention
 implementation): the per-op path, which is what the per-module kernels compute (rmsnorm's `RMSNorm`, rotary's
-attention Layers, swiglu's `rms_norm_swiglu_mlp`), each submodule with a hook of its own being called instead.
+attention Layers, swiglu's `rms_norm_swiglu_mlp`; a projection that is not a plain `nn.Linear` is called by them),
+except that a submodule of the layer with a hook of its own is called and runs its Layout's forward (HF's code).
 The Layout's own forward is the HF reference path: its submodules called in HF's order.
 
 Gradient checkpointing: the Layout keeps transformers' `GradientCheckpointingLayer` contract (the
