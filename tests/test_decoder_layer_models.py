@@ -156,3 +156,23 @@ def test_no_split_modules_name_the_layout(model_dirs):
     assert set(plain._no_split_modules) == {"Qwen3DecoderLayer"} == set(type(ours)._no_split_modules)
     per_module = _ours(model_path, "qwen3", decoder_layer=False)
     assert set(per_module._no_split_modules) == {"Qwen3DecoderLayer", "FusedQwen3DecoderLayer"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_attentions_recorded(family, model_dirs):
+    """`output_attentions=True` with the eager attention returns the attention weights, one per layer, as the
+    stock model's (transformers records them from its own attention class: hubfuse.KernelConfig hooks the
+    Layout's attention that stands in for it); with sdpa the layers still run as one node each."""
+    model_path = model_dirs[family]
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    plain = load(model_path, attn_implementation="eager")
+    ours = load(model_path, presets.kernel_mapping(family, revision=REVISION), attn_implementation="eager")
+    want = plain(input_ids=batch["input_ids"], output_attentions=True).attentions
+    got = ours(input_ids=batch["input_ids"], output_attentions=True).attentions
+    assert len(got) == len(want) == LAYERS
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+    sdpa = _ours(model_path, family).train()
+    assert _blocks(sdpa(**batch).loss) == LAYERS
+    assert sdpa(**batch, output_attentions=True).attentions == ()  # sdpa returns no weights, as the stock model
+    assert load(model_path)(**batch, output_attentions=True).attentions == ()

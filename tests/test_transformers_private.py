@@ -52,6 +52,13 @@ def test_global_registries_have_the_expected_types():
     assert "target_class" in output_capturing.OutputRecorder.__annotations__
     assert list(inspect.signature(output_capturing.install_all_output_capturing_hooks).parameters)[0] == "model"
     assert "_output_capturing_hooks_installed" in inspect.getsource(output_capturing.install_all_output_capturing_hooks)
+    # the stand-in recorders (the decoder-layer Layout's attention): the registry, one hook's installer, and
+    # transformers' default index of a class spec
+    assert isinstance(output_capturing._CAN_RECORD_REGISTRY, dict)
+    assert list(inspect.signature(output_capturing.install_output_capuring_hook).parameters)[:3] == \
+        ["module", "key", "index"]
+    assert 'index = 0 if "hidden_states" in key else 1' in \
+        inspect.getsource(output_capturing.install_all_output_capturing_hooks)
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
     assert isinstance(modeling_qwen3_moe.Qwen3MoePreTrainedModel.__dict__["_can_record_outputs"], dict)

@@ -123,8 +123,40 @@ class GlobalState:
 
 def install_output_capturing_hooks(model) -> None:
     """Install transformers' output-recording hooks on `model` now (no-op if already installed), so that they
-    target the classes the model was built with."""
-    from transformers.utils.output_capturing import install_all_output_capturing_hooks
+    target the classes the model was built with. A recorded class the model has no module of, because a Layout
+    built that module under its own class (the decoder-layer Layout's attention), gets its hook on the modules
+    that stand in for it (`recorded_as`: the HF class name); an attention-weight recorder is marked
+    `_common.modules.RECORDS_ATTENTION_WEIGHTS`."""
+    from transformers.modeling_utils import PreTrainedModel
+    from transformers.utils.output_capturing import (_CAN_RECORD_REGISTRY, OutputRecorder,
+                                                     install_all_output_capturing_hooks, install_output_capuring_hook)
 
-    if not getattr(model, "_output_capturing_hooks_installed", False):
-        install_all_output_capturing_hooks(model)
+    from ._common.modules import RECORDS_ATTENTION_WEIGHTS
+
+    def own_modules(sub):
+        """sub's modules, not descending into nested models (their own recorders apply there, as transformers does)."""
+        for child in sub.children():
+            yield child
+            if not isinstance(child, PreTrainedModel):
+                yield from own_modules(child)
+
+    if getattr(model, "_output_capturing_hooks_installed", False):
+        return
+    install_all_output_capturing_hooks(model)
+    for sub in [model, *(m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel))]:
+        modules = list(own_modules(sub))
+        for key, specs in (_CAN_RECORD_REGISTRY.get(str(sub.__class__)) or {}).items():
+            for spec in specs if isinstance(specs, list) else [specs]:
+                # transformers' own reading of a spec (output_capturing.install_all_output_capturing_hooks)
+                target = spec.target_class if isinstance(spec, OutputRecorder) else spec
+                if not isinstance(target, type) or any(isinstance(m, target) for m in modules):
+                    continue
+                index = spec.index if isinstance(spec, OutputRecorder) else (0 if "hidden_states" in key else 1)
+                for m in modules:
+                    if getattr(m, "recorded_as", None) != target.__name__:
+                        continue
+                    before = set(m._forward_hooks)
+                    install_output_capuring_hook(m, key, index)
+                    for handle_id in set(m._forward_hooks) - before:
+                        if key == "attentions":
+                            setattr(m._forward_hooks[handle_id], RECORDS_ATTENTION_WEIGHTS, True)

@@ -8,6 +8,11 @@ are not consulted: they are process-wide, and tools use them to attribute work t
 """
 from torch import nn
 
+# Set on a forward hook that only records an attention module's attention weights (transformers' output
+# recorder, installed by hubfuse.KernelConfig on a Layout's attention that stands in for the HF class): a fused path
+# may skip such a hook where the attention returns no weights (every implementation but "eager").
+RECORDS_ATTENTION_WEIGHTS = "hubfuse_records_attention_weights"
+
 
 def hooked(module: nn.Module) -> bool:
     """Whether the module has a forward, forward-pre, backward or backward-pre hook of its own."""
@@ -23,3 +28,10 @@ def plain_linear(module, dtype=None) -> bool:
         return False
     weight = module._parameters.get("weight")
     return weight is not None and (dtype is None or weight.dtype == dtype)
+
+
+def only_weight_recorders(module: nn.Module) -> bool:
+    """Whether the module's hooks, if any, are all attention-weight recorders (`RECORDS_ATTENTION_WEIGHTS`)."""
+    if module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+        return False
+    return all(getattr(hook, RECORDS_ATTENTION_WEIGHTS, False) for hook in module._forward_hooks.values())

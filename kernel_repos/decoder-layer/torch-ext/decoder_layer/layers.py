@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hubfuse._common.causal_marker import is_causal_marker
-from hubfuse._common.modules import hooked, plain_linear
+from hubfuse._common.modules import hooked, only_weight_recorders, plain_linear
 from hubfuse.rmsnorm.layers import RMSNorm, RMSNormLayout
 from hubfuse.rotary.layers import QKNormRopeAttention, QKNormRopeAttentionLayout, RopeAttention, \
     RopeAttentionLayout, _attention_block_applies
@@ -39,8 +39,9 @@ from .ops import _decoder_layer_block
 
 logger = logging.getLogger(__name__)
 
-# config.model_type -> whether its attention has q/k norms
+# config.model_type -> whether its attention has q/k norms, and the HF attention class the submodule stands in for
 _MODEL_TYPES = {"qwen3": True, "llama": False, "qwen2": False}
+_ATTENTION_CLASSES = {"qwen3": "Qwen3Attention", "llama": "LlamaAttention", "qwen2": "Qwen2Attention"}
 # the kernel forwards `kernelize` may have bound to a submodule (the umbrella repo shares these classes)
 _LAYER_FORWARDS = frozenset({RMSNorm.forward, QKNormRopeAttention.forward, RopeAttention.forward,
                              SwiGLUMLP.forward})
@@ -49,10 +50,18 @@ _LAYER_FORWARDS = frozenset({RMSNorm.forward, QKNormRopeAttention.forward, RopeA
 def _plain(module: nn.Module) -> bool:
     """Whether calling the submodule is what its kernel computes: no hook of its own, and no instance-level forward
     other than a hubfuse kernel's (accelerate's hooks replace `module.forward`)."""
-    if hooked(module):
+    if hooked(module) and not _skippable_recorders(module):
         return False
     forward = module.__dict__.get("forward")
     return forward is None or getattr(forward, "__func__", None) in _LAYER_FORWARDS
+
+
+def _skippable_recorders(module: nn.Module) -> bool:
+    """The attention's only hooks record its attention weights (transformers' `output_attentions`), and it returns
+    none (any implementation but "eager"): calling its kernel without them loses nothing."""
+    config = getattr(module, "config", None)
+    return (only_weight_recorders(module) and config is not None
+            and getattr(config, "_attn_implementation", "eager") != "eager")
 
 
 def _block_applies(layer, x, position_embeddings, attention_mask, past_key_values, kwargs) -> bool:
@@ -159,6 +168,8 @@ class DecoderLayerLayout(nn.Module):
         self.qk_norm = _MODEL_TYPES[model_type]
         attention = QKNormRopeAttentionLayout if self.qk_norm else RopeAttentionLayout
         self.self_attn = attention(config, layer_idx)
+        # transformers records `output_attentions` from its attention class: hubfuse.KernelConfig hooks this one
+        self.self_attn.recorded_as = _ATTENTION_CLASSES[model_type]
         self.mlp = SwiGLUMLPLayout(config)
         self.input_layernorm = RMSNormLayout(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNormLayout(config.hidden_size, eps=config.rms_norm_eps)
