@@ -20,8 +20,8 @@ hidden 4096, intermediate 12288):
 - Dense decoder layers (qwen3, llama, qwen2): the `DecoderLayer` Layout (hubfuse/decoder-layer) over the
   per-module kernels below: the same kernels, bit for bit the same results and saved tensors, one autograd node a
   layer in eager training instead of five; Qwen3-0.6B step 86.7 / 90.3 against 99.3 / 104.4 ms (H100, one
-  process, steps interleaved; docs/benchmarks.md "Dense step and host path"). `decoder_layer=False` takes the per-module kernels:
-- Per module, dense decoder layers: the n-to-1 fusion `RMSNormSwiGLUMLP` over
+  process, steps interleaved; docs/benchmarks.md "Dense step and host path").
+- Per module (`decoder_layer=False`), dense decoder layers: the n-to-1 fusion `RMSNormSwiGLUMLP` over
   `(post_attention_layernorm, mlp)` instead of the 1-to-1 `SwiGLUMLP` Layout (+ the `RMSNorm` hub kernel on the
   post-attention norm). Fusion 22.32 ms vs SwiGLUMLP 22.39 ms + RMSNorm 0.56 ms = 22.95 ms per layer, and no
   more activation memory (1088 MiB vs 960 + 132 MiB). The two cannot be combined anyway (same modules, same
@@ -138,9 +138,9 @@ def kernel_mapping(family: str, org: str = ORG, revision: str | None = None, ver
       one autograd node a layer in eager training, and the `RMSNorm` Layout the final norm;
     - `decoder_layer=False`: per-module Layouts, the attention Layout and the RMSNorm + MLP fusion;
     - `fuse_norm_mlp=False`: per-module Layouts with the 1-to-1 `SwiGLUMLP` Layout instead of the fusion, the one
-      choice that keeps the decoder layer class (the Layout is `DecoderLayerLayout`, the fusion subclasses it as
-      `FusedQwen3DecoderLayer`; `hubfuse.KernelConfig` adds either name to the model's `_no_split_modules`, which
-      accelerate's FSDP `TRANSFORMER_BASED_WRAP` reads, but an explicit wrap list by class name must name it).
+      choice that keeps the stock decoder layer class (the others build `DecoderLayerLayout`, or the fusion's
+      subclass `FusedQwen3DecoderLayer`; `hubfuse.KernelConfig` adds that name to the model's `_no_split_modules`,
+      which accelerate's FSDP `TRANSFORMER_BASED_WRAP` reads, but an explicit wrap list must name it).
     Pass the result to `hubfuse.KernelConfig` (training, CPU) or transformers' own (CUDA inference).
     """
     return {key: (f"{org}/{repo}:{layer}", _meta(f"{org}/{repo}", revision, version, trust_remote_code))

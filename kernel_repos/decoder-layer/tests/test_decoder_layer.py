@@ -98,7 +98,7 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-def _block_nodes(t):
+def _is_block_node(t):
     return type(t.grad_fn).__name__ == "_DecoderLayerBlockBackward"
 
 
@@ -130,7 +130,7 @@ def test_block_vs_float64(family, B, S, path, use_kernel_path):
     dout = torch.randn_like(x)
     pe = _rope(family, config, B, S, dtype)
     xs = x.detach().clone().requires_grad_(True)
-    assert _block_nodes(DecoderLayer.forward(ours, xs, position_embeddings=pe))
+    assert _is_block_node(DecoderLayer.forward(ours, xs, position_embeddings=pe))
     out, grads = _run(DecoderLayer.forward, ours, x, pe, dout)
     pe64 = tuple(t.double() for t in pe)
     out_ref, grads_ref = _run(lambda m, x, **kw: m(x, **kw), hf, x.double(), pe64, dout.double())
@@ -155,7 +155,7 @@ def test_block_equals_per_op_path(family, path, use_kernel_path, monkeypatch):
     out, grads = _run(DecoderLayer.forward, ours, x, pe, dout)
     _per_op(monkeypatch)
     out_op, grads_op = _run(DecoderLayer.forward, ours, x, pe, dout)
-    assert not _block_nodes(DecoderLayer.forward(ours, x, position_embeddings=pe))
+    assert not _is_block_node(DecoderLayer.forward(ours, x, position_embeddings=pe))
     _assert_equal(out, grads, out_op, grads_op)
 
 
@@ -183,19 +183,19 @@ def test_fallbacks_take_the_per_op_path(monkeypatch):
     mask = torch.zeros(B, 1, S, S, device=DEV).masked_fill(torch.ones(S, S, dtype=torch.bool, device=DEV).triu(1),
                                                           float("-inf"))
     out = DecoderLayer.forward(ours, x, attention_mask=mask, position_embeddings=pe)
-    assert not _block_nodes(out)
+    assert not _is_block_node(out)
     assert _rel(out, hf(x.double(), attention_mask=mask.double(), position_embeddings=pe64)) <= 3e-5
     calls = []
     hook = ours.mlp.down_proj.register_forward_hook(lambda *_: calls.append(1))
     out = DecoderLayer.forward(ours, x.requires_grad_(), position_embeddings=pe)
-    assert not _block_nodes(out) and calls == [1]
+    assert not _is_block_node(out) and calls == [1]
     assert _rel(out, hf(x.double(), position_embeddings=pe64)) <= 3e-5
     hook.remove()
     ours.self_attn.config._attn_implementation = "eager"
     out = DecoderLayer.forward(ours, x, position_embeddings=pe)
-    assert not _block_nodes(out)
+    assert not _is_block_node(out)
     ours.self_attn.config._attn_implementation = "sdpa"
-    assert _block_nodes(DecoderLayer.forward(ours, x, position_embeddings=pe))
+    assert _is_block_node(DecoderLayer.forward(ours, x, position_embeddings=pe))
 
 
 def test_gradient_checkpointing_recomputes_the_node():

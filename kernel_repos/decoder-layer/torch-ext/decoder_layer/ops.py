@@ -20,16 +20,11 @@ the preconditions (`layers._block_applies`).
 import torch
 
 from hubfuse._common.checks import first_order
-from hubfuse.rmsnorm.ops import _rms_norm_bwd, _rms_norm_fwd
+from hubfuse.rmsnorm.ops import _rms_norm_bwd, rms_norm_forward
 from hubfuse.rmsnorm.reference import STANDARD as NORM_STANDARD
 from hubfuse.rotary.ops import _attention_block_backward, _attention_block_forward, _cos_sin
 from hubfuse.rotary.reference import NONE, STANDARD
 from hubfuse.swiglu.ops import _mlp_block_backward, _mlp_block_forward
-
-
-def _rms_norm(x2, weight, eps):
-    """The input norm's (output, rstd) of 2-D x: rmsnorm's forward implementation."""
-    return _rms_norm_fwd.eager_impl(x2, weight, None, eps, NORM_STANDARD)
 
 
 class _DecoderLayerBlock(torch.autograd.Function):
@@ -40,7 +35,7 @@ class _DecoderLayerBlock(torch.autograd.Function):
                 down_weight, down_bias, input_eps, qk_eps, post_eps, mode, head_dim, scale):
         shape = x.shape
         x2 = x.view(-1, shape[-1])
-        normed, rstd = _rms_norm(x2, input_norm_weight, input_eps)
+        normed, rstd = rms_norm_forward(x2, input_norm_weight, input_eps)
         y, attn_saved, ctx.attn_args = _attention_block_forward(
             normed.view(shape), q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight,
             cos, sin, o_weight, o_bias, qk_eps, mode, head_dim, scale, any(ctx.needs_input_grad))
@@ -65,7 +60,7 @@ class _DecoderLayerBlock(torch.autograd.Function):
             _mlp_block_backward(dout2, mlp_saved, *ctx.mlp_biases)
         dh = dout2 + dh_mlp  # the residual's gradient and the MLP's, as autograd sums them on the per-op path
         del dh_mlp
-        normed, _ = _rms_norm(x2, input_norm_weight, ctx.input_eps)
+        normed, _ = rms_norm_forward(x2, input_norm_weight, ctx.input_eps)
         dnormed, dwq, dwk, dwv, dbq, dbk, dbv, dwq_norm, dwk_norm, d_o_weight, d_o_bias = _attention_block_backward(
             dh.view(shape), normed.view(shape), attn_saved, ctx.attn_args)
         del normed
