@@ -8,7 +8,8 @@ work a layer shows. Here every configuration's model is loaded into one process 
 `bench.make_step`, as bench.py does), warmed up, and then each round runs one step of each, every step
 synchronised. Reported: median, min and max step ms of each, and its speed relative to the first configuration
 (the first's median step over this one's).
-Configurations: bench.py's `eager`, `ours`, `ours_modules`, `compile`, `compile_ro`, `ours_compile`, `ours_ro`
+Configurations: bench.py's `eager`, `ours`, `ours_modules`, `compile`, `compile_ro`, `ours_compile`,
+`ours_compile_modules`, `ours_ro`
 (`ours_graph` and Liger patch or capture process-wide: not here).
 
     python scripts/bench_interleaved.py ours ours_modules compile                   # Qwen3-0.6B, 30 rounds
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (puts the repo root and torch-ext on sys.path)
 
-CONFIGS = ("eager", "ours", "ours_modules", "compile", "compile_ro", "ours_compile", "ours_ro")
+CONFIGS = ("eager", "ours", "ours_modules", "compile", "compile_ro", "ours_compile", "ours_compile_modules", "ours_ro")
 
 
 def main(argv=None) -> int:
@@ -91,6 +92,8 @@ def main(argv=None) -> int:
     for c in args.configs:
         print(f"| {c} | {median[c]:.1f} | {min(times[c]):.1f} | {max(times[c]):.1f} | "
               f"{median[args.configs[0]] / median[c]:.3f} |")
+    if set(args.configs) & set(bench.COMPILED):
+        print("\n" + bench.dynamo_note(bench.dynamo_stats()))
     return 0
 
 
