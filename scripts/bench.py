@@ -35,9 +35,7 @@ Configurations:
                  (local builds through LOCAL_KERNELS, as tests/utils.py)
   ours_modules   ours with per-module kernels in the dense decoder layers (`kernel_mapping(...,
                  decoder_layer=False)`: the attention Layout and the RMSNorm + MLP fusion, no decoder-layer node)
-  ours_compile   ours + torch.compile of the whole kernelized model (each dense decoder layer one custom op a
-                 direction)
-  ours_compile_modules  ours_modules + torch.compile (the per-module kernels' custom ops in the compiled graph)
+  ours_compile   ours + torch.compile of the whole kernelized model
   ours_ro        ours + torch.compile(mode="reduce-overhead")
   ours_graph     ours, the whole step (fwd + bwd + capturable fused AdamW) captured once in a torch.cuda.CUDAGraph
                  and replayed (the batch copied into the graph's static inputs)
@@ -93,11 +91,11 @@ sys.path.insert(0, str(ROOT / "torch-ext"))  # hubfuse without `pip install -e .
 REVISION = "v1"
 # also the run order: eager first, compiled last (slowest to start)
 CONFIGS = ("eager", "ours", "ours_modules", "ours_graph", "compile", "compile_ro", "liger", "fla", "liger_fla",
-           "ours_ro", "ours_compile", "ours_compile_modules", "liger_compile")
-OURS = ("ours", "ours_modules", "ours_compile", "ours_compile_modules", "ours_ro", "ours_graph")
+           "ours_ro", "ours_compile", "liger_compile")
+OURS = ("ours", "ours_modules", "ours_compile", "ours_ro", "ours_graph")
 LIGER = ("liger", "liger_compile", "liger_fla")
 FLA = ("fla", "liger_fla")  # Gated DeltaNet models: transformers runs flash-linear-attention's kernels when installed
-COMPILED = ("compile", "compile_ro", "liger_compile", "ours_compile", "ours_compile_modules", "ours_ro")
+COMPILED = ("compile", "compile_ro", "liger_compile", "ours_compile", "ours_ro")
 REDUCE_OVERHEAD = ("compile_ro", "ours_ro")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text")
 # `<config>@<backend>`: the configuration with SDPA restricted to one backend (torch.nn.attention.sdpa_kernel) for
@@ -149,7 +147,7 @@ SMOKE_SLICES = ("qwen3_small", "qwen3_moe_small", "qwen3_5_moe")  # one per fami
 # ~3.5 min on its first call (235 s for the Qwen3-30B-A3B slice on an H200).
 TIMEOUT_S = {"eager": 150, "ours": 180, "ours_modules": 180, "ours_graph": 180, "liger": 300, "compile": 300,
              "compile_ro": 360,
-             "ours_compile": 300, "ours_compile_modules": 300, "ours_ro": 360, "liger_compile": 360, "fla": 300, "liger_fla": 360}
+             "ours_compile": 300, "ours_ro": 360, "liger_compile": 360, "fla": 300, "liger_fla": 360}
 
 
 def log(msg: str) -> None:
@@ -317,8 +315,7 @@ def load_model(name: str, config: str, path: Path, device: str):
     if config in OURS:
         from hubfuse import presets
 
-        per_module = config in ("ours_modules", "ours_compile_modules")
-        mapping = presets.kernel_mapping(family, revision=REVISION, decoder_layer=not per_module)
+        mapping = presets.kernel_mapping(family, revision=REVISION, decoder_layer=config != "ours_modules")
         model = load(path, mapping, dtype=torch.bfloat16, device=device, **kw)
         presets.enable_losses(model, family, revision=REVISION)
         extra = presets.bound_kernels(model)

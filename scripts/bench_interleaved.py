@@ -6,10 +6,10 @@ that process-level noise does not move.
 eager, ~80-100 ms for Qwen3-0.6B) moves by up to ~15 % from one process to the next, more than a change of host
 work a layer shows. Here every configuration's model is loaded into one process (`bench.load_model` /
 `bench.make_step`, as bench.py does), warmed up, and then each round runs one step of each, every step
-synchronised. Reported: median, min and max step ms of each, and its speed relative to the first configuration
-(the first's median step over this one's).
-Configurations: bench.py's `eager`, `ours`, `ours_modules`, `compile`, `compile_ro`, `ours_compile`,
-`ours_compile_modules`, `ours_ro`
+synchronised. Reported: median, min and max step ms of each, its speed relative to the first configuration (the first's
+median step over this one's), and the time Python's garbage collector ran during its steps (`--gc-freeze`: the
+objects alive after the warm-up moved out of its reach first).
+Configurations: bench.py's `eager`, `ours`, `ours_modules`, `compile`, `compile_ro`, `ours_compile`, `ours_ro`
 (`ours_graph` and Liger patch or capture process-wide: not here).
 
     python scripts/bench_interleaved.py ours ours_modules compile                   # Qwen3-0.6B, 30 rounds
@@ -19,6 +19,7 @@ Configurations: bench.py's `eager`, `ours`, `ours_modules`, `compile`, `compile_
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -28,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (puts the repo root and torch-ext on sys.path)
 
-CONFIGS = ("eager", "ours", "ours_modules", "compile", "compile_ro", "ours_compile", "ours_compile_modules", "ours_ro")
+CONFIGS = ("eager", "ours", "ours_modules", "compile", "compile_ro", "ours_compile", "ours_ro")
 
 
 def main(argv=None) -> int:
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=4, help="steps of each configuration before the rounds")
     p.add_argument("--smoke", action="store_true", help="tiny widths on CPU (eager configurations only)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() after the warm-up: the collector no longer walks the objects alive then")
     args = p.parse_args(argv)
     if len(set(args.configs)) != len(args.configs):
         p.error("each configuration once")
@@ -76,22 +79,44 @@ def main(argv=None) -> int:
                 steps[config](batches[i % len(batches)]).item()
             print(f"{config}: ready", flush=True)
     times = {c: [] for c in args.configs}
+    gc_ms = {c: [0.0, 0, 0] for c in args.configs}  # ms in the collector, collections, of them generation 2
+    running, started = [None], [0.0]
+
+    def on_gc(phase, info):
+        if running[0] is None:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            stats = gc_ms[running[0]]
+            stats[0] += (time.perf_counter() - started[0]) * 1e3
+            stats[1] += 1
+            stats[2] += info["generation"] == 2
+
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    gc.callbacks.append(on_gc)
     for r in range(args.rounds):
         for config in args.configs:
             sync()
+            running[0] = config
             t0 = time.perf_counter()
             steps[config](batches[r % len(batches)])
             sync()
             times[config].append((time.perf_counter() - t0) * 1e3)
+            running[0] = None
+    gc.callbacks.remove(on_gc)
     median = {c: statistics.median(t) for c, t in times.items()}
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
     print(f"\n{args.slice}, {batch_size} x {seq} tokens, {layers} layers, {where}; {args.rounds} interleaved rounds "
           f"after {args.warmup} warm-up steps each\n")
-    print(f"| config | median step ms | min | max | speed / {args.configs[0]}'s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print(f"| config | median step ms | min | max | speed / {args.configs[0]}'s | GC ms a step (collections, gen 2) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for c in args.configs:
+        ms, n, n2 = gc_ms[c]
         print(f"| {c} | {median[c]:.1f} | {min(times[c]):.1f} | {max(times[c]):.1f} | "
-              f"{median[args.configs[0]] / median[c]:.3f} |")
+              f"{median[args.configs[0]] / median[c]:.3f} | {ms / args.rounds:.2f} ({n}, {n2}) |")
     if set(args.configs) & set(bench.COMPILED):
         print("\n" + bench.dynamo_note(bench.dynamo_stats()))
     return 0

@@ -56,38 +56,6 @@ def test_backend_choice_and_enum():
         assert sdpa.sdpa_backend(q, k, k, True, 0.3, True) == sdpa.RECOMPUTE
 
 
-def test_backend_choice_on_fake_tensors_is_the_real_one():
-    """A custom op's fake implementation asks `sdpa_backend` about FakeTensors: torch's own choice answers "math"
-    there (so this module asks about real tensors of the same layouts); the fake and the real choice agree, and
-    follow the user's backend selection."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fq, fk = mode.from_tensor(q), mode.from_tensor(k)
-        assert int(torch._fused_sdp_choice(fq, fk, fk, None, 0.0, True, scale=0.3, enable_gqa=True)) == 0  # math
-        assert sdpa.sdpa_backend(fq, fk, fk, True, 0.3, True) == sdpa.CPU_FLASH
-        with sdpa_kernel(SDPBackend.MATH):
-            assert sdpa.sdpa_backend(fq, fk, fk, True, 0.3, True) == sdpa.RECOMPUTE
-
-
-@pytest.mark.parametrize("backend", ["flash", "cpu_flash", "recompute"])
-def test_saved_tensors_round_trip(backend):
-    """`sdpa_saved_tensors` / `sdpa_saved_from` give back the backend and the sizes; the log-sum-exp is the one
-    tensor kept (the random-state arguments are placeholders without dropout)."""
-    q = torch.empty(2, 4, 7, 8)
-    lse = {"flash": torch.empty(2, 4, 7, device="meta"), "cpu_flash": torch.empty(2, 4, 7), "recompute": None}[backend]
-    code = {"flash": sdpa.FLASH, "cpu_flash": sdpa.CPU_FLASH, "recompute": sdpa.RECOMPUTE}[backend]
-    kept = sdpa.sdpa_saved_tensors(code, (lse, None, None, None, None) if lse is not None else ())
-    assert kept == ([lse] if lse is not None else [])
-    if backend == "flash":  # the decode reads the device and the rank only: a meta log-sum-exp stands for CUDA's
-        q = q.to("meta")
-    got, saved, sizes = sdpa.sdpa_saved_from(kept, q)
-    assert got == code and (saved[0] is lse if kept else saved == ())
-    assert sizes == ((7, 7) if backend == "flash" else ())
-
-
 @pytest.mark.parametrize("backend", ["chosen", "recompute"])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 7, 8), (1, 3, 3, 1, 16), (3, 2, 1, 33, 4)])
 @pytest.mark.parametrize("is_causal", [True, False])

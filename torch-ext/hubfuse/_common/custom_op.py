@@ -10,9 +10,7 @@ implementation, `setup_context` and `backward`, and gets:
   calls (`differentiable_op(...)` returns a function that picks one or the other).
 
 A backward calls other ops through `call(ctx, op, *args)`: their implementation when the forward ran eagerly
-(`ctx` then carries `eager = True`), the op itself when it is being traced. Code that composes implementations
-inside another op (the fused blocks) calls them through `run(op, *args)`, so that the composition also serves as
-that op's fake implementation.
+(`ctx` then carries `eager = True`), the op itself when it is being traced.
 """
 import inspect
 
@@ -43,14 +41,6 @@ def call(ctx, op, *args):
     for i in op.mutated_positions:
         torch.autograd.graph.increment_version(args[i])
     return out
-
-
-def run(op, *args):
-    """`op`'s implementation on plain tensors; on a tensor subclass (torch.compile's FakeTensor, when the caller
-    runs as a fake implementation) the op itself, which dispatches to its fake implementation."""
-    if type(args[0]) is torch.Tensor:
-        return op.eager_impl(*args)
-    return op(*args)
 
 
 def differentiable_op(op, setup_context, backward):

@@ -12,60 +12,24 @@ node would, with the same kernels.
 - `sdpa_backward(backend, dout, q, k, v, output, saved, sizes, is_causal, scale)` -> (dq, dk, dv): that
   backend's backward; for the other backends the attention's forward runs again under autograd and is
   differentiated (same kernel, so the same gradients as SDPA's own node, at the cost of one more forward).
-- `sdpa_saved_tensors(backend, saved)` / `sdpa_saved_from(tensors, q)`: for a custom op that returns what the
-  backward needs as tensors: the log-sum-exp alone (or nothing), from which the backend, the rest of `saved`
-  (without dropout its random-state tensors are not read) and `sizes` are rebuilt.
 
 q: (B, Hq, S, D), k / v: (B, Hk, S, D) with Hq a multiple of Hk (grouped-query attention runs natively).
 
-torch-private: the aten ops behind SDPA, `torch._fused_sdp_choice` (its backend choice) and FakeTensor /
-FunctionalTensor / `unset_fake_temporarily` (the choice made for a fake implementation). They live here only; tests/test_sdpa_private.py
-fails when torch changes them.
+torch-private: the aten ops behind SDPA and `torch._fused_sdp_choice` (its backend choice). They live here only;
+tests/test_sdpa_private.py fails when torch changes them.
 """
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch._subclasses.functional_tensor import FunctionalTensor
 
 FLASH, CUDNN = 1, 3  # torch.nn.attention.SDPBackend values
 RECOMPUTE, CPU_FLASH = -1, -2  # this module's own: SDPA again under autograd, the CPU flash kernel
 _aten = torch.ops.aten
 
 
-@torch.compiler.assume_constant_result
-def flash_enabled() -> bool:
-    """`torch.backends.cuda.flash_sdp_enabled()` (it governs the CPU flash kernel too), read as a constant under
-    torch.compile (dynamo cannot trace the flag; a compiled graph keeps the value it was traced with)."""
-    return torch.backends.cuda.flash_sdp_enabled()
-
-
-@torch.compiler.assume_constant_result
-def cudnn_enabled() -> bool:
-    """`torch.backends.cuda.cudnn_sdp_enabled()`, read as a constant under torch.compile (as `flash_enabled`)."""
-    return torch.backends.cuda.cudnn_sdp_enabled()
-
-
-@torch.compiler.assume_constant_result
-def enabled_backends() -> int:
-    """SDPA's enabled backends as a bit mask (flash 1, cuDNN 2, memory-efficient 4, math 8), a constant under
-    torch.compile. An op that runs `sdpa_backend` inside takes it as an argument: its compiled graph, and
-    torch.compile's caches, are then keyed on the backends it was traced under (its fake implementation's output
-    layout depends on the choice)."""
-    b = torch.backends.cuda
-    return (b.flash_sdp_enabled() | b.cudnn_sdp_enabled() << 1 | b.mem_efficient_sdp_enabled() << 2
-            | b.math_sdp_enabled() << 3)
-
-
 def sdpa_backend(q, k, v, is_causal: bool, scale: float, needs_grad: bool) -> int:
     """The backend SDPA picks for these inputs (with `needs_grad`: as if they required grad, since some backends
     have no backward at some shapes), as FLASH, CUDNN or CPU_FLASH where this module calls it directly, else
-    RECOMPUTE. On FakeTensors (a custom op's fake implementation; FunctionalTensors over them while torch.compile
-    functionalizes), where torch's choice does not answer as for real tensors, it is asked about real,
-    uninitialised tensors of the same layouts: the fake and the real op choose alike."""
-    if isinstance(q, (FakeTensor, FunctionalTensor)):
-        with unset_fake_temporarily():
-            q, k, v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in (q, k, v))
-            return sdpa_backend(q, k, v, is_causal, scale, needs_grad)
+    RECOMPUTE."""
     if q.device.type == "cpu":
         choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=True))
         return CPU_FLASH if choice == FLASH else RECOMPUTE
@@ -93,28 +57,6 @@ def sdpa_forward(backend: int, q, k, v, is_causal: bool, scale: float):
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
         return out, (lse,), ()
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True), (), ()
-
-
-def sdpa_saved_tensors(backend: int, saved) -> list:
-    """What of `sdpa_forward`'s `saved` a custom op returns for `sdpa_saved_from`: [log-sum-exp], or [] (RECOMPUTE)."""
-    return [saved[0]] if backend in (FLASH, CUDNN, CPU_FLASH) else []
-
-
-def sdpa_saved_from(tensors, q):
-    """(backend, saved, sizes) for `sdpa_backward` from `sdpa_saved_tensors`'s list and q (B, Hq, S, D). The
-    backend shows in the log-sum-exp: none (RECOMPUTE), on the CPU (CPU_FLASH), (B, H, S, 1) (cuDNN) or (B, H, S)
-    (flash). Without dropout the random-state arguments are not read: placeholders of the forward's types."""
-    if not tensors:
-        return RECOMPUTE, (), ()
-    lse = tensors[0]
-    if lse.device.type == "cpu":
-        return CPU_FLASH, (lse,), ()
-    sizes = (q.shape[2], q.shape[2])
-    if lse.dim() == 4:
-        seed, offset = (torch.empty(1, dtype=torch.long, device=q.device) for _ in range(2))
-        return CUDNN, (lse, None, None, seed, offset), sizes
-    seed, offset = (torch.empty((), dtype=torch.long) for _ in range(2))
-    return FLASH, (lse, None, None, seed, offset), sizes
 
 
 def sdpa_backward(backend: int, dout, q, k, v, out, saved, sizes, is_causal: bool, scale: float):

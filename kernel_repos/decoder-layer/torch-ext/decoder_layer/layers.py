@@ -10,8 +10,7 @@ The submodules are the other families' Layouts (`rotary`'s attention, `swiglu`'s
 Layer's forward runs, in eager training and inference without a KV cache or a mask (transformers' sdpa, the
 conditions of rotary's attention block, hook-free submodules with x's dtype): the whole layer as one autograd
 node (`ops._decoder_layer_block`, bit for bit the per-op path below, with one node a layer instead of five).
-Under torch.compile the node is one custom op a direction (`ops.decoder_layer_fwd` / `decoder_layer_bwd`), on
-the same conditions. Elsewhere (a KV cache, a mask, hooks or adapters on a submodule, another attention
+Elsewhere (a KV cache, a mask, torch.compile, hooks or adapters on a submodule, another attention
 implementation): the per-op path, which is what the per-module kernels compute (rmsnorm's `RMSNorm`, rotary's
 attention Layers, swiglu's `rms_norm_swiglu_mlp`; a projection that is not a plain `nn.Linear` is called by them),
 except that a submodule of the layer with a hook of its own is called and runs its Layout's forward (HF's code).
@@ -30,7 +29,6 @@ from torch import nn
 
 from hubfuse._common.causal_marker import is_causal_marker
 from hubfuse._common.modules import hooked, only_weight_recorders, plain_linear
-from hubfuse._common.sdpa import flash_enabled
 from hubfuse.rmsnorm.layers import RMSNorm, RMSNormLayout
 from hubfuse.rotary.layers import QKNormRopeAttention, QKNormRopeAttentionLayout, RopeAttention, \
     RopeAttentionLayout, _attention_block_applies
@@ -68,7 +66,7 @@ def _skippable_recorders(module: nn.Module) -> bool:
 
 def _block_applies(layer, x, position_embeddings, attention_mask, past_key_values, kwargs) -> bool:
     """Whether `ops._decoder_layer_block` computes exactly what the per-op path would: rotary's attention-block
-    conditions (sdpa, causal without a mask, no cache, no dropout, plain projections ...), hook-free
+    conditions (sdpa, causal without a mask, no cache, no dropout, eager mode, plain projections ...), hook-free
     submodules, norm and MLP weights of x's dtype."""
     modules = layer._modules
     attn, mlp = modules["self_attn"], modules["mlp"]
@@ -80,24 +78,9 @@ def _block_applies(layer, x, position_embeddings, attention_mask, past_key_value
         return False
     if not (plain_linear(mlp._modules["gate_up_proj"], dtype) and plain_linear(mlp._modules["down_proj"], dtype)):
         return False
-    if torch.compiler.is_compiling() and not _sdpa_direct(x, attn.head_dim):
-        return False
     return _attention_block_applies(attn, x, position_embeddings, attention_mask, past_key_values, kwargs,
-                                    layer.qk_norm, compiled=True)
+                                    layer.qk_norm)
 
-
-def _sdpa_direct(x, head_dim: int) -> bool:
-    """Whether SDPA picks, for the compiled node, a backend `_common.sdpa` calls directly (the custom op cannot
-    differentiate SDPA again inside its backward): the CPU flash kernel; flash or cuDNN on CUDA (16-bit inputs,
-    checked by rotary's conditions; head dims multiple of 8 up to 256; sm80 or newer)."""
-    if x.device.type == "cpu":
-        return flash_enabled()
-    return x.device.type == "cuda" and head_dim % 8 == 0 and head_dim <= 256 and _sm80_or_newer()
-
-
-@torch.compiler.assume_constant_result
-def _sm80_or_newer() -> bool:
-    return torch.cuda.get_device_capability() >= (8, 0)
 
 def _run_block(layer, x, position_embeddings):
     attn, mlp = layer.self_attn, layer.mlp
@@ -153,7 +136,7 @@ def _decoder_forward(layer, hidden_states, attention_mask, position_ids, past_ke
 
 
 class DecoderLayer(nn.Module):
-    """The dense decoder layer of Qwen3 / Llama / Qwen2, one autograd node in training (for
+    """The dense decoder layer of Qwen3 / Llama / Qwen2, one autograd node in eager training (for
     `DecoderLayerLayout`). Hub name `DecoderLayer`."""
 
     has_backward = True

@@ -14,7 +14,7 @@ import torch
 from hubfuse._common.checks import first_order
 from hubfuse._common.released import can_release, mark_rebuildable, write_alias
 from hubfuse._common.device import use_triton
-from hubfuse._common.custom_op import call, custom_op, differentiable_op, run
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from .reference import GATED, STANDARD, ZERO_CENTERED, rms_norm_bwd_reference, rms_norm_fwd_reference
 
 
@@ -38,7 +38,7 @@ def _bwd_impl(dy, x, weight, gate, rstd, mode):
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Implementation of the Llama/Qwen RMSNorm forward on 2-D `x` (no autograd, for other ops' implementations):
     (y, rstd) with rstd in fp32."""
-    return run(_rms_norm_fwd, x, weight, None, eps, STANDARD)
+    return _fwd_impl(x, weight, None, eps, STANDARD)
 
 
 def rms_norm_backward_recompute(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):

@@ -38,7 +38,6 @@ from hubfuse._common.causal_marker import is_causal_marker
 from hubfuse._common.device import autocast_dtype
 from hubfuse._common.modules import hooked, plain_linear
 from hubfuse._common.released import can_release, rebuildable, release_until_backward
-from hubfuse._common.sdpa import cudnn_enabled, flash_enabled
 from hubfuse.rmsnorm.layers import RMSNormLayout, RMSNormZeroCenteredLayout
 from .ops import _cos_sin_need_grad, _qkv_projections, apply_rotary_pos_emb, qk_norm_rope, _qk_norm_rope_rebuild, \
     _attention_block, qk_norm_rope_zero_centered
@@ -141,14 +140,12 @@ def _sdpa_attention_forward():
 
 
 def _attention_block_applies(module, x, position_embeddings, attention_mask, past_key_values, kwargs,
-                             qk_norm: bool, compiled: bool = False) -> bool:
+                             qk_norm: bool) -> bool:
     """Whether `ops._attention_block` computes exactly what the per-op path would: transformers' sdpa
     attention, causal without a mask, no cache, no dropout, no option sdpa_attention_forward reads, plain
     `nn.Linear` projections (`_common.modules.plain_linear`) and hook-free q/k norms with weights of x's dtype,
-    eager mode (`compiled`: for a caller that has a custom op for torch.compile, eager or compiled). (Submodules
-    and parameters are read from the module's dicts: this runs every layer, every step.)"""
-    if (past_key_values is not None or attention_mask is not None
-            or (not compiled and torch.compiler.is_compiling())
+    eager mode. (Submodules and parameters are read from the module's dicts: this runs every layer, every step.)"""
+    if (past_key_values is not None or attention_mask is not None or torch.compiler.is_compiling()
             or x.dim() != 3 or (module.training and module.attention_dropout)
             or getattr(module, "sliding_window", None) is not None):
         return False
@@ -172,7 +169,7 @@ def _attention_block_applies(module, x, position_embeddings, attention_mask, pas
     if _cos_sin_need_grad(cos, sin) or autocast_dtype(x) is not None or torch.are_deterministic_algorithms_enabled():
         return False
     if x.device.type == "cuda" and (dtype not in (torch.float16, torch.bfloat16) or not (
-            flash_enabled() or cudnn_enabled())):
+            torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.cudnn_sdp_enabled())):
         return False  # the node would run SDPA's forward again in its backward (no flash / cuDNN kernel to call)
     return _attention_interface(module.config._attn_implementation) is _sdpa_attention_forward()
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from hubfuse._common.checks import first_order
 from hubfuse._common.device import autocast_dtype, use_triton
 from hubfuse._common.modules import plain_linear
-from hubfuse._common.custom_op import call, custom_op, differentiable_op, run
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from hubfuse._common.released import write_alias
 from hubfuse._common.sdpa import sdpa_backend, sdpa_backward, sdpa_forward
 from .reference import (
@@ -597,8 +597,8 @@ def _block_rotate(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode):
     """The (B, H, S, D) q / k the attention reads, from the (B, S, H, D) projections: q/k norm + RoPE, or RoPE
     alone (mode NONE: Llama, Qwen2), in the layouts of the per-op path."""
     if mode == NONE:
-        return run(_rope_fwd, q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
-    return run(_qk_norm_rope_fwd, q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
+        return _rope_fwd.eager_impl(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
+    return _qk_norm_rope_fwd.eager_impl(q, k, q_norm_weight, k_norm_weight, cos, sin, eps, mode)
 
 
 def _attention_block_forward(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from hubfuse._common.checks import first_order
 from hubfuse._common.device import autocast_dtype, use_triton
-from hubfuse._common.custom_op import call, custom_op, differentiable_op, run
+from hubfuse._common.custom_op import call, custom_op, differentiable_op
 from hubfuse.rmsnorm.ops import check_rms_norm_inputs, rms_norm, rms_norm_backward_recompute, rms_norm_forward
 from .reference import swiglu_bwd_reference, swiglu_fwd_reference
 
@@ -193,8 +193,8 @@ _rms_norm_gate_up = differentiable_op(_rms_norm_gate_up_fwd, _rms_norm_gate_up_s
 # ---------------------------------------------------------------- the whole fused MLP, one node (eager)
 def _mlp_block_forward(x, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, down_bias):
     """`rms_norm_gate_up` then `swiglu_down` on 2-D x, no autograd (for nodes that run it): (out, saved)."""
-    gate_up, rstd = run(_rms_norm_gate_up_fwd, x, norm_weight, eps, gate_up_weight, gate_up_bias)
-    out = run(_swiglu_down_fwd, gate_up, down_weight, down_bias)
+    gate_up, rstd = _rms_norm_gate_up_fwd.eager_impl(x, norm_weight, eps, gate_up_weight, gate_up_bias)
+    out = _swiglu_down_fwd.eager_impl(gate_up, down_weight, down_bias)
     return out, (x, norm_weight, rstd, gate_up_weight, gate_up, down_weight)
 
 
