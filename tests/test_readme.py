@@ -8,7 +8,6 @@ Each document's ```python blocks run in order in one namespace, on CPU, with:
 - the hub served by this clone's builds: `hubfuse.use_local_builds()` has run, so `hubfuse/<repo>` loads locally.
 A block preceded by `<!-- not run: REASON -->` is skipped (it needs a GPU or the real hub); the reason is required.
 """
-import os
 import re
 from pathlib import Path
 

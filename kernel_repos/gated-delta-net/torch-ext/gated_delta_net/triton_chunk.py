@@ -169,7 +169,6 @@ def _solve_kernel(
     o_c = tl.arange(0, 64)
     o_s = tl.arange(0, 16)
     m_c = t0 + o_c < seqlen
-    DT = K_.dtype.element_ty
     gate_base = row0 * HV + hv
     g, _ = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
     tl.store(GC + gate_base + o_c * HV, tl.cumsum(g, 0), mask=m_c)

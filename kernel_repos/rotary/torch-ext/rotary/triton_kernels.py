@@ -24,7 +24,7 @@ import triton.language as tl
 from hubfuse._common.device import sm_count
 from hubfuse._common.launch import cdiv, next_power_of_2, launch
 from hubfuse.rmsnorm.triton_kernels import sum_partials
-from .reference import NONE, STANDARD
+from .reference import NONE
 
 
 @triton.jit
