@@ -6,9 +6,9 @@ that process-level noise does not move.
 eager, ~80-100 ms for Qwen3-0.6B) moves by up to ~15 % from one process to the next, more than a change of host
 work a layer shows. Here every configuration's model is loaded into one process (`bench.load_model` /
 `bench.make_step`, as bench.py does), warmed up, and then each round runs one step of each, every step
-synchronised. Reported: median, min and max step ms of each, its speed relative to the first configuration (the first's
-median step over this one's), and the time Python's garbage collector ran during its steps (`--gc-freeze`: the
-objects alive after the warm-up moved out of its reach first).
+synchronised. Reported: median, min and max step ms of each, its speed relative to the first configuration
+(the first's median step over this one's), and the time Python's garbage collector ran during its steps
+(`--gc-freeze`: the objects alive after the warm-up moved out of its reach first).
 Configurations: bench.py's `eager`, `ours`, `ours_modules`, `compile`, `compile_ro`, `ours_compile`, `ours_ro`
 (`ours_graph` and Liger patch or capture process-wide: not here).
 
@@ -80,33 +80,36 @@ def main(argv=None) -> int:
             print(f"{config}: ready", flush=True)
     times = {c: [] for c in args.configs}
     gc_ms = {c: [0.0, 0, 0] for c in args.configs}  # ms in the collector, collections, of them generation 2
-    running, started = [None], [0.0]
+    running, started = None, 0.0
 
-    def on_gc(phase, info):
-        if running[0] is None:
+    def on_gc(phase, info):  # charges each collection to the configuration whose step it ran in
+        nonlocal started
+        if running is None:
             return
         if phase == "start":
-            started[0] = time.perf_counter()
-        else:
-            stats = gc_ms[running[0]]
-            stats[0] += (time.perf_counter() - started[0]) * 1e3
-            stats[1] += 1
-            stats[2] += info["generation"] == 2
+            started = time.perf_counter()
+            return
+        stats = gc_ms[running]
+        stats[0] += (time.perf_counter() - started) * 1e3
+        stats[1] += 1
+        stats[2] += info["generation"] == 2
 
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
     gc.callbacks.append(on_gc)
-    for r in range(args.rounds):
-        for config in args.configs:
-            sync()
-            running[0] = config
-            t0 = time.perf_counter()
-            steps[config](batches[r % len(batches)])
-            sync()
-            times[config].append((time.perf_counter() - t0) * 1e3)
-            running[0] = None
-    gc.callbacks.remove(on_gc)
+    try:
+        for r in range(args.rounds):
+            for config in args.configs:
+                sync()
+                running = config
+                t0 = time.perf_counter()
+                steps[config](batches[r % len(batches)])
+                sync()
+                times[config].append((time.perf_counter() - t0) * 1e3)
+                running = None
+    finally:
+        gc.callbacks.remove(on_gc)
     median = {c: statistics.median(t) for c, t in times.items()}
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
     print(f"\n{args.slice}, {batch_size} x {seq} tokens, {layers} layers, {where}; {args.rounds} interleaved rounds "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -345,4 +346,6 @@ def test_bench_interleaved_smoke():
     for r in rows:
         median, low, high, speed = (float(c) for c in r.split("|")[2:6])
         assert 0 < low <= median <= high and speed > 0, r
+        gc_ms, collections, gen2 = re.fullmatch(r"([\d.]+) \((\d+), (\d+)\)", r.split("|")[6].strip()).groups()
+        assert float(gc_ms) >= 0 and int(collections) >= int(gen2) >= 0, r
     assert rows[0].split("|")[5].strip() == "1.000"
