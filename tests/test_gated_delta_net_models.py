@@ -307,14 +307,22 @@ def test_low_precision_gradients_as_accurate_as_eager_against_float64(device, dt
     assert all(r <= 1.2 for r, _, _ in ratios.values()), f"gradient error ratios against float64:\n{table}"
 
 
+REAL_WIDTH_BATCH_SEEDS = (1, 2, 3)
+
+
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="open (issue 32): on an H100 layer 0's A_log is at 1.22 (dt_bias 1.18, every "
-                   "other parameter <= 1.05)")
 def test_gradients_at_real_widths_as_accurate_as_eager(tmp_path):
     """Qwen3.5-MoE at its own widths (hidden 2048, 3 Gated DeltaNet layers + 1 gated attention, 64 experts top-8,
     vocabulary 151936), 2 x 1024 tokens, bf16 on CUDA: every parameter's gradient is no further from a float64 run
     of the same weights than HF eager's bf16 gradient (ratio <= 1.2), the gate parameters A_log and dt_bias (sums
-    over every token) included. Only the GatedDeltaNet modules are replaced, so the ratio is theirs."""
+    over every token) included. Only the GatedDeltaNet modules are replaced, so the ratio is theirs.
+
+    Over three batches: each parameter's relative L2 errors are summed in quadrature over the batches, ours against
+    eager's. One batch does not measure precision here: a bf16 gradient of this model is ~25 % from float64 (top-k
+    routing flips downstream), and the gate parameters' errors move by tens of percent with any change below bf16's
+    rounding. On an H100 the largest gate-parameter ratio of a batch was 0.95-1.16 for HF eager with its rule run in
+    float64 (more precise than eager), 1.13-1.26 for our kernels run in fp32 and 1.03-1.50 for ours in bf16; over
+    the three batches 1.02, 1.12 and 1.02 (docs/benchmarks.md, Gated DeltaNet)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
         pytest.skip("needs a CUDA GPU with 60 GiB")
     from transformers import AutoModelForCausalLM
@@ -329,20 +337,29 @@ def test_gradients_at_real_widths_as_accurate_as_eager(tmp_path):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(tmp_path)
     del model
-    batch = make_batch(config.vocab_size, batch=2, seq=1024, device="cuda")
 
-    def grads_of(model):
+    def grads_of(model, batch):
         grads = {n: g.cpu() for n, g in forward_backward(model, batch)[2].items()}
-        del model
         torch.cuda.empty_cache()
         return grads
 
-    exact = grads_of(load(tmp_path, dtype=torch.float64, device="cuda", experts_implementation="eager"))
-    eager = grads_of(load(tmp_path, dtype=torch.bfloat16, device="cuda"))
     ours_model = load(tmp_path, LAYOUT, dtype=torch.bfloat16, device="cuda").train()
     assert _bound(ours_model) == 3
-    ours = grads_of(ours_model)
-    assert set(ours) == set(exact)
-    ratios, table = _error_ratios(exact, eager, ours, {n: [n] for n in exact})
-    print(f"gradient error ratios against float64 (real widths, bf16):\n{table}")  # shown with -s / -rP
-    assert all(r <= 1.2 for r, _, _ in ratios.values()), f"gradient error ratios against float64:\n{table}"
+    squared = {}  # name -> [ours' squared relative errors summed over the batches, eager's]
+    for seed in REAL_WIDTH_BATCH_SEEDS:
+        batch = make_batch(config.vocab_size, batch=2, seq=1024, device="cuda", seed=seed)
+        exact = grads_of(load(tmp_path, dtype=torch.float64, device="cuda", experts_implementation="eager"), batch)
+        eager = grads_of(load(tmp_path, dtype=torch.bfloat16, device="cuda"), batch)
+        ours = grads_of(ours_model, batch)
+        assert set(ours) == set(exact)
+        ratios, table = _error_ratios(exact, eager, ours, {n: [n] for n in exact})
+        print(f"batch {seed}, gradient error ratios against float64 (real widths, bf16):\n"
+              + "\n".join(table.splitlines()[:6]))
+        for name, (_, e_ours, e_eager) in ratios.items():
+            acc = squared.setdefault(name, [0.0, 0.0])
+            acc[0] += e_ours ** 2
+            acc[1] += e_eager ** 2
+    ratios = {n: (o / e) ** 0.5 for n, (o, e) in squared.items()}
+    table = "\n".join(f"  {n}: ratio {r:.3f}" for n, r in sorted(ratios.items(), key=lambda kv: -kv[1]))
+    print(f"over batches {REAL_WIDTH_BATCH_SEEDS}:\n{table}")  # shown with -s / -rP
+    assert all(r <= 1.2 for r in ratios.values()), f"gradient error ratios against float64:\n{table}"
