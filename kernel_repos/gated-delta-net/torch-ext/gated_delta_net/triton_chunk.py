@@ -6,7 +6,8 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
   (l2norm applied as row scales), forward substitution on 16x16 diagonal blocks, blocks merged in fp32. Few
   warp (latency-bound reductions). The forward's T and g are saved for the backward.
 - `_wu_kernel`: w = T (beta G k) (16 bits), u = T (beta v) and the intra-chunk attention M = s tril(q k^T * Gamma)
-  (both fp32).
+  (both fp32), and the rows' l2norm scales (fp32), which the forward recurrence and the output kernel load instead
+  of reducing the raw q, k rows again.
 - `_recurrence_fwd_kernel`, one program per (sequence, value head, V block), sequential over chunks:
   v' = u - w h, h <- G_last h + (k exp(g_last - g))^T v'; stores the state at each chunk's start and v' (fp32 for
   the forward's output, 16-bit when the backward runs it again).
@@ -117,6 +118,17 @@ def _l2norm_scale(x, AXIS: tl.constexpr, L2NORM: tl.constexpr):
         return tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), AXIS) + 1e-6)
     else:
         return tl.full([x.shape[1 - AXIS]], 1.0, tl.float32)
+
+
+@triton.jit
+def _row_scale(S, hv, R, row0, mask, L2NORM: tl.constexpr):
+    """The l2norm scales of 64 rows from row0 that `_wu_kernel` stored ((HV, R) fp32); ones without the in-kernel
+    l2norm."""
+    if L2NORM:
+        return tl.load(S + hv.to(tl.int64) * R + row0 + tl.arange(0, 64), mask=mask, other=0.0)
+    else:
+        return tl.where(mask, 1.0, 1.0)
+
 
 @triton.jit
 def _decay_block(gr, gc, rmask, cmask, STRICT: tl.constexpr, ri, ci):
@@ -279,14 +291,16 @@ def _solve_kernel(
 @triton.jit
 def _wu_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO, GC, A,
-    M, W, U,
-    T, NT, HV, K, V, scale,
+    M, W, U, RQ, RK,
+    T, NT, HV, K, V, R, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
     ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One (chunk, value head), from T: w = T diag(beta G) kn, u = T diag(beta) v and the intra-chunk attention
-    M = s qn kn^T Gamma (diagonal included), qn, kn the (l2-normalised) q, k."""
+    M = s qn kn^T Gamma (diagonal included), qn, kn the (l2-normalised) q, k; with L2NORM also the l2norm scales
+    rq, rk of the chunk's rows (fp32, (HV, R) with R the rows: one contiguous load of 64 a chunk) for the kernels
+    that follow, whose serial loops would otherwise reduce a [K, 64] tile for them at every chunk."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     hv = i_bh % HV
@@ -308,6 +322,10 @@ def _wu_kernel(
     rq = _l2norm_scale(q, 1, L2NORM)
     rk = _l2norm_scale(k, 1, L2NORM)
     gate_base = row0 * HV + hv
+    if L2NORM:
+        scale_offs = hv.to(tl.int64) * R + row0 + o_c
+        tl.store(RQ + scale_offs, rq, mask=m_c)
+        tl.store(RK + scale_offs, rk, mask=m_c)
     _, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
     gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
     att = (scale * rq)[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * _decay_block(gc, gc, m_c, m_c, False,
@@ -335,9 +353,9 @@ def _wu_kernel(
 
 @triton.jit
 def _recurrence_fwd_kernel(
-    K_, W, U, GC, H0, CU, CHUNK_OFFSETS,
+    K_, W, U, GC, RK, H0, CU, CHUNK_OFFSETS,
     HT, HS, VN,
-    T, HV, K, V, stride_kt, stride_kh,
+    T, HV, K, V, R, stride_kt, stride_kh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
     L2NORM: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -387,7 +405,7 @@ def _recurrence_fwd_kernel(
         # k^T read through transposed pointers
         kt = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
                      mask=m_k[:, None] & m_c[None, :], other=0.0)
-        rk = _l2norm_scale(kt, 0, L2NORM)
+        rk = _row_scale(RK, hv, R, row0, m_c, L2NORM)
         v_dec = (v_new * tl.where(m_c, tl.exp(g_last - gc) * rk, 0.0)[:, None]).to(DT)
         h = _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
     if STORE_FINAL:
@@ -396,8 +414,8 @@ def _recurrence_fwd_kernel(
 
 @triton.jit
 def _output_kernel(
-    Q, HS, VN, GC, M, CU, CHUNK_INFO, O,
-    T, NT, HV, K, V, scale, stride_qt, stride_qh,
+    Q, HS, VN, GC, RQ, M, CU, CHUNK_INFO, O,
+    T, NT, HV, K, V, R, scale, stride_qt, stride_qh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -430,7 +448,8 @@ def _output_kernel(
     vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
     v_new = tl.load(VN + gate_base * V + vv_tile, mask=vmask, other=0.0)
     att = tl.load(M + gate_base * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], mask=m_c[:, None], other=0.0)
-    o = (scale * tl.exp(gc) * _l2norm_scale(q, 1, L2NORM))[:, None] * _dot(q, h, IEEE)
+    rq = _row_scale(RQ, hv, R, row0, m_c, L2NORM)
+    o = (scale * tl.exp(gc) * rq)[:, None] * _dot(q, h, IEEE)
     o = _dot_hilo2(att, v_new, o, DT, IEEE)  # M, v' in fp32: their 16-bit roundings were o's largest error
     tl.store(O + gate_base * V + vv_tile, o.to(O.dtype.element_ty), mask=vmask)
 
@@ -841,23 +860,25 @@ def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
 
 
 def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm):
-    """(M fp32, w in q's dtype, u fp32) from T."""
+    """(M fp32, w in q's dtype, u fp32, the l2norm scales rq and rk (HV, rows) fp32, unused without l2norm)
+    from T."""
     dev, dt = q.device, q.dtype
     gate = A_log is not None
     M = torch.empty(p.rows, p.HV, CHUNK, dtype=torch.float32, device=dev)
     w = torch.empty(p.rows, p.HV, p.K, dtype=dt, device=dev)
     u = torch.empty(p.rows, p.HV, p.V, dtype=torch.float32, device=dev)
+    rq, rk = (torch.empty(p.HV, p.rows, dtype=torch.float32, device=dev) if l2norm else gc for _ in range(2))
     cfg = CONFIG["wu"]
     launch(_wu_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
-           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, M, w, u,
-           p.T, p.NT, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2),
+           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, M, w, u, rq, rk,
+           p.T, p.NT, p.HV, p.K, p.V, p.rows, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2),
            v.stride(1), v.stride(2), GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
            ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return M, w, u
+    return M, w, u, rq, rk
 
 
-def _recurrence_fwd(p, k, w, u, gc, h0, l2norm, output_final_state, vn_dtype):
+def _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, vn_dtype):
     """(fp32 final state or an unused tensor, the state at each chunk's start in w's dtype, v' in vn_dtype): the
     serial recurrence."""
     dev, dt = w.device, w.dtype
@@ -866,22 +887,22 @@ def _recurrence_fwd(p, k, w, u, gc, h0, l2norm, output_final_state, vn_dtype):
     ht = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if output_final_state else w
     hs = torch.empty(p.n_chunks, p.HV, p.K, p.V, dtype=dt, device=dev)
     vn = torch.empty(p.rows, p.HV, p.V, dtype=vn_dtype, device=dev)
-    launch(_recurrence_fwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), k, w, u, gc,
+    launch(_recurrence_fwd_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), k, w, u, gc, rk,
            h0 if h0 is not None else w, p.cu, p.chunk_offsets, ht, hs, vn,
-           p.T, p.HV, p.K, p.V, k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK, BV=BV, USE_H0=h0 is not None,
+           p.T, p.HV, p.K, p.V, p.rows, k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK, BV=BV, USE_H0=h0 is not None,
            STORE_FINAL=output_final_state, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee,
            num_warps=warps, num_stages=cfg["num_stages"])
     return ht, hs, vn
 
 
-def _output(p, q, hs, vn, gc, M, scale, l2norm):
+def _output(p, q, hs, vn, gc, rq, M, scale, l2norm):
     """o (B, T, HV, V) in q's dtype from the per-chunk states and v' (chunk-parallel)."""
     cfg = CONFIG["output"]
     BV = p.block_v(cfg["block_v"])
     o = torch.empty(p.B, p.T, p.HV, p.V, dtype=q.dtype, device=q.device)
-    launch(_output_kernel, (p.slots, p.B * p.HV, triton.cdiv(p.V, BV)), q, hs, vn, gc, M, p.cu, p.chunk_info, o,
-           p.T, p.NT, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), GROUP=p.group, BK=p.BK, BV=BV, L2NORM=l2norm,
-           VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch(_output_kernel, (p.slots, p.B * p.HV, triton.cdiv(p.V, BV)), q, hs, vn, gc, rq, M, p.cu, p.chunk_info,
+           o, p.T, p.NT, p.HV, p.K, p.V, p.rows, scale, q.stride(1), q.stride(2), GROUP=p.group, BK=p.BK, BV=BV,
+           L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o
 
 
@@ -892,10 +913,10 @@ def chunk_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: 
     q, k, v, g_in, b_in = _rule_inputs(q, k, v, g_in, b_in)
     p = _Problem(q, v, cu_seqlens, meta)
     A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
-    M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
-    ht, hs, vn = _recurrence_fwd(p, k, w, u, gc, h0, l2norm, output_final_state, torch.float32)
+    M, w, u, rq, rk = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
+    ht, hs, vn = _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, torch.float32)
     del w, u
-    return _output(p, q, hs, vn, gc, M, scale, l2norm), ht, A, gc
+    return _output(p, q, hs, vn, gc, rq, M, scale, l2norm), ht, A, gc
 
 
 def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: float, l2norm: bool,
@@ -910,8 +931,8 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     gate = A_log is not None
     if A is None or gc is None:
         A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
-    M, w, u = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
-    _, hs, vn = _recurrence_fwd(p, k, w, u, gc, h0, l2norm, False, dt)
+    M, w, u, _, rk = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
+    _, hs, vn = _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, False, dt)
     del u
     cfg = CONFIG["recurrence"]
     BV, warps = p.recurrence_launch()
