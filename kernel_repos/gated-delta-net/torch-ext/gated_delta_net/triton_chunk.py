@@ -127,7 +127,7 @@ def _row_scale(S, hv, R, row0, mask, L2NORM: tl.constexpr):
     if L2NORM:
         return tl.load(S + hv.to(tl.int64) * R + row0 + tl.arange(0, 64), mask=mask, other=0.0)
     else:
-        return tl.where(mask, 1.0, 1.0)
+        return tl.full([64], 1.0, tl.float32)
 
 
 @triton.jit
