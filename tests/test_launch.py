@@ -118,6 +118,48 @@ def test_a_launcher_with_another_signature_disables_the_fast_path(fake):
     assert len(triton_launches) == 3
 
 
+def _run_needing_stages(kernel, monkeypatch, most_stages):
+    """kernel.run raising Triton's OutOfResources (shared memory) above `most_stages` pipeline stages; returns the
+    list of num_stages each Triton launch asked for."""
+    import triton
+
+    asked, fits = [], kernel.run
+
+    def run(*args, **kwargs):
+        asked.append(kwargs.get("num_stages"))
+        if (kwargs.get("num_stages") or 3) > most_stages:
+            raise triton.runtime.errors.OutOfResources(246272, 232448, "shared memory")
+        return fits(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", run)
+    return asked
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_kernel_too_big_for_shared_memory_is_compiled_with_fewer_stages(fake, monkeypatch, fast_path):
+    lm, kernel, triton_launches = fake
+    monkeypatch.setattr(lm, "_fast_path", fast_path)
+    asked = _run_needing_stages(kernel, monkeypatch, most_stages=1)
+    x, y = torch.randn(64), torch.randn(64)
+    lm.launch(kernel, (1,), x, y, 64, 0.5, BLOCK=16, num_stages=3)
+    assert asked == [3, 2, 1] and len(triton_launches) == 1
+    lm.launch(kernel, (1,), x, y, 64, 0.5, BLOCK=16, num_stages=3)
+    if fast_path:  # the one-stage kernel, under the original settings' key: no second trip through Triton
+        assert asked == [3, 2, 1] and len(kernel._last_compiled.calls) == 1
+    else:
+        assert asked == [3, 2, 1, 3, 2, 1] and len(triton_launches) == 2
+
+
+def test_a_kernel_too_big_at_one_stage_raises_tritons_error(fake, monkeypatch):
+    import triton
+
+    lm, kernel, triton_launches = fake
+    asked = _run_needing_stages(kernel, monkeypatch, most_stages=0)
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        lm.launch(kernel, (1,), torch.randn(4), torch.randn(4), 4, 0.5, BLOCK=16)  # Triton's default: 3 stages
+    assert asked == [None, 2, 1] and not triton_launches
+
+
 def test_missing_argument_is_a_clear_error(fake):
     lm, kernel, _ = fake
     lm.launch(kernel, (1,), torch.randn(4), torch.randn(4), 4, 0.5, BLOCK=16)

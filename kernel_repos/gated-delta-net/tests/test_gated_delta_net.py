@@ -102,6 +102,7 @@ RULE_CASES = [
     (2, 1, 2, 2, 16, 32, True, True, None),              # one token, batch 2, equal heads, K != V
     (2, 64, 1, 1, 32, 16, False, False, None),           # exactly one chunk, no in-kernel l2norm, no state
     (1, 150, 1, 2, 16, 16, True, True, [0, 1, 64, 150]),  # packed: lengths 1, 63, 86
+    (1, 100, 1, 2, 128, 16, True, True, None),           # the real head dim 128 (unpadded 128-wide key tiles)
 ]
 
 

@@ -15,6 +15,11 @@ costs an extra trip through Triton's path. Launch hooks (a profiler's), ROCm, th
 types the Python key does not know take Triton's own path, as does a Triton whose compiled kernels do not take
 this launch signature (checked once).
 
+A kernel whose first launch fails for want of shared memory (`OutOfResources`: its pipelined loads do not fit
+the GPU, e.g. fp32 tiles at head dim 128 with the stages tuned for 16-bit ones) is compiled again with one stage
+fewer, down to one; the fast path then keeps that kernel under the original settings' key. The failure comes
+from loading the compiled kernel, before anything runs.
+
 `cdiv` and `next_power_of_2` are Triton's for host code, without the constexpr-function wrapper.
 """
 import torch
@@ -129,13 +134,26 @@ def _native_bind(kernel, device_index, args, kwargs):
 
 # how launches are keyed: "native" (Triton's binder), "python" (_LaunchState.key); benchmarks flip it
 KEYING = "native"
+_DEFAULT_STAGES = 3  # Triton's num_stages where a launch does not set it
+
+
+def _triton_launch(kernel, grid, args, kwargs):
+    """`kernel[grid](*args, **kwargs)`, again with one pipeline stage fewer while the kernel does not fit the GPU's
+    shared memory (Triton raises OutOfResources when it loads the compiled kernel, before launching it)."""
+    try:
+        return kernel[grid](*args, **kwargs)
+    except triton.runtime.errors.OutOfResources:
+        stages = kwargs.get("num_stages", _DEFAULT_STAGES)
+        if stages <= 1:
+            raise
+        return _triton_launch(kernel, grid, args, {**kwargs, "num_stages": stages - 1})
 
 
 def launch(kernel, grid, *args, **kwargs):
     """`kernel[grid](*args, **kwargs)` through the compiled kernel's own launcher once it is known."""
     global _fast_path, KEYING
     if not _fast_path or not isinstance(kernel, triton.runtime.jit.JITFunction) or _hooks_set():
-        return kernel[grid](*args, **kwargs)
+        return _triton_launch(kernel, grid, args, kwargs)
     state = _state(kernel)
     device_index = torch.cuda.current_device()
     bound = None
@@ -154,7 +172,7 @@ def launch(kernel, grid, *args, **kwargs):
             return kernel[grid](*args, **kwargs)
     compiled = state.compiled.get(key)
     if compiled is None:
-        compiled = kernel[grid](*args, **kwargs)
+        compiled = _triton_launch(kernel, grid, args, kwargs)
         if hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
             state.compiled[key] = compiled
         return compiled

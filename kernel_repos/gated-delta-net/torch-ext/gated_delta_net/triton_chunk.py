@@ -5,15 +5,15 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
   dt_bias) and the WY transform T = (I + strict_lower(beta K K^T * Gamma))^-1: Gram blocks of the raw keys
   (l2norm applied as row scales), forward substitution on 16x16 diagonal blocks, blocks merged in fp32. Few
   warp (latency-bound reductions). The forward's T and g are saved for the backward.
-- `_wu_kernel`: w = T (beta G k) (16 bits), u = T (beta v) and the intra-chunk attention M = s tril(q k^T * Gamma)
-  (both fp32), and the rows' l2norm scales (fp32), which the forward recurrence and the output kernel load instead
-  of reducing the raw q, k rows again.
+- `_wu_kernel`: w = T (beta G k) (16 bits), u = T (beta v) (fp32) and the key rows' l2norm scales (fp32), which
+  the forward recurrence and the output kernel load instead of reducing the raw k rows again; in the backward's run
+  also the intra-chunk attention M = s tril(q k^T * Gamma) in 16 bits (the backward recurrence's dot operand).
 - `_recurrence_fwd_kernel`, one program per (sequence, value head, V block), sequential over chunks:
   v' = u - w h, h <- G_last h + (k exp(g_last - g))^T v'; stores the state at each chunk's start and v' (fp32 for
   the forward's output, 16-bit when the backward runs it again).
-- `_output_kernel`, one program per (chunk, value head, V block), chunk-parallel: o = s (q G) h + M v'. The
-  serial loop carries only the two state products, so long sequences (few sequence x head programs) are not
-  held back by the output's work.
+- `_output_kernel`, one program per (chunk, value head, V block), chunk-parallel: o = s (q G) h + M v', M formed
+  there in fp32. The serial loop carries only the two state products, so long sequences (few sequence x head
+  programs) are not held back by the output's work.
 - `_recurrence_bwd_kernel`, same grid, reverse: dv' = M^T do + (k e) dh, dh <- G_last dh + s (q G)^T do - w^T dv'.
 - `_grads_kernel`: every input gradient of a chunk (q, k, v, g or a, beta or b, A_log / dt_bias partial sums);
   with one value head per key head also the l2norm backward, else fp32 per-value-head partials of dq, dk that
@@ -35,7 +35,7 @@ operand whose 16-bit rounding was a large share of o's error is rounded once:
 - the l2-normalised q, k: every kernel loads the raw 16-bit q, k as dot operands and applies the l2norm scales in
   fp32 to the other factor or to the product (`_l2norm_scale`);
 - the scaled T in u, and M, v' in o's M v': fp32 tiles split in two 16-bit terms (`_split`, `_dot_hilo2`: two and
-  three tensor-core dots instead of one); u and M are stored in fp32.
+  three tensor-core dots instead of one); u is stored in fp32, M stays in the output kernel's registers.
 Still 16-bit: T, w, the per-chunk state operand h (q h, w h) and the decayed v' of the state update.
 Addresses: int64 scalar bases, int32 offsets within tiles. This module imports triton: import it lazily.
 """
@@ -291,16 +291,17 @@ def _solve_kernel(
 @triton.jit
 def _wu_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO, GC, A,
-    M, W, U, RQ, RK,
+    W, U, RK, M,
     T, NT, HV, K, V, R, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
-    ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
+    ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, M_OUT: tl.constexpr,
 ):
-    """One (chunk, value head), from T: w = T diag(beta G) kn, u = T diag(beta) v and the intra-chunk attention
-    M = s qn kn^T Gamma (diagonal included), qn, kn the (l2-normalised) q, k; with L2NORM also the l2norm scales
-    rq, rk of the chunk's rows (fp32, (HV, R) with R the rows: one contiguous load of 64 a chunk) for the kernels
-    that follow, whose serial loops would otherwise reduce a [K, 64] tile for them at every chunk."""
+    """One (chunk, value head), from T: w = T diag(beta G) kn (16 bits), u = T diag(beta) v (fp32), kn the
+    (l2-normalised) k, and with L2NORM the l2norm scales rk of the chunk's key rows (fp32, (HV, R) with R the rows:
+    one contiguous load of 64 a chunk) for the serial forward recurrence and the output kernel. M_OUT (the
+    backward's run): also the intra-chunk attention M = s qn kn^T Gamma (diagonal included), (rows, HV, 64) in 16
+    bits, the dot operand of the backward recurrence (the forward's output kernel forms M itself, in fp32)."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     hv = i_bh % HV
@@ -313,25 +314,23 @@ def _wu_kernel(
     o_c = tl.arange(0, 64)
     o_k = tl.arange(0, BK)
     m_c = t0 + o_c < seqlen
-    DT = Q.dtype.element_ty
+    DT = K_.dtype.element_ty
     qk_mask = m_c[:, None] & (o_k[None, :] < K)
-    q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
-                other=0.0)
     k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
                 other=0.0)
-    rq = _l2norm_scale(q, 1, L2NORM)
     rk = _l2norm_scale(k, 1, L2NORM)
     gate_base = row0 * HV + hv
     if L2NORM:
-        scale_offs = hv.to(tl.int64) * R + row0 + o_c
-        tl.store(RQ + scale_offs, rq, mask=m_c)
-        tl.store(RK + scale_offs, rk, mask=m_c)
+        tl.store(RK + hv.to(tl.int64) * R + row0 + o_c, rk, mask=m_c)
     _, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
     gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
-    att = (scale * rq)[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * _decay_block(gc, gc, m_c, m_c, False,
-                                                                                        o_c, o_c))
     cc_tile = o_c[:, None] * (HV * 64) + o_c[None, :]
-    tl.store(M + gate_base * 64 + cc_tile, att, mask=m_c[:, None])
+    if M_OUT:
+        q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
+                    other=0.0)
+        att = (scale * _l2norm_scale(q, 1, L2NORM))[:, None] * _dot(q, tl.trans(k), IEEE) * (
+            rk[None, :] * _decay_block(gc, gc, m_c, m_c, False, o_c, o_c))
+        tl.store(M + gate_base * 64 + cc_tile, att.to(M.dtype.element_ty), mask=m_c[:, None])
     Tm = tl.load(A + gate_base * 64 + cc_tile, mask=m_c[:, None], other=0.0).to(tl.float32)
     # w = T (beta G kn) = (T diag(beta G rk)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
     # (the 16-bit scaled T is a small error of w, which is rounded to 16 bits anyway, but a large one of u: u's is
@@ -414,13 +413,14 @@ def _recurrence_fwd_kernel(
 
 @triton.jit
 def _output_kernel(
-    Q, HS, VN, GC, RQ, M, CU, CHUNK_INFO, O,
-    T, NT, HV, K, V, R, scale, stride_qt, stride_qh,
+    Q, K_, HS, VN, GC, RK, CU, CHUNK_INFO, O,
+    T, NT, HV, K, V, R, scale, stride_qt, stride_qh, stride_kt, stride_kh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """One (chunk, value head, V block), chunk-parallel: o = s diag(G) qn h + M v' = s diag(G rq) q h + M v' from
-    the state at the chunk's start and v' (fp32), both stored by the recurrence."""
+    the state at the chunk's start and v' (fp32), both stored by the recurrence, with the intra-chunk attention
+    M = s diag(rq) q k^T diag(rk) Gamma (diagonal included) formed here in fp32."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -439,17 +439,21 @@ def _output_kernel(
     m_v = o_v < V
     DT = Q.dtype.element_ty
     gate_base = row0 * HV + hv
-    q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :],
-                mask=m_c[:, None] & m_k[None, :], other=0.0)
+    qk_mask = m_c[:, None] & m_k[None, :]
+    q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[:, None] * stride_qt + o_k[None, :], mask=qk_mask,
+                other=0.0)
+    k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :], mask=qk_mask,
+                other=0.0)
     h = tl.load(HS + (chunk * HV + hv) * K * V + o_k[:, None] * V + o_v[None, :],
                 mask=m_k[:, None] & m_v[None, :], other=0.0)
     gc = tl.load(GC + gate_base + o_c * HV, mask=m_c, other=0.0)
     vmask = m_c[:, None] & m_v[None, :]
     vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
     v_new = tl.load(VN + gate_base * V + vv_tile, mask=vmask, other=0.0)
-    att = tl.load(M + gate_base * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], mask=m_c[:, None], other=0.0)
-    rq = _row_scale(RQ, hv, R, row0, m_c, L2NORM)
-    o = (scale * tl.exp(gc) * rq)[:, None] * _dot(q, h, IEEE)
+    rq = scale * _l2norm_scale(q, 1, L2NORM)
+    rk = _row_scale(RK, hv, R, row0, m_c, L2NORM)
+    att = rq[:, None] * _dot(q, tl.trans(k), IEEE) * (rk[None, :] * _decay_block(gc, gc, m_c, m_c, False, o_c, o_c))
+    o = (tl.exp(gc) * rq)[:, None] * _dot(q, h, IEEE)
     o = _dot_hilo2(att, v_new, o, DT, IEEE)  # M, v' in fp32: their 16-bit roundings were o's largest error
     tl.store(O + gate_base * V + vv_tile, o.to(O.dtype.element_ty), mask=vmask)
 
@@ -501,9 +505,9 @@ def _recurrence_bwd_kernel(
         vmask = m_c[:, None] & m_v[None, :]
         v_base = (row0 * HV + hv) * V
         do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
-        # M^T through transposed pointers: att_t[j, i] = M[i, j]
+        # M^T (16 bits) through transposed pointers: att_t[j, i] = M[i, j]
         att_t = tl.load(M + (row0 * HV + hv) * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :],
-                        other=0.0).to(DT)
+                        other=0.0)
         k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :],
                     mask=m_c[:, None] & m_k[None, :], other=0.0)
         # dv' = M^T do + diag(exp(g_last - g)) kn dh = M^T do + diag(rk exp(g_last - g)) k dh
@@ -859,23 +863,24 @@ def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
     return A, gc
 
 
-def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm):
-    """(M fp32, w in q's dtype, u fp32, the l2norm scales rq and rk (HV, rows) fp32, unused without l2norm)
-    from T."""
-    dev, dt = q.device, q.dtype
+def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm, with_m=False):
+    """(w in k's dtype, u fp32, the key rows' l2norm scales rk (HV, rows) fp32 (unused without l2norm), and
+    `with_m` (the backward) the intra-chunk attention M (rows, HV, 64) in k's dtype, else None) from T."""
+    dev, dt = k.device, k.dtype
     gate = A_log is not None
-    M = torch.empty(p.rows, p.HV, CHUNK, dtype=torch.float32, device=dev)
     w = torch.empty(p.rows, p.HV, p.K, dtype=dt, device=dev)
     u = torch.empty(p.rows, p.HV, p.V, dtype=torch.float32, device=dev)
-    rq, rk = (torch.empty(p.HV, p.rows, dtype=torch.float32, device=dev) if l2norm else gc for _ in range(2))
+    rk = torch.empty(p.HV, p.rows, dtype=torch.float32, device=dev) if l2norm else gc
+    M = torch.empty(p.rows, p.HV, CHUNK, dtype=dt, device=dev) if with_m else None
     cfg = CONFIG["wu"]
     launch(_wu_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
-           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, M, w, u, rq, rk,
-           p.T, p.NT, p.HV, p.K, p.V, p.rows, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2),
-           v.stride(1), v.stride(2), GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
-           ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return M, w, u, rq, rk
+           dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, w, u, rk,
+           M if with_m else u, p.T, p.NT, p.HV, p.K, p.V, p.rows, scale, q.stride(1), q.stride(2),
+           k.stride(1), k.stride(2), v.stride(1), v.stride(2), GROUP=p.group, BK=p.BK,
+           BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate, ROUND_BETA=gate and b_in.dtype != torch.float32,
+           VARLEN=p.varlen, IEEE=p.ieee, M_OUT=with_m, num_warps=cfg["num_warps"],
+           num_stages=cfg["num_stages"])
+    return w, u, rk, M
 
 
 def _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, vn_dtype):
@@ -895,14 +900,15 @@ def _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, vn_dtype
     return ht, hs, vn
 
 
-def _output(p, q, hs, vn, gc, rq, M, scale, l2norm):
+def _output(p, q, k, hs, vn, gc, rk, scale, l2norm):
     """o (B, T, HV, V) in q's dtype from the per-chunk states and v' (chunk-parallel)."""
     cfg = CONFIG["output"]
     BV = p.block_v(cfg["block_v"])
     o = torch.empty(p.B, p.T, p.HV, p.V, dtype=q.dtype, device=q.device)
-    launch(_output_kernel, (p.slots, p.B * p.HV, triton.cdiv(p.V, BV)), q, hs, vn, gc, rq, M, p.cu, p.chunk_info,
-           o, p.T, p.NT, p.HV, p.K, p.V, p.rows, scale, q.stride(1), q.stride(2), GROUP=p.group, BK=p.BK, BV=BV,
-           L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch(_output_kernel, (p.slots, p.B * p.HV, triton.cdiv(p.V, BV)), q, k, hs, vn, gc, rk, p.cu, p.chunk_info,
+           o, p.T, p.NT, p.HV, p.K, p.V, p.rows, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2),
+           GROUP=p.group, BK=p.BK, BV=BV, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"],
+           num_stages=cfg["num_stages"])
     return o
 
 
@@ -913,10 +919,10 @@ def chunk_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: 
     q, k, v, g_in, b_in = _rule_inputs(q, k, v, g_in, b_in)
     p = _Problem(q, v, cu_seqlens, meta)
     A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
-    M, w, u, rq, rk = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
+    w, u, rk, _ = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
     ht, hs, vn = _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, torch.float32)
     del w, u
-    return _output(p, q, hs, vn, gc, rq, M, scale, l2norm), ht, A, gc
+    return _output(p, q, k, hs, vn, gc, rk, scale, l2norm), ht, A, gc
 
 
 def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: float, l2norm: bool,
@@ -931,7 +937,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     gate = A_log is not None
     if A is None or gc is None:
         A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
-    M, w, u, _, rk = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
+    w, u, rk, M = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm, with_m=True)
     _, hs, vn = _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, False, dt)
     del u
     cfg = CONFIG["recurrence"]
