@@ -43,7 +43,7 @@ DEFAULT_VARIANTS = [
     "conv_bwd:block_t=32", "conv_bwd:block_t=128,num_warps=8", "conv_bwd:block_t=32,block_c=128",
     "conv_bwd:block_c=32", "conv_bwd:num_warps=8",
     "solve:num_warps=1", "solve:num_warps=2", "solve:block_k=64", "solve:num_warps=2,block_k=64", "solve:num_stages=1",
-    "wu:num_warps=8", "wu:block_v=128", "wu:num_stages=3",
+    "wu:num_warps=8", "wu:block_v=64", "wu:num_stages=2",
     "recurrence:block_v=32", "recurrence:num_warps=4", "recurrence:num_stages=2", "recurrence:num_warps_few=8",
     "output:block_v=64", "output:num_warps=8",
     "grads:split=0", "grads:split=0,num_warps=16", "grads:split=0,block_v=16",

@@ -774,11 +774,13 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 # launch settings, swept on an H100 (triton 3.6, scripts/sweep_gated_delta_net.py) at Qwen3.5's 8 x 2048 tokens
 # (`layer`: gated_delta_net_core), 1 x 32768 (`long`: the rule) and 8 x 1024 packed in one row (`packed`):
 # - solve: one warp, 1.07 -> 0.29 ms (its 16 x 16 substitutions are latency-bound reductions);
-# - wu: one 128-wide V block, 0.76 -> 0.70 ms (8 warps: slower);
+# - wu: one 128-wide V block, 0.76 -> 0.70 ms (8 warps: slower); one stage (no software pipelining), since the
+#   forward's run no longer forms M: layer 6.61 -> 6.53, long 10.92 -> 10.71 ms, packed 2.72 -> 2.73;
 # - the serial recurrences: 64-wide V blocks at 8 warps; 32-wide blocks at 4 warps where the (sequence, value
 #   head, V block) programs would not fill the GPU twice over (long: fwd 2.27 -> 1.43, bwd 1.41 -> 1.19 ms; 8 warps
 #   there 2.13 -> 2.36 ms, while at `layer` / `packed` 8 warps take 0.17 ms off); 2 stages slower;
-# - output: one 128-wide V block (long 0.87 -> 0.71 ms); 8 warps slower;
+# - output: one 128-wide V block (long 0.87 -> 0.71 ms; with M formed there, 64-wide blocks: long +0.10 ms); 8 warps,
+#   1 or 3 stages: slower or level;
 # - the gradient kernel as its two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE; split=0 is the one kernel):
 #   layer 7.75 -> 7.26 ms, long 13.64 -> 12.32 ms. ptxas for sm_90 (scripts/gdn_register_counts.py): the one
 #   kernel spills 1.1 KB a thread at 8 warps, the dq side nothing at 4 warps, the dk side 0.25 KB at 8. Then
@@ -790,7 +792,7 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 
 CONFIG = {
     "solve": dict(num_warps=1, num_stages=2, block_k=32),
-    "wu": dict(num_warps=4, num_stages=2, block_v=128),
+    "wu": dict(num_warps=4, num_stages=1, block_v=128),
     "recurrence": dict(num_warps=8, num_stages=3, block_v=64, block_v_few=32, num_warps_few=4),
     "output": dict(num_warps=4, num_stages=2, block_v=128),
     "grads": dict(num_warps=8, num_stages=3, block_v=32, split=1, full_chunks=0),
