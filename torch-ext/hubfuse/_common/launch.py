@@ -169,7 +169,7 @@ def launch(kernel, grid, *args, **kwargs):
         try:
             key = state.key(values, options, device_index)
         except _Unkeyable:
-            return kernel[grid](*args, **kwargs)
+            return _triton_launch(kernel, grid, args, kwargs)
     compiled = state.compiled.get(key)
     if compiled is None:
         compiled = _triton_launch(kernel, grid, args, kwargs)
@@ -186,5 +186,5 @@ def launch(kernel, grid, *args, **kwargs):
     except TypeError:
         # this Triton's launcher takes other arguments: use Triton's own path from now on
         _fast_path = False
-        return kernel[grid](*args, **kwargs)
+        return _triton_launch(kernel, grid, args, kwargs)
     return compiled
