@@ -10,6 +10,7 @@ Workloads (bf16, Qwen3.5-MoE's 16 key / 32 value heads, head dims 128):
 - `layer`: `gated_delta_net_core` (conv1d + SiLU + the chunked rule with the gate from a, b) fwd+bwd at the
   step's 8 x 2048 tokens (scripts/bench.py's qwen3_5_moe slice);
 - `long`: `chunk_gated_delta_rule` fwd+bwd at 1 x 32768 tokens, q/k l2norm in the kernel;
+- `mid` (not by default): the rule at 2 x 8192 tokens;
 - `dense` / `packed` (not by default): the rule at 8 x 1024 tokens, and the same tokens as one row split into the 8
   sequences by `cu_seqlens` (where packed input loses time).
 A variant `family:key=value,...` overrides the launch settings of one kernel family (`conv_fwd`, `conv_bwd` in
@@ -117,7 +118,7 @@ def kernel_times(step, steps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
-    p.add_argument("--workloads", nargs="+", default=["layer", "long"], choices=["layer", "long", "dense", "packed"])
+    p.add_argument("--workloads", nargs="+", default=["layer", "long"], choices=["layer", "long", "mid", "dense", "packed"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--root", help="another checkout whose kernels to load")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting variants after this many seconds")
@@ -128,6 +129,7 @@ def main(argv=None) -> int:
     kg = h.load_kernel("gated-delta-net")
     dev, dt = "cuda", torch.bfloat16
     workloads = {"layer": layer_workload, "long": lambda kg, dev, dt: rule_workload(kg, dev, dt, 1, 32768),
+                 "mid": lambda kg, dev, dt: rule_workload(kg, dev, dt, 2, 8192),
                  "dense": lambda kg, dev, dt: rule_workload(kg, dev, dt, 8, 1024),
                  "packed": lambda kg, dev, dt: rule_workload(kg, dev, dt, 8, 1024, packed=True)}
     steps = {name: workloads[name](kg, dev, dt) for name in args.workloads}

@@ -199,10 +199,12 @@ def test_split_grads_kernel_equals_one_kernel(case, use_kernel_path, monkeypatch
 
 
 def test_full_chunk_launches_equal_one_launch(use_kernel_path, monkeypatch):
-    """The gradient halves launched over the 64-row chunks (row masks known to the compiler), then the shorter ones,
-    give the gradients of one launch over every chunk: dense rows of a multiple of 64 (one launch), of other
-    lengths, and packed sequences with full and partial chunks. The same operations per chunk: bitwise under the
-    interpreter, within a few roundings on a GPU (other register allocation)."""
+    """The full 64-row chunks run with row masks the compiler knows (the gradient halves: one launch over the full
+    chunks, then one over the shorter ones; the serial recurrences: their full chunks' steps without masks, then
+    the shorter chunk's with them): the outputs and gradients of the masked runs over every chunk, for dense rows
+    of a multiple of 64 (one launch), of other lengths, and packed sequences with full and partial chunks. The same
+    operations per chunk: bitwise under the interpreter, within a few roundings on a GPU (other register
+    allocation)."""
     from hubfuse.gated_delta_net import triton_chunk
 
     use_kernel_path("triton")
@@ -211,22 +213,26 @@ def test_full_chunk_launches_equal_one_launch(use_kernel_path, monkeypatch):
     assert triton_chunk._Problem(q, v, None, None).chunk_classes(1) == (1,)
     assert triton_chunk._Problem(q[:, :100], v[:, :100], None, None).chunk_classes(1) == (1, 2)
     assert triton_chunk._Problem(q, v, None, None).chunk_classes(0) == (0,)
+    assert triton_chunk._Problem(q, v, None, None).even_tiles(16)  # fp32: 16-wide tiles, K = V = 16 unpadded
+    assert not triton_chunk._Problem(q.half(), v.half(), None, None).even_tiles(16)  # 16 bits: 64-wide K tile
     for B, T, cu in ((2, 128, None), (1, 100, None), (1, 230, [0, 64, 65, 200, 230])):
         cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu is not None else None
         q, k, v, g, beta, h0 = _inputs(B, T, 1, 2, 16, 16, torch.float32, len(cu) - 1 if cu else B, seed=T)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-        o, ht = gdn.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
         gen = torch.Generator().manual_seed(T)
-        do, dht = torch.randn(o.shape, generator=gen).to(DEV), torch.randn(ht.shape, generator=gen).to(DEV)
-        loss = (o * do).sum() + (ht * dht).sum()
+        do = torch.randn(B, T, 2, 16, generator=gen).to(DEV)
+        dht = torch.randn(h0.shape, generator=gen).to(DEV)
 
-        def grads(full):
+        def run(full):  # outputs and gradients with the full chunks unmasked (1) or masked as the others (0)
             for half in ("grads_dq", "grads_dk"):
                 monkeypatch.setitem(triton_chunk.CONFIG[half], "full_chunks", full)
-            return torch.autograd.grad(loss, leaves, retain_graph=True)
+            monkeypatch.setitem(triton_chunk.CONFIG["recurrence"], "unmasked", full)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+            o, ht = gdn.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+            return (o, ht, *torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves))
 
-        for name, got, want in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads(1), grads(0), strict=True):
+        names = ["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+        for name, got, want in zip(names, run(1), run(0), strict=True):
             if DEV == "cpu":
                 assert torch.equal(got, want), f"T={T}, cu={cu}: {name} differs by {_rel(got, want):.3g}"
             else:

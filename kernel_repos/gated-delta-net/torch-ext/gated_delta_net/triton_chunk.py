@@ -351,13 +351,33 @@ def _wu_kernel(
 
 
 @triton.jit
+def _ld(ptr, mask, FULL: tl.constexpr):
+    """tl.load, masked (0 outside) unless FULL (a full chunk of unpadded tiles: no mask to compute or apply)."""
+    if FULL:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _st(ptr, value, mask, FULL: tl.constexpr):
+    """tl.store, masked unless FULL (`_ld`)."""
+    if FULL:
+        tl.store(ptr, value)
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
 def _recurrence_fwd_kernel(
     K_, W, U, GC, RK, H0, CU, CHUNK_OFFSETS,
     HT, HS, VN,
     T, HV, K, V, R, stride_kt, stride_kh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-    L2NORM: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
+    L2NORM: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr,
 ):
+    """One (sequence, value head, V block), sequential over chunks. EVEN (K = BK, V a multiple of BV): the
+    sequence's 64-row chunks run without masks, then its last, shorter chunk (if any) with them."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     n = i_nh // HV
@@ -372,43 +392,64 @@ def _recurrence_fwd_kernel(
         seqlen = T
         first_chunk = n.to(tl.int64) * tl.cdiv(T, 64)
     n_chunks = tl.cdiv(seqlen, 64)
-    DT = W.dtype.element_ty
-    o_c = tl.arange(0, 64)
+    n_full = seqlen // 64 if EVEN else 0
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
     state_tile = o_k[:, None] * V + o_v[None, :]
-    state_mask = m_k[:, None] & m_v[None, :]
+    state_mask = (o_k < K)[:, None] & (o_v < V)[None, :]
     if USE_H0:
         h = tl.load(H0 + i_nh.to(tl.int64) * K * V + state_tile, mask=state_mask, other=0.0).to(tl.float32)
     else:
         h = tl.zeros([BK, BV], dtype=tl.float32)
-    kv_tile = o_c[:, None] * (HV * K) + o_k[None, :]       # (token, k) in (rows, HV, K) buffers
-    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]       # (token, v) in (rows, HV, V) buffers
-    for it in range(n_chunks):
-        t0 = it * 64
-        row0 = bos + t0
-        m_c = t0 + o_c < seqlen
-        tl.store(HS + ((first_chunk + it) * HV + hv) * K * V + state_tile, h.to(DT), mask=state_mask)
-        w = tl.load(W + (row0 * HV + hv) * K + kv_tile, mask=m_c[:, None] & m_k[None, :], other=0.0)
-        vmask = m_c[:, None] & m_v[None, :]
-        v_base = (row0 * HV + hv) * V
-        u = tl.load(U + v_base + vv_tile, mask=vmask, other=0.0).to(tl.float32)
-        h_d = h.to(DT)
-        v_new = u - _dot(w, h_d, IEEE)  # fp32: the output kernel takes it in fp32, the backward in 16 bits
-        tl.store(VN + v_base + vv_tile, v_new.to(VN.dtype.element_ty), mask=vmask)
-        gc = tl.load(GC + (row0 * HV + hv) + o_c * HV, mask=m_c, other=0.0)
-        g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
-        # h <- exp(g_last) h + kn^T diag(exp(g_last - g)) v' = exp(g_last) h + k^T diag(rk exp(g_last - g)) v',
-        # k^T read through transposed pointers
-        kt = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
-                     mask=m_k[:, None] & m_c[None, :], other=0.0)
-        rk = _row_scale(RK, hv, R, row0, m_c, L2NORM)
-        v_dec = (v_new * tl.where(m_c, tl.exp(g_last - gc) * rk, 0.0)[:, None]).to(DT)
-        h = _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
+    for it in range(n_full):
+        h = _recurrence_fwd_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, W, U, GC, RK, HS, VN, HV, K, V, R,
+                                  stride_kt, stride_kh, o_k, o_v, BK, BV, L2NORM, IEEE, True)
+    for it in range(n_full, n_chunks):
+        h = _recurrence_fwd_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, W, U, GC, RK, HS, VN, HV, K, V, R,
+                                  stride_kt, stride_kh, o_k, o_v, BK, BV, L2NORM, IEEE, False)
     if STORE_FINAL:
         tl.store(HT + i_nh.to(tl.int64) * K * V + state_tile, h, mask=state_mask)
+
+
+@triton.jit
+def _recurrence_fwd_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, W, U, GC, RK, HS, VN, HV, K, V, R,
+                          stride_kt, stride_kh, o_k, o_v, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                          IEEE: tl.constexpr, FULL: tl.constexpr):
+    """Chunk `it` of the forward recurrence: stores the state at its start and v' = u - w h, returns
+    h <- exp(g_last) h + kn^T diag(exp(g_last - g)) v'."""
+    DT = W.dtype.element_ty
+    o_c = tl.arange(0, 64)
+    t0 = it * 64
+    row0 = bos + t0
+    m_c = t0 + o_c < seqlen
+    m_k = o_k < K
+    m_v = o_v < V
+    _st(HS + ((first_chunk + it) * HV + hv) * K * V + o_k[:, None] * V + o_v[None, :], h.to(DT),
+        m_k[:, None] & m_v[None, :], FULL)
+    w = _ld(W + (row0 * HV + hv) * K + o_c[:, None] * (HV * K) + o_k[None, :], m_c[:, None] & m_k[None, :], FULL)
+    vmask = m_c[:, None] & m_v[None, :]
+    vv = (row0 * HV + hv) * V + o_c[:, None] * (HV * V) + o_v[None, :]  # (token, v) in (rows, HV, V) buffers
+    u = _ld(U + vv, vmask, FULL).to(tl.float32)
+    v_new = u - _dot(w, h.to(DT), IEEE)  # fp32: the output kernel takes it in fp32, the backward in 16 bits
+    _st(VN + vv, v_new.to(VN.dtype.element_ty), vmask, FULL)
+    gc = _ld(GC + (row0 * HV + hv) + o_c * HV, m_c, FULL)
+    if FULL:
+        g_last = tl.load(GC + (row0 + 63) * HV + hv)
+    else:
+        g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
+    # h <- exp(g_last) h + kn^T diag(exp(g_last - g)) v' = exp(g_last) h + k^T diag(rk exp(g_last - g)) v',
+    # k^T read through transposed pointers
+    kt = _ld(K_ + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
+             m_k[:, None] & m_c[None, :], FULL)
+    if L2NORM:
+        rk = _ld(RK + hv.to(tl.int64) * R + row0 + o_c, m_c, FULL)
+    else:
+        rk = tl.full([64], 1.0, tl.float32)
+    e = tl.exp(g_last - gc) * rk
+    if not FULL:
+        e = tl.where(m_c, e, 0.0)
+    v_dec = (v_new * e[:, None]).to(DT)
+    return _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
 
 
 @triton.jit
@@ -464,8 +505,10 @@ def _recurrence_bwd_kernel(
     DH0, DHS, DVN,
     T, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    L2NORM: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
+    L2NORM: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr,
 ):
+    """One (sequence, value head, V block), reverse over chunks: the last, shorter chunk (if any) with masks, then
+    (EVEN, as `_recurrence_fwd_kernel`) the 64-row chunks without."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     n = i_nh // HV
@@ -480,51 +523,68 @@ def _recurrence_bwd_kernel(
         seqlen = T
         first_chunk = n.to(tl.int64) * tl.cdiv(T, 64)
     n_chunks = tl.cdiv(seqlen, 64)
-    DT = W.dtype.element_ty
-    o_c = tl.arange(0, 64)
+    n_full = seqlen // 64 if EVEN else 0
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
     state_tile = o_k[:, None] * V + o_v[None, :]
-    state_mask = m_k[:, None] & m_v[None, :]
+    state_mask = (o_k < K)[:, None] & (o_v < V)[None, :]
     if USE_DHT:
         dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + state_tile, mask=state_mask, other=0.0).to(tl.float32)
     else:
         dh = tl.zeros([BK, BV], dtype=tl.float32)
-    vv_tile = o_c[:, None] * (HV * V) + o_v[None, :]
-    for i in range(n_chunks):
-        it = n_chunks - 1 - i
-        t0 = it * 64
-        row0 = bos + t0
-        m_c = t0 + o_c < seqlen
-        dh_d = dh.to(DT)
-        tl.store(DHS + ((first_chunk + it) * HV + hv) * K * V + state_tile, dh_d, mask=state_mask)
-        gc = tl.load(GC + (row0 * HV + hv) + o_c * HV, mask=m_c, other=0.0)
-        g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
-        vmask = m_c[:, None] & m_v[None, :]
-        v_base = (row0 * HV + hv) * V
-        do = tl.load(DO + v_base + vv_tile, mask=vmask, other=0.0)
-        # M^T (16 bits) through transposed pointers: att_t[j, i] = M[i, j]
-        att_t = tl.load(M + (row0 * HV + hv) * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], mask=m_c[None, :],
-                        other=0.0)
-        k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :],
-                    mask=m_c[:, None] & m_k[None, :], other=0.0)
-        # dv' = M^T do + diag(exp(g_last - g)) kn dh = M^T do + diag(rk exp(g_last - g)) k dh
-        ek = tl.where(m_c, tl.exp(g_last - gc) * _l2norm_scale(k, 1, L2NORM), 0.0)
-        dv_new = ek[:, None] * _dot(k, dh_d, IEEE)
-        dv_new = _dot(att_t, do, IEEE, dv_new).to(DT)
-        tl.store(DVN + v_base + vv_tile, dv_new, mask=vmask)
-        # dh <- exp(g_last) dh + s qn^T diag(G) do - w^T dv' (qn^T diag(G) = q^T diag(rq G))
-        qt = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_c[None, :] * stride_qt + o_k[:, None],
-                     mask=m_k[:, None] & m_c[None, :], other=0.0)
-        wt = tl.load(W + (row0 * HV + hv) * K + o_c[None, :] * (HV * K) + o_k[:, None],
-                     mask=m_k[:, None] & m_c[None, :], other=0.0)
-        do_g = (do.to(tl.float32) * (scale * tl.exp(gc) * _l2norm_scale(qt, 0, L2NORM))[:, None]).to(DT)
-        dh = _dot(qt, do_g, IEEE, dh * tl.exp(g_last))
-        dh = _dot(wt, -dv_new, IEEE, dh)
+    for i in range(n_chunks - n_full):
+        dh = _recurrence_bwd_chunk(dh, n_chunks - 1 - i, bos, seqlen, first_chunk, hv, hk, Q, K_, W, GC, M, DO, DHS,
+                                   DVN, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh, o_k, o_v, BK, BV,
+                                   L2NORM, IEEE, False)
+    for i in range(n_full):
+        dh = _recurrence_bwd_chunk(dh, n_full - 1 - i, bos, seqlen, first_chunk, hv, hk, Q, K_, W, GC, M, DO, DHS,
+                                   DVN, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh, o_k, o_v, BK, BV,
+                                   L2NORM, IEEE, True)
     if STORE_DH0:
         tl.store(DH0 + i_nh.to(tl.int64) * K * V + state_tile, dh, mask=state_mask)
+
+
+@triton.jit
+def _recurrence_bwd_chunk(dh, it, bos, seqlen, first_chunk, hv, hk, Q, K_, W, GC, M, DO, DHS, DVN, HV, K, V, scale,
+                          stride_qt, stride_qh, stride_kt, stride_kh, o_k, o_v, BK: tl.constexpr, BV: tl.constexpr,
+                          L2NORM: tl.constexpr, IEEE: tl.constexpr, FULL: tl.constexpr):
+    """Chunk `it` of the backward recurrence: stores the state gradient at its end and dv', returns dh at its start."""
+    DT = W.dtype.element_ty
+    o_c = tl.arange(0, 64)
+    t0 = it * 64
+    row0 = bos + t0
+    m_c = t0 + o_c < seqlen
+    m_k = o_k < K
+    m_v = o_v < V
+    dh_d = dh.to(DT)
+    _st(DHS + ((first_chunk + it) * HV + hv) * K * V + o_k[:, None] * V + o_v[None, :], dh_d,
+        m_k[:, None] & m_v[None, :], FULL)
+    gc = _ld(GC + (row0 * HV + hv) + o_c * HV, m_c, FULL)
+    if FULL:
+        g_last = tl.load(GC + (row0 + 63) * HV + hv)
+    else:
+        g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
+    vmask = m_c[:, None] & m_v[None, :]
+    vv = (row0 * HV + hv) * V + o_c[:, None] * (HV * V) + o_v[None, :]
+    do = _ld(DO + vv, vmask, FULL)
+    # M^T (16 bits) through transposed pointers: att_t[j, i] = M[i, j]
+    att_t = _ld(M + (row0 * HV + hv) * 64 + o_c[None, :] * (HV * 64) + o_c[:, None], m_c[None, :], FULL)
+    k = _ld(K_ + row0 * stride_kt + hk * stride_kh + o_c[:, None] * stride_kt + o_k[None, :],
+            m_c[:, None] & m_k[None, :], FULL)
+    # dv' = M^T do + diag(exp(g_last - g)) kn dh = M^T do + diag(rk exp(g_last - g)) k dh
+    ek = tl.exp(g_last - gc) * _l2norm_scale(k, 1, L2NORM)
+    if not FULL:
+        ek = tl.where(m_c, ek, 0.0)
+    dv_new = ek[:, None] * _dot(k, dh_d, IEEE)
+    dv_new = _dot(att_t, do, IEEE, dv_new).to(DT)
+    _st(DVN + vv, dv_new, vmask, FULL)
+    # dh <- exp(g_last) dh + s qn^T diag(G) do - w^T dv' (qn^T diag(G) = q^T diag(rq G))
+    qt = _ld(Q + row0 * stride_qt + hk * stride_qh + o_c[None, :] * stride_qt + o_k[:, None],
+             m_k[:, None] & m_c[None, :], FULL)
+    wt = _ld(W + (row0 * HV + hv) * K + o_c[None, :] * (HV * K) + o_k[:, None], m_k[:, None] & m_c[None, :], FULL)
+    do_g = (do.to(tl.float32) * (scale * tl.exp(gc) * _l2norm_scale(qt, 0, L2NORM))[:, None]).to(DT)
+    dh = _dot(qt, do_g, IEEE, dh * tl.exp(g_last))
+    return _dot(wt, -dv_new, IEEE, dh)
 
 
 _GRADS_KERNEL_NAMES = {(True, False): "_grads_dq_kernel", (False, True): "_grads_dk_kernel"}
@@ -793,7 +853,7 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 CONFIG = {
     "solve": dict(num_warps=1, num_stages=2, block_k=32),
     "wu": dict(num_warps=4, num_stages=1, block_v=128),
-    "recurrence": dict(num_warps=8, num_stages=3, block_v=64, block_v_few=32, num_warps_few=4),
+    "recurrence": dict(num_warps=8, num_stages=3, block_v=64, block_v_few=32, num_warps_few=4, unmasked=1),
     "output": dict(num_warps=4, num_stages=2, block_v=128),
     "grads": dict(num_warps=8, num_stages=3, block_v=32, split=1, full_chunks=0),
     "grads_dq": dict(num_warps=4, num_stages=2, block_v=64, full_chunks=1),
@@ -836,6 +896,10 @@ class _Problem:
         if not full_chunks:
             return (0,)
         return (1,) if not self.varlen and self.T % CHUNK == 0 else (1, 2)
+
+    def even_tiles(self, BV: int) -> bool:
+        """Whether the K and V tiles of BV-wide V blocks hold no padding (the unmasked full-chunk steps)."""
+        return self.K == self.BK and self.V % BV == 0
 
     def block_v(self, cap: int = 1 << 30) -> int:
         return _block(self.V, cap, min(self.least, cap))
@@ -898,7 +962,7 @@ def _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, vn_dtype
            h0 if h0 is not None else w, p.cu, p.chunk_offsets, ht, hs, vn,
            p.T, p.HV, p.K, p.V, p.rows, k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK, BV=BV, USE_H0=h0 is not None,
            STORE_FINAL=output_final_state, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee,
-           num_warps=warps, num_stages=cfg["num_stages"])
+           EVEN=p.even_tiles(BV) and bool(cfg["unmasked"]), num_warps=warps, num_stages=cfg["num_stages"])
     return ht, hs, vn
 
 
@@ -951,7 +1015,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
            dht if dht is not None else w, p.cu, p.chunk_offsets, dh0 if dh0 is not None else w, dhs, dvn,
            p.T, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK,
            BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee,
-           num_warps=warps, num_stages=cfg["num_stages"])
+           EVEN=p.even_tiles(BV) and bool(cfg["unmasked"]), num_warps=warps, num_stages=cfg["num_stages"])
     del w, M
     # the given output views where they have the row layout, else new buffers copied into them at the end
     given = (dq, dk, dv)
