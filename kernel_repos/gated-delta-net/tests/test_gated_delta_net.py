@@ -142,7 +142,8 @@ SPLIT_CASES = [
 
 def test_recurrence_launch_settings():
     """The serial recurrences take the wide V block and its warps where their programs fill the GPU twice over, the
-    narrow block and its warps where they would not, and the wide block whenever the key lanes are padded."""
+    narrow block and its warps where they would not, and the wide block whenever the key lanes are padded; the
+    backward runs at fewer pipeline stages where the narrow blocks' programs outnumber the SMs."""
     from hubfuse.gated_delta_net import triton_chunk
 
     cfg = triton_chunk.CONFIG["recurrence"]
@@ -154,10 +155,12 @@ def test_recurrence_launch_settings():
         p.sms = sms
         return p.recurrence_launch()
 
-    wide = (cfg["block_v"], cfg["num_warps"])
-    narrow = (cfg["block_v_few"], cfg["num_warps_few"])
+    wide = (cfg["block_v"], cfg["num_warps"], cfg["num_stages"])
+    narrow = (cfg["block_v_few"], cfg["num_warps_few"], cfg["num_stages"])
+    narrow_waves = (cfg["block_v_few"], cfg["num_warps_few"], cfg["bwd_stages_few_waves"])
     assert settings(B=8, K=128) == wide  # 8 x 32 heads x 2 blocks = 512 programs >= 2 x 132
-    assert settings(B=1, K=128) == narrow  # 64 programs
+    assert settings(B=1, K=128) == narrow  # 32 heads x 4 narrow blocks = 128 programs <= 132 SMs
+    assert settings(B=2, K=128) == narrow_waves  # 256 narrow programs > 132 SMs
     assert settings(B=1, K=20) == wide  # padded key lanes: never the narrow blocks
     assert settings(B=1, K=128, sms=0) == wide  # no GPU to fill (CPU)
 

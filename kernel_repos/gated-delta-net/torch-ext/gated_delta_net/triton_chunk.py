@@ -838,7 +838,12 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 #   forward's run no longer forms M: layer 6.61 -> 6.53, long 10.92 -> 10.71 ms, packed 2.72 -> 2.73;
 # - the serial recurrences: 64-wide V blocks at 8 warps; 32-wide blocks at 4 warps where the (sequence, value
 #   head, V block) programs would not fill the GPU twice over (long: fwd 2.27 -> 1.43, bwd 1.41 -> 1.19 ms; 8 warps
-#   there 2.13 -> 2.36 ms, while at `layer` / `packed` 8 warps take 0.17 ms off); 2 stages slower;
+#   there 2.13 -> 2.36 ms, while at `layer` / `packed` 8 warps take 0.17 ms off); 2 stages slower, except for the
+#   backward where the narrow blocks' programs outnumber the SMs (`mid` 2 x 8192, 256 programs: 0.64 -> 0.46 ms;
+#   the wide blocks at 2 stages: `layer` 0.44 -> 0.54); the full chunks without masks (`unmasked`: bwd at long
+#   1.49 -> 1.27 ms, `mid` 0.75 -> 0.65; fwd level, its fp32 u and v' at ~2.8 TB/s); 16-wide blocks, 2 warps, 8
+#   warps on the narrow blocks: slower; the forward forming u from T and v, the backward forming M^T itself (each
+#   one more dot in the serial loop): the loop 2x slower;
 # - output: one 128-wide V block (long 0.87 -> 0.71 ms; with M formed there, 64-wide blocks: long +0.10 ms); 8 warps,
 #   1 or 3 stages: slower or level;
 # - the gradient kernel as its two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE; split=0 is the one kernel):
@@ -853,7 +858,8 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 CONFIG = {
     "solve": dict(num_warps=1, num_stages=2, block_k=32),
     "wu": dict(num_warps=4, num_stages=1, block_v=128),
-    "recurrence": dict(num_warps=8, num_stages=3, block_v=64, block_v_few=32, num_warps_few=4, unmasked=1),
+    "recurrence": dict(num_warps=8, num_stages=3, block_v=64, block_v_few=32, num_warps_few=4, unmasked=1,
+                       bwd_stages_few_waves=2),
     "output": dict(num_warps=4, num_stages=2, block_v=128),
     "grads": dict(num_warps=8, num_stages=3, block_v=32, split=1, full_chunks=0),
     "grads_dq": dict(num_warps=4, num_stages=2, block_v=64, full_chunks=1),
@@ -904,16 +910,20 @@ class _Problem:
     def block_v(self, cap: int = 1 << 30) -> int:
         return _block(self.V, cap, min(self.least, cap))
 
-    def recurrence_launch(self) -> tuple[int, int]:
-        """(V block, warps) of the serial recurrences: narrower blocks where the wide blocks' programs would not
-        fill the GPU twice, unless the key lanes are padded (K < BK): there the narrow blocks gave non-finite
-        gradients from `_recurrence_bwd_kernel` on an H100 (triton 3.6, K = 20, fp16 / bf16; not under the
-        interpreter; the wide blocks are exact there, tests/test_gated_delta_net.py's V-block cases)."""
+    def recurrence_launch(self) -> tuple[int, int, int]:
+        """(V block, warps, the backward's pipeline stages) of the serial recurrences: narrower blocks where the wide
+        blocks' programs would not fill the GPU twice, unless the key lanes are padded (K < BK): there the narrow
+        blocks gave non-finite gradients from `_recurrence_bwd_kernel` on an H100 (triton 3.6, K = 20, fp16 / bf16;
+        not under the interpreter; the wide blocks are exact there, tests/test_gated_delta_net.py's V-block cases).
+        Narrow blocks whose programs outnumber the SMs run the backward at `bwd_stages_few_waves` stages: less
+        shared memory a program, two programs share an SM instead of running in two waves."""
         cfg = CONFIG["recurrence"]
         bv = self.block_v(cfg["block_v"])
         if self.K == self.BK and self.N * self.HV * triton.cdiv(self.V, bv) < 2 * self.sms:
-            return self.block_v(cfg["block_v_few"]), cfg["num_warps_few"]
-        return bv, cfg["num_warps"]
+            bv = self.block_v(cfg["block_v_few"])
+            waves = self.N * self.HV * triton.cdiv(self.V, bv) > self.sms
+            return bv, cfg["num_warps_few"], cfg["bwd_stages_few_waves"] if waves else cfg["num_stages"]
+        return bv, cfg["num_warps"], cfg["num_stages"]
 
 
 def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
@@ -954,7 +964,7 @@ def _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, vn_dtype
     serial recurrence."""
     dev, dt = w.device, w.dtype
     cfg = CONFIG["recurrence"]
-    BV, warps = p.recurrence_launch()
+    BV, warps, _ = p.recurrence_launch()
     ht = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if output_final_state else w
     hs = torch.empty(p.n_chunks, p.HV, p.K, p.V, dtype=dt, device=dev)
     vn = torch.empty(p.rows, p.HV, p.V, dtype=vn_dtype, device=dev)
@@ -1007,7 +1017,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     _, hs, vn = _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, False, dt)
     del u
     cfg = CONFIG["recurrence"]
-    BV, warps = p.recurrence_launch()
+    BV, warps, bwd_stages = p.recurrence_launch()
     dhs = torch.empty_like(hs)
     dvn = torch.empty_like(vn)
     dh0 = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if h0 is not None else None
@@ -1015,7 +1025,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
            dht if dht is not None else w, p.cu, p.chunk_offsets, dh0 if dh0 is not None else w, dhs, dvn,
            p.T, p.HV, p.K, p.V, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2), GROUP=p.group, BK=p.BK,
            BV=BV, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee,
-           EVEN=p.even_tiles(BV) and bool(cfg["unmasked"]), num_warps=warps, num_stages=cfg["num_stages"])
+           EVEN=p.even_tiles(BV) and bool(cfg["unmasked"]), num_warps=warps, num_stages=bwd_stages)
     del w, M
     # the given output views where they have the row layout, else new buffers copied into them at the end
     given = (dq, dk, dv)
