@@ -369,15 +369,12 @@ def _st(ptr, value, mask, FULL: tl.constexpr):
 
 
 @triton.jit
-def _recurrence_fwd_kernel(
-    K_, W, U, GC, RK, H0, CU, CHUNK_OFFSETS,
-    HT, HS, VN,
-    T, HV, K, V, R, stride_kt, stride_kh,
-    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-    L2NORM: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr,
-):
-    """One (sequence, value head, V block), sequential over chunks. EVEN (K = BK, V a multiple of BV): the
-    sequence's 64-row chunks run without masks, then its last, shorter chunk (if any) with them."""
+def _serial_program(INIT, T, HV, K, V, CU, CHUNK_OFFSETS, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    USE_INIT: tl.constexpr, VARLEN: tl.constexpr, EVEN: tl.constexpr):
+    """A serial recurrence program (V block, sequence x value head): its (sequence, value head) index, value and
+    key head, sequence (first row, length, first per-chunk state slot, chunks, the 64-row chunks run unmasked: all
+    but a shorter last one under EVEN, else none), its V block's state tile (K, V offsets, element offsets in a
+    (K, V) state, mask) and its fp32 starting state (from INIT under USE_INIT, else zeros)."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     n = i_nh // HV
@@ -397,10 +394,34 @@ def _recurrence_fwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     state_tile = o_k[:, None] * V + o_v[None, :]
     state_mask = (o_k < K)[:, None] & (o_v < V)[None, :]
-    if USE_H0:
-        h = tl.load(H0 + i_nh.to(tl.int64) * K * V + state_tile, mask=state_mask, other=0.0).to(tl.float32)
+    if USE_INIT:
+        h = tl.load(INIT + i_nh.to(tl.int64) * K * V + state_tile, mask=state_mask, other=0.0).to(tl.float32)
     else:
         h = tl.zeros([BK, BV], dtype=tl.float32)
+    return i_nh, hv, hk, bos, seqlen, first_chunk, n_chunks, n_full, o_k, o_v, state_tile, state_mask, h
+
+
+@triton.jit
+def _chunk_rows(it, bos, seqlen, K, V, o_k, o_v):
+    """Chunk `it` of a sequence: its token offsets, first token, first row, and the row, K and V masks."""
+    o_c = tl.arange(0, 64)
+    t0 = it * 64
+    row0 = bos + t0
+    return o_c, t0, row0, t0 + o_c < seqlen, o_k < K, o_v < V
+
+
+@triton.jit
+def _recurrence_fwd_kernel(
+    K_, W, U, GC, RK, H0, CU, CHUNK_OFFSETS,
+    HT, HS, VN,
+    T, HV, K, V, R, stride_kt, stride_kh,
+    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+    L2NORM: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr,
+):
+    """One (sequence, value head, V block), sequential over chunks. EVEN (K = BK, V a multiple of BV): the
+    sequence's 64-row chunks run without masks, then its last, shorter chunk (if any) with them."""
+    i_nh, hv, hk, bos, seqlen, first_chunk, n_chunks, n_full, o_k, o_v, state_tile, state_mask, h = _serial_program(
+        H0, T, HV, K, V, CU, CHUNK_OFFSETS, GROUP, BK, BV, USE_H0, VARLEN, EVEN)
     for it in range(n_full):
         h = _recurrence_fwd_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, W, U, GC, RK, HS, VN, HV, K, V, R,
                                   stride_kt, stride_kh, o_k, o_v, BK, BV, L2NORM, IEEE, True)
@@ -418,12 +439,7 @@ def _recurrence_fwd_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, W, U, GC,
     """Chunk `it` of the forward recurrence: stores the state at its start and v' = u - w h, returns
     h <- exp(g_last) h + kn^T diag(exp(g_last - g)) v'."""
     DT = W.dtype.element_ty
-    o_c = tl.arange(0, 64)
-    t0 = it * 64
-    row0 = bos + t0
-    m_c = t0 + o_c < seqlen
-    m_k = o_k < K
-    m_v = o_v < V
+    o_c, t0, row0, m_c, m_k, m_v = _chunk_rows(it, bos, seqlen, K, V, o_k, o_v)
     _st(HS + ((first_chunk + it) * HV + hv) * K * V + o_k[:, None] * V + o_v[None, :], h.to(DT),
         m_k[:, None] & m_v[None, :], FULL)
     w = _ld(W + (row0 * HV + hv) * K + o_c[:, None] * (HV * K) + o_k[None, :], m_c[:, None] & m_k[None, :], FULL)
@@ -509,29 +525,8 @@ def _recurrence_bwd_kernel(
 ):
     """One (sequence, value head, V block), reverse over chunks: the last, shorter chunk (if any) with masks, then
     (EVEN, as `_recurrence_fwd_kernel`) the 64-row chunks without."""
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    n = i_nh // HV
-    hv = i_nh % HV
-    hk = hv // GROUP
-    if VARLEN:
-        bos = tl.load(CU + n).to(tl.int64)
-        seqlen = (tl.load(CU + n + 1) - tl.load(CU + n)).to(tl.int32)
-        first_chunk = tl.load(CHUNK_OFFSETS + n).to(tl.int64)
-    else:
-        bos = n.to(tl.int64) * T
-        seqlen = T
-        first_chunk = n.to(tl.int64) * tl.cdiv(T, 64)
-    n_chunks = tl.cdiv(seqlen, 64)
-    n_full = seqlen // 64 if EVEN else 0
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    state_tile = o_k[:, None] * V + o_v[None, :]
-    state_mask = (o_k < K)[:, None] & (o_v < V)[None, :]
-    if USE_DHT:
-        dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + state_tile, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        dh = tl.zeros([BK, BV], dtype=tl.float32)
+    i_nh, hv, hk, bos, seqlen, first_chunk, n_chunks, n_full, o_k, o_v, state_tile, state_mask, dh = _serial_program(
+        DHT, T, HV, K, V, CU, CHUNK_OFFSETS, GROUP, BK, BV, USE_DHT, VARLEN, EVEN)
     for i in range(n_chunks - n_full):
         dh = _recurrence_bwd_chunk(dh, n_chunks - 1 - i, bos, seqlen, first_chunk, hv, hk, Q, K_, W, GC, M, DO, DHS,
                                    DVN, HV, K, V, scale, stride_qt, stride_qh, stride_kt, stride_kh, o_k, o_v, BK, BV,
@@ -550,12 +545,7 @@ def _recurrence_bwd_chunk(dh, it, bos, seqlen, first_chunk, hv, hk, Q, K_, W, GC
                           L2NORM: tl.constexpr, IEEE: tl.constexpr, FULL: tl.constexpr):
     """Chunk `it` of the backward recurrence: stores the state gradient at its end and dv', returns dh at its start."""
     DT = W.dtype.element_ty
-    o_c = tl.arange(0, 64)
-    t0 = it * 64
-    row0 = bos + t0
-    m_c = t0 + o_c < seqlen
-    m_k = o_k < K
-    m_v = o_v < V
+    o_c, t0, row0, m_c, m_k, m_v = _chunk_rows(it, bos, seqlen, K, V, o_k, o_v)
     dh_d = dh.to(DT)
     _st(DHS + ((first_chunk + it) * HV + hv) * K * V + o_k[:, None] * V + o_v[None, :], dh_d,
         m_k[:, None] & m_v[None, :], FULL)
