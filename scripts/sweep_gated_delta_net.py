@@ -18,6 +18,7 @@ triton_conv1d.CONV_CONFIG; `solve`, `wu`, `recurrence`, `output`, `grads`, `grad
 triton_chunk.CONFIG) on top of the tree's own, several families joined by `+` (`grads:split=0` runs the gradient
 kernel as one kernel, with the `grads` settings, instead of its two halves `_grads_dq_kernel` and `_grads_dk_kernel`,
 whose settings are `grads_dq`, `grads_dk`);
+`maxnreg=N` caps a family's registers a thread (`triton_chunk._options`; not the serial recurrences);
 `base` is the tree's settings. Each (variant, workload): 3 warm-up steps, then torch.profiler over --steps steps;
 the line gives the summed GPU ms per step and each kernel's. Output: stdout and $OUT/sweep_gated_delta_net.txt.
 """

@@ -165,6 +165,19 @@ def test_recurrence_launch_settings():
     assert settings(B=1, K=128, sms=0) == wide  # no GPU to fill (CPU)
 
 
+def test_register_cap_option_vs_float64(use_kernel_path, monkeypatch):
+    """A family's `maxnreg` setting reaches its launch (a cap on registers a thread, for the sweep) and changes no
+    result."""
+    from hubfuse.gated_delta_net import triton_chunk
+
+    use_kernel_path("triton")
+    assert "maxnreg" not in triton_chunk._options(triton_chunk.CONFIG["wu"])
+    for family in ("solve", "wu", "output", "grads_dq", "grads_dk"):
+        monkeypatch.setitem(triton_chunk.CONFIG[family], "maxnreg", 128)
+    assert triton_chunk._options(triton_chunk.CONFIG["wu"])["maxnreg"] == 128
+    _check_rule(RULE_CASES[0], torch.float32)
+
+
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
 def test_split_grads_kernel_equals_one_kernel(case, use_kernel_path, monkeypatch):
     """The gradient kernel's dq and dk halves (split=1, two launches) give the one kernel's gradients (split=0), V in

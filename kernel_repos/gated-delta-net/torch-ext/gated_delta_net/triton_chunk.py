@@ -857,6 +857,16 @@ CONFIG = {
 }
 
 
+def _options(cfg: dict) -> dict:
+    """A family's launch options: warps, stages and, where set (non-zero), `maxnreg`, a cap on registers a thread
+    (more programs an SM for a memory-bound kernel, at the price of spills; ptxas reports both for sm_90 without a
+    GPU: `_wu` takes 176 a thread at 4 warps, two programs an SM)."""
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = cfg["maxnreg"]
+    return options
+
+
 class _Problem:
     """Shapes, launch grids and the chunk metadata of one call."""
 
@@ -925,7 +935,7 @@ def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
     launch(_solve_kernel, (p.slots, p.B * p.HV), k, g_in, b_in, A_log if gate else g_in, dt_bias if gate else g_in,
            p.cu, p.chunk_info, gc, A, p.T, p.NT, p.HV, p.K, k.stride(1), k.stride(2), GROUP=p.group,
            BKC=min(p.BK, cfg["block_k"]), L2NORM=l2norm, GATE=gate, ROUND_BETA=gate and b_in.dtype != torch.float32,
-           VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           VARLEN=p.varlen, IEEE=p.ieee, **_options(cfg))
     return A, gc
 
 
@@ -944,8 +954,7 @@ def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm, 
            M if with_m else u, p.T, p.NT, p.HV, p.K, p.V, p.rows, scale, q.stride(1), q.stride(2),
            k.stride(1), k.stride(2), v.stride(1), v.stride(2), GROUP=p.group, BK=p.BK,
            BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate, ROUND_BETA=gate and b_in.dtype != torch.float32,
-           VARLEN=p.varlen, IEEE=p.ieee, M_OUT=with_m, num_warps=cfg["num_warps"],
-           num_stages=cfg["num_stages"])
+           VARLEN=p.varlen, IEEE=p.ieee, M_OUT=with_m, **_options(cfg))
     return w, u, rk, M
 
 
@@ -973,8 +982,7 @@ def _output(p, q, k, hs, vn, gc, rk, scale, l2norm):
     o = torch.empty(p.B, p.T, p.HV, p.V, dtype=q.dtype, device=q.device)
     launch(_output_kernel, (p.slots, p.B * p.HV, triton.cdiv(p.V, BV)), q, k, hs, vn, gc, rk, p.cu, p.chunk_info,
            o, p.T, p.NT, p.HV, p.K, p.V, p.rows, scale, q.stride(1), q.stride(2), k.stride(1), k.stride(2),
-           GROUP=p.group, BK=p.BK, BV=BV, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee, num_warps=cfg["num_warps"],
-           num_stages=cfg["num_stages"])
+           GROUP=p.group, BK=p.BK, BV=BV, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee, **_options(cfg))
     return o
 
 
@@ -1047,7 +1055,7 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
                    dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
                    GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
                    ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee, DQ_SIDE=dq_side,
-                   DK_SIDE=dk_side, CHUNKS=chunks, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                   DK_SIDE=dk_side, CHUNKS=chunks, **_options(cfg))
     if grouped:
         launch(_group_reduce_kernel, (triton.cdiv(p.rows, 32), p.H), q, k, dq_part, dk_part, dq, dk, p.rows, p.H,
                p.HV, p.K, q.stride(1), q.stride(2), k.stride(1), k.stride(2), dq.stride(1), dq.stride(2),
