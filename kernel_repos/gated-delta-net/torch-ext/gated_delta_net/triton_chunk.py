@@ -121,11 +121,11 @@ def _l2norm_scale(x, AXIS: tl.constexpr, L2NORM: tl.constexpr):
 
 
 @triton.jit
-def _row_scale(S, hv, R, row0, mask, L2NORM: tl.constexpr):
-    """The l2norm scales of 64 rows from row0 that `_wu_kernel` stored ((HV, R) fp32); ones without the in-kernel
-    l2norm."""
+def _row_scale(S, hv, R, row0, mask, L2NORM: tl.constexpr, FULL: tl.constexpr = False):
+    """The l2norm scales of 64 rows from row0 that `_wu_kernel` stored ((HV, R) fp32; unmasked under FULL, as
+    `_ld`); ones without the in-kernel l2norm."""
     if L2NORM:
-        return tl.load(S + hv.to(tl.int64) * R + row0 + tl.arange(0, 64), mask=mask, other=0.0)
+        return _ld(S + hv.to(tl.int64) * R + row0 + tl.arange(0, 64), mask, FULL)
     else:
         return tl.full([64], 1.0, tl.float32)
 
@@ -457,10 +457,7 @@ def _recurrence_fwd_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, W, U, GC,
     # k^T read through transposed pointers
     kt = _ld(K_ + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
              m_k[:, None] & m_c[None, :], FULL)
-    if L2NORM:
-        rk = _ld(RK + hv.to(tl.int64) * R + row0 + o_c, m_c, FULL)
-    else:
-        rk = tl.full([64], 1.0, tl.float32)
+    rk = _row_scale(RK, hv, R, row0, m_c, L2NORM, FULL)
     e = tl.exp(g_last - gc) * rk
     if not FULL:
         e = tl.where(m_c, e, 0.0)
