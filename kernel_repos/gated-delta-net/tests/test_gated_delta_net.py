@@ -171,7 +171,7 @@ def test_register_cap_option_vs_float64(use_kernel_path, monkeypatch):
     from hubfuse.gated_delta_net import triton_chunk
 
     use_kernel_path("triton")
-    assert "maxnreg" not in triton_chunk._options(triton_chunk.CONFIG["wu"])
+    assert "maxnreg" not in triton_chunk._options(triton_chunk.CONFIG["output"])
     for family in ("solve", "wu", "output", "grads_dq", "grads_dk"):
         monkeypatch.setitem(triton_chunk.CONFIG[family], "maxnreg", 128)
     assert triton_chunk._options(triton_chunk.CONFIG["wu"])["maxnreg"] == 128
