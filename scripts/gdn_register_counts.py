@@ -6,9 +6,9 @@
 
 Compiles `_grads_kernel` for sm_90 (no GPU needed: Triton's own ptxas, its log) as the `layer` workload of
 scripts/sweep_gated_delta_net.py launches it: bf16, head dims 128, 16 key / 32 value heads, the gates a, b, the
-l2norm in the kernel, every size a multiple of 16. One line per (part, warps, stages): the one kernel
-(`_grads_kernel`) and its two halves (`_grads_dq_kernel`, `_grads_dk_kernel`: `CONFIG["grads"]["split"] = 1`).
-The counts come from this Triton's compiler; the GPU's timing decides a setting.
+l2norm in the kernel, every size a multiple of 16, the launch over full 64-row chunks (`CHUNKS=1`). One line per
+(part, warps, stages): the one kernel (`_grads_kernel`) and its two halves (`_grads_dq_kernel`, `_grads_dk_kernel`:
+`CONFIG["grads"]["split"] = 1`). The counts come from this Triton's compiler; the GPU's timing decides a setting.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def ptxas_counts(dq_side: bool, dk_side: bool, num_warps: int, num_stages: int, 
     sizes)."""
     fn = triton_chunk._grads_kernel
     constexprs = dict(GROUP=2, BK=128, BV=block_v, L2NORM=True, GATE=True, ROUND_BETA=True, VARLEN=False,
-                      IEEE=False, DQ_SIDE=dq_side, DK_SIDE=dk_side)
+                      IEEE=False, DQ_SIDE=dq_side, DK_SIDE=dk_side, CHUNKS=1)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -63,7 +63,7 @@ def ptxas_counts(dq_side: bool, dk_side: bool, num_warps: int, num_stages: int, 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", nargs="+", default=["8,3", "4,2"], help="num_warps,num_stages pairs")
-    p.add_argument("--block-v", type=int, default=32)
+    p.add_argument("--block-v", type=int, default=triton_chunk.CONFIG["grads_dk"]["block_v"])
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     args = p.parse_args(argv)
     for setting in args.settings:
