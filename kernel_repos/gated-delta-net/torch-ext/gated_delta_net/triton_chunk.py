@@ -822,7 +822,9 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 # (`layer`: gated_delta_net_core), 1 x 32768 (`long`: the rule) and 8 x 1024 packed in one row (`packed`):
 # - solve: one warp, 1.07 -> 0.29 ms (its 16 x 16 substitutions are latency-bound reductions);
 # - wu: one 128-wide V block, 0.76 -> 0.70 ms (8 warps: slower); one stage (no software pipelining), since the
-#   forward's run no longer forms M: layer 6.61 -> 6.53, long 10.92 -> 10.71 ms, packed 2.72 -> 2.73;
+#   forward's run no longer forms M: layer 6.61 -> 6.53, long 10.92 -> 10.71 ms, packed 2.72 -> 2.73; a cap of 168
+#   registers a thread, three programs an SM (long 10.40 -> 10.33, packed 2.71 -> 2.66; 128: slower, w over K in
+#   blocks: slower);
 # - the serial recurrences: 64-wide V blocks at 8 warps; 32-wide blocks at 4 warps where the (sequence, value
 #   head, V block) programs would not fill the GPU twice over (long: fwd 2.27 -> 1.43, bwd 1.41 -> 1.19 ms; 8 warps
 #   there 2.13 -> 2.36 ms, while at `layer` / `packed` 8 warps take 0.17 ms off); 2 stages slower, except for the
@@ -844,7 +846,8 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 
 CONFIG = {
     "solve": dict(num_warps=1, num_stages=2, block_k=32),
-    # maxnreg 168: three programs (12 warps) an SM instead of two at 176 registers (memory-bound, no spill)
+    # maxnreg 168: three programs (12 warps) an SM instead of two at 176 registers (memory-bound; 24-52 bytes of
+    # spills a thread)
     "wu": dict(num_warps=4, num_stages=1, block_v=128, maxnreg=168),
     "recurrence": dict(num_warps=8, num_stages=3, block_v=64, block_v_few=32, num_warps_few=4, unmasked=1,
                        bwd_stages_few_waves=2),
