@@ -1,5 +1,6 @@
 """scripts/profile_memory.py and scripts/host_per_layer.py end to end on CPU at tiny widths: they run, report both
-configurations, and hubfuse saves less per decoder layer and launches fewer kernels than HF."""
+configurations, and hubfuse saves less per decoder layer and launches fewer kernels than HF. The Gated DeltaNet
+sweep's rule steps (scripts/sweep_gated_delta_net.py, a GPU script) on CPU."""
 from __future__ import annotations
 
 import os
@@ -33,3 +34,33 @@ def test_host_per_layer_cpu_proxy_counts_kernels():
     rows = dict(re.findall(r"^\| (eager|ours) \| .* \| (\d+) \|$", out, flags=re.M))
     assert set(rows) == {"eager", "ours"}, out
     assert 0 < int(rows["ours"]) < int(rows["eager"]), rows
+
+
+def test_sweep_gated_delta_net_rule_steps(monkeypatch):
+    """scripts/sweep_gated_delta_net.py's rule step on CPU (the torch path): each step writes the gradients afresh
+    (the profiled GPU time holds no accumulation kernels), and its FLA step gives FLA q and k with the key heads
+    repeated to the value heads, as transformers calls it."""
+    import torch
+
+    import hubfuse.gated_delta_net as gdn
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path: real head counts, one short chunk
+    import sweep_gated_delta_net as sweep
+
+    step = sweep.rule_workload(gdn, "cpu", torch.float32, 1, 3)
+    q = step.leaves[0]
+    assert q.shape[2] == sweep.HK
+    step()
+    once = q.grad.clone()
+    step()
+    assert torch.equal(q.grad, once)
+
+    seen = {}
+
+    def fake_fla(q, k, v, g, beta, **kwargs):
+        seen.update(q=q.shape, k=k.shape, v=v.shape)
+        return gdn.chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+
+    sweep.rule_workload(gdn, "cpu", torch.float32, 1, 3, fla=fake_fla)()
+    assert seen["q"][2] == seen["k"][2] == seen["v"][2] == sweep.HV, seen
