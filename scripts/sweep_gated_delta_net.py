@@ -22,10 +22,10 @@ whose settings are `grads_dq`, `grads_dk`);
 `maxnreg=N` caps a family's registers a thread (`triton_chunk._options`; not the serial recurrences);
 `base` is the tree's settings. Each (variant, workload): 3 warm-up steps, then torch.profiler over --steps steps
 (each step's gradients written afresh, no accumulation); the line gives the summed GPU ms per step and each
-kernel's. `--fla`: then flash-linear-attention's
-chunk_gated_delta_rule on each rule workload's inputs (q, k repeated to the 32 value heads, as transformers calls
-it; FLA from $HUBFUSE_FLA_SITE, its Hopper guard bypassed: a timing anchor, scripts/bench_cases/gated_delta_net.py),
-each of its kernels, and the first variant's total over FLA's. Output: stdout and $OUT/sweep_gated_delta_net.txt.
+kernel's. `--fla`: then flash-linear-attention's chunk_gated_delta_rule on each rule workload's inputs (q, k
+repeated to the 32 value heads, as transformers calls it; FLA from $HUBFUSE_FLA_SITE, its Hopper guard bypassed: a
+timing anchor, scripts/bench_cases/gated_delta_net.py), each of its kernels, and the first variant's total over
+FLA's. Output: stdout and $OUT/sweep_gated_delta_net.txt.
 """
 from __future__ import annotations
 
@@ -113,8 +113,7 @@ def rule_workload(kg, dev, dt, B, T, packed=False, fla=None):
 def load_fla():
     """FLA's chunk_gated_delta_rule as scripts/bench_cases/gated_delta_net.py loads it (its own site dir, the Hopper
     guard of its gated backward bypassed)."""
-    spec = importlib.util.spec_from_file_location("bench_case_gated_delta_net",
-                                                  Path(__file__).resolve().parent / "bench_cases" / "gated_delta_net.py")
+    spec = importlib.util.spec_from_file_location("bench_cases_gated_delta_net", h.CASES / "gated_delta_net.py")
     case = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(case)
     fla = case._fla()

@@ -3,11 +3,14 @@ configurations, and hubfuse saves less per decoder layer and launches fewer kern
 sweep's rule steps (scripts/sweep_gated_delta_net.py, a GPU script) on CPU."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,3 +67,8 @@ def test_sweep_gated_delta_net_rule_steps(monkeypatch):
 
     sweep.rule_workload(gdn, "cpu", torch.float32, 1, 3, fla=fake_fla)()
     assert seen["q"][2] == seen["k"][2] == seen["v"][2] == sweep.HV, seen
+
+    if importlib.util.find_spec("fla") is None:  # --fla without FLA: a clear exit, not a traceback
+        monkeypatch.delenv("HUBFUSE_FLA_SITE", raising=False)
+        with pytest.raises(SystemExit, match="flash-linear-attention is not importable"):
+            sweep.load_fla()
