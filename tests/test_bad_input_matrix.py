@@ -119,8 +119,9 @@ def test_gpu_value_checks(case, mode, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_value_checks_do_not_sync_the_host():
-    # valid ids and labels: forward and backward of the ops with value checks run with no host sync at all
+    # valid ids, labels and cu_seqlens: forward and backward of the ops with value checks run with no host sync
     import hubfuse.cross_entropy as cross_entropy
+    import hubfuse.gated_delta_net as gdn
     import hubfuse.moe as moe
 
     torch.manual_seed(0)
@@ -130,6 +131,11 @@ def test_gpu_value_checks_do_not_sync_the_host():
     hm, wm = torch.randn(5, 16, device="cuda", requires_grad=True), torch.rand(5, 2, device="cuda")
     gu, d = torch.randn(4, 16, 16, device="cuda"), torch.randn(4, 16, 8, device="cuda")
     idx = torch.randint(0, 5, (5, 2), device="cuda")  # 4 = the expert-parallel sentinel: valid
+    q, k = (torch.randn(1, 100, 1, 64, device="cuda", requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 100, 2, 64, device="cuda", requires_grad=True)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 100, 2, device="cuda")).requires_grad_()
+    beta = torch.rand(1, 100, 2, device="cuda", requires_grad=True)
+    cu = torch.tensor([0, 30, 30, 100], device="cuda", dtype=torch.int32)
     for checked in (False, True):  # the first round compiles the kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if checked else "default")
@@ -137,6 +143,8 @@ def test_gpu_value_checks_do_not_sync_the_host():
             cross_entropy.cross_entropy(x * 1, y).backward()
             cross_entropy.linear_cross_entropy(h, w, y).backward()
             moe.moe_experts(hm, idx, wm, gu, d).sum().backward()
+            o, _ = gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+            o.sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
 

@@ -546,6 +546,40 @@ def test_fused_core_vs_float64(case, grads_path):
                else TOL[torch.float32], name)
 
 
+@pytest.mark.parametrize("cu", [None, [0, 1, 64, 150]], ids=str)
+def test_core_reads_no_unwritten_memory(cu, use_kernel_path, monkeypatch):
+    """The buffers the ops allocate with torch.empty / empty_like start as NaN (integers as -7): the fused core's
+    output and gradients are bitwise those of a run on fresh memory, packed input with a chunk slot that no sequence
+    uses included (the gate parameters' partial sums of such a slot are written, not zero-filled buffers)."""
+    use_kernel_path("triton")
+    S, H, HV, K, V, W = 150, 1, 2, 16, 16, 4
+    B = 1 if cu is not None else 2
+    C = 2 * H * K + HV * V
+    gen = torch.Generator().manual_seed(3)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    inputs = [rnd(B, S, C), rnd(C, W) * 0.5, rnd(B, S, HV), rnd(B, S, HV), rnd(HV) * 0.5, rnd(HV)]
+    do = rnd(B, S, HV, V)
+    cu = torch.tensor(cu, device=DEV, dtype=torch.int32) if cu is not None else None
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = gdn.gated_delta_net_core(leaves[0], leaves[1], None, *leaves[2:], H, K, V, cu_seqlens=cu)
+        return [out.detach(), *torch.autograd.grad(out, leaves, do)]
+
+    fresh = run()
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+    poisoned = run()
+    monkeypatch.undo()
+    for name, x, y in zip(["out", "dmixed", "dconv_weight", "da", "db", "dA_log", "ddt_bias"], poisoned, fresh):
+        assert torch.equal(x, y), f"{name} differs when fresh buffers hold NaN"
+
+
 def test_gate_parameter_gradients_as_accurate_as_eager_fp16(use_kernel_path):
     """fp16 activations, fp32 gate parameters (their gradients are sums over every token, rounded once): the fused
     core's dA_log and ddt_bias are no further from float64 than transformers' fp16 eager steps (which run the rule
@@ -690,6 +724,29 @@ def test_invalid_cu_seqlens_values_raise(cu, path):
         for name, call in calls.items():
             with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease and end at"):
                 call()
+
+
+@pytest.mark.parametrize("cu", INVALID_CU_SEQLENS + [[0, 100], [0, 0, 37, 37, 100]], ids=str)
+def test_metadata_kernel_checks_cu_seqlens(cu, use_kernel_path):
+    """On a GPU the packed-sequence metadata kernel checks cu_seqlens in its own launch (then one device-side
+    assert, no host sync): here under the interpreter, where the assert raises at once. Valid offsets give the same
+    metadata as the unchecked launch."""
+    use_kernel_path("triton")
+    from hubfuse.gated_delta_net import triton_varlen
+
+    T = 100
+    valid = cu[0] == 0 and cu[-1] == T and all(b >= a for a, b in zip(cu, cu[1:]))
+    if DEV == "cuda" and not valid:
+        pytest.skip("a device-side assert on CUDA (it poisons the context): test_gpu_value_checks")
+    for dtype in (torch.int32, torch.int64):
+        cu_t = torch.tensor(cu, dtype=dtype, device=DEV)
+        if not valid:
+            with pytest.raises(RuntimeError, match="bad offsets"):
+                triton_varlen.varlen_meta(cu_t, T, "bad offsets")
+        else:
+            checked = triton_varlen.varlen_meta(cu_t, T, "bad offsets")
+            for x, y in zip(checked, triton_varlen.varlen_meta(cu_t, T)):
+                assert torch.equal(x, y)
 
 
 # ------------------------------------------------------------------ torch.compile

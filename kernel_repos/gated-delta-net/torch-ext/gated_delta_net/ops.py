@@ -37,13 +37,18 @@ def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
 def _meta(cu_seqlens, total: int, check: bool):
     """Metadata of packed sequences (None without): (chunk slots, first chunk of each sequence, each token's
     sequence) on the Triton path, (None, None, each token's sequence) on the torch path. `check` (the forwards):
-    cu_seqlens' values are checked first, on the device (no host sync; on CPU a ValueError)."""
+    cu_seqlens' values are checked first, on the device (no host sync: on a GPU inside the metadata kernel's
+    launch; on CPU a ValueError)."""
     if cu_seqlens is None:
         return None
+    message = f"cu_seqlens must start at 0, never decrease and end at the number of tokens ({total})"
+    if use_triton(cu_seqlens) and cu_seqlens.device.type != "cpu":
+        from .triton_varlen import varlen_meta
+
+        return varlen_meta(cu_seqlens, total, message if check else None)
     if check:
-        check_offsets(cu_seqlens, total, f"cu_seqlens must start at 0, never decrease and end at the number of "
-                                         f"tokens ({total})")
-    if use_triton(cu_seqlens):
+        check_offsets(cu_seqlens, total, message)
+    if use_triton(cu_seqlens):  # the interpreter on CPU
         from .triton_varlen import varlen_meta
 
         return varlen_meta(cu_seqlens, total)
@@ -162,6 +167,7 @@ def _gdn_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(A, gc)
     if not output_final_state:
         ctx.mark_non_differentiable(ht)
+    ctx.set_materialize_grads(False)  # else autograd fills zero gradients of A and gc (launches) that nothing reads
 
 
 def _gdn_grads_out(ctx, grads, h0):
@@ -557,10 +563,13 @@ def _layer_setup_context(ctx, inputs, output):
     ctx.save_for_backward(mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc)
     ctx.dims = (H, K, V)
     ctx.mark_non_differentiable(A, gc)
+    ctx.set_materialize_grads(False)  # no zero gradients of A and gc
 
 
 def _layer_backward(ctx, do, _dA, _dgc):
     mixed, conv_w, conv_b, a, b, A_log, dt_bias, cu_seqlens, A, gc = ctx.saved_tensors
+    if do is None:  # the output was not used: every gradient is zero
+        return (None,) * 11
     dmixed, dw, db_conv, da, db, dA_log, ddt = call(ctx, _gdn_layer_bwd, do.contiguous(), mixed, conv_w, conv_b, a,
                                                     b, A_log, dt_bias, cu_seqlens, A, gc, *ctx.dims)
     return dmixed, dw, (db_conv if conv_b is not None else None), da, db, dA_log, ddt, None, None, None, None

@@ -613,7 +613,10 @@ def _grads_kernel(
     hv = i_bh % HV
     hk = hv // GROUP
     n, it, bos, seqlen, chunk = _chunk_coords(slot, i_bh, HV, CU, CHUNK_INFO, T, NT, VARLEN)
-    if n < 0:
+    if n < 0:  # a chunk slot no sequence of the packed input uses: zero partial sums of the gate parameters
+        if VARLEN and DK_SIDE and GATE:
+            tl.store(DA_LOG_PART + slot.to(tl.int64) * tl.num_programs(1) + i_bh, 0.0)
+            tl.store(DDT_PART + slot.to(tl.int64) * tl.num_programs(1) + i_bh, 0.0)
         return
     t0 = it * 64
     row0 = bos + t0
@@ -1035,9 +1038,8 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     db = torch.empty_like(b_in)
     n_programs = p.slots * p.B * p.HV
     scratch = torch.empty(n_programs * 2 * CHUNK * CHUNK, dtype=dt, device=dev)
-    alloc = torch.zeros if p.varlen else torch.empty  # unused varlen slots write no partial sums
-    dA_part = alloc(n_programs if gate else 1, dtype=torch.float32, device=dev)
-    ddt_part = alloc(n_programs if gate else 1, dtype=torch.float32, device=dev)
+    dA_part = torch.empty(n_programs if gate else 1, dtype=torch.float32, device=dev)
+    ddt_part = torch.empty(n_programs if gate else 1, dtype=torch.float32, device=dev)
     grouped = p.group > 1
     dq_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
     dk_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
