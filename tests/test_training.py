@@ -15,6 +15,8 @@ causal path when transformers cannot check the batch for packing (torch.compile,
   transformers builds no mask (traced or not: no host read of the positions either), attention gets none, and
   loss and gradients equal the plain model's; the same classes with HF's attention keep transformers' mask.
 """
+import os
+
 import pytest
 import torch
 
@@ -85,6 +87,33 @@ def test_kernelized_training_builds_no_cache(family, model_dirs, caches_built):
     out = model(**batch, use_cache=True)  # asked for: honoured
     assert len(caches_built) == 1 and out.past_key_values is not None
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", (*KERNELIZED, "llama", "qwen2"))
+def test_training_step_fills_no_zero_tensors(family, model_dirs, monkeypatch):
+    """A kernelized training step (the kernels' GPU path: the Triton interpreter here) fills no tensor with zeros,
+    in particular no zero gradient that autograd would materialise for an op's non-differentiable outputs (router
+    indices and stats, the Gated DeltaNet's saved WY matrices): each such fill is a launch and a memset nothing
+    reads."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("the kernels' GPU path: TRITON_INTERPRET=1 on CPU")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    fills = []
+
+    class ZeroFills(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("zeros", "new_zeros", "zeros_like", "zero_", "fill_"):
+                fills.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv("LOCAL_KERNELS", os.environ.get("LOCAL_KERNELS", ""))  # restored after the test
+    register_local_kernels("decoder-layer")  # the dense presets' decoder-layer node
+    model = _kernelized(model_dirs[family], family).train()
+    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    with ZeroFills():
+        model(**batch).loss.backward()
+    assert fills == []
 
 
 @pytest.mark.parametrize("family", KERNELIZED)

@@ -322,6 +322,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if compute_grad:
             ctx.save_for_backward(buffer)  # now the gradient for an upstream gradient of 1 (per row for "none")
         ctx.mark_non_differentiable(z)
+        ctx.set_materialize_grads(False)  # no zero gradient filled for z
         return loss, z
 
     @staticmethod

@@ -340,12 +340,15 @@ def _router_setup_context(ctx, inputs, output):
     router_logits, _top_k, normalize = inputs
     _scores, indices, stats = output
     ctx.mark_non_differentiable(indices, stats)
+    ctx.set_materialize_grads(False)  # no zero gradients filled for indices and stats (launches nothing reads)
     ctx.save_for_backward(router_logits, stats, indices)
     ctx.normalize = normalize
 
 
 @first_order("softmax_topk")
 def _router_backward(ctx, d_scores, _d_indices, _d_stats):
+    if d_scores is None:  # the scores were not used
+        return None, None, None
     router_logits, stats, indices = ctx.saved_tensors
     return call(ctx, _router_bwd, d_scores.contiguous(), router_logits, stats, indices, ctx.normalize), None, None
 

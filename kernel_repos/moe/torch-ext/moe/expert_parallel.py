@@ -361,11 +361,15 @@ class _Dispatch(torch.autograd.Function):
         ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
         hidden, weights, ids = _exchange([hidden_rows, weight_rows, local_ids], send_sizes, recv_sizes, group)
         ctx.mark_non_differentiable(ids)
+        ctx.set_materialize_grads(False)  # no zero gradient filled for the expert ids
+        ctx.outputs = [(x.shape, x.dtype, x.device) for x in (hidden, weights)]  # for an unused output's zeros
         return hidden, weights, ids
 
     @staticmethod
     def backward(ctx, d_hidden, d_weights, _d_ids):
         send_sizes, recv_sizes = ctx.sizes
+        d_hidden, d_weights = (d if d is not None else torch.zeros(shape, dtype=dtype, device=device)
+                               for d, (shape, dtype, device) in zip((d_hidden, d_weights), ctx.outputs))
         d_hidden_rows, d_weight_rows = _exchange([d_hidden, d_weights], recv_sizes, send_sizes, ctx.group)
         return d_hidden_rows, d_weight_rows, None, None, None, None
 
