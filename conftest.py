@@ -4,6 +4,7 @@ Must run before triton is imported anywhere, hence at the root and at import tim
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -16,14 +17,35 @@ if not torch.cuda.is_available():
         pass
 
 
+@pytest.fixture
+def zero_fills():
+    """`with zero_fills() as fills:` records the name of every op run inside that fills a tensor with zeros
+    (zeros, zeros_like, new_zeros, zero_, fill_): on a GPU each is a launch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ZeroFills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fills = []
+
+        def __enter__(self):
+            super().__enter__()
+            return self.fills
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("zeros", "new_zeros", "zeros_like", "zero_", "fill_"):
+                self.fills.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return ZeroFills
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped otherwise)")
     config.addinivalue_line("markers", "slow: long-running test")
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

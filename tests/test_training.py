@@ -90,28 +90,18 @@ def test_kernelized_training_builds_no_cache(family, model_dirs, caches_built):
 
 
 @pytest.mark.parametrize("family", (*KERNELIZED, "llama", "qwen2"))
-def test_training_step_fills_no_zero_tensors(family, model_dirs, monkeypatch):
+def test_training_step_fills_no_zero_tensors(family, model_dirs, monkeypatch, zero_fills):
     """A kernelized training step (the kernels' GPU path: the Triton interpreter here) fills no tensor with zeros,
     in particular no zero gradient that autograd would materialise for an op's non-differentiable outputs (router
     indices and stats, the Gated DeltaNet's saved WY matrices): each such fill is a launch and a memset nothing
     reads."""
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("the kernels' GPU path: TRITON_INTERPRET=1 on CPU")
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    fills = []
-
-    class ZeroFills(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] in ("zeros", "new_zeros", "zeros_like", "zero_", "fill_"):
-                fills.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     monkeypatch.setenv("LOCAL_KERNELS", os.environ.get("LOCAL_KERNELS", ""))  # restored after the test
     register_local_kernels("decoder-layer")  # the dense presets' decoder-layer node
     model = _kernelized(model_dirs[family], family).train()
     batch = make_batch(tiny_config(family).vocab_size, seq=9)
-    with ZeroFills():
+    with zero_fills() as fills:
         model(**batch).loss.backward()
     assert fills == []
 
