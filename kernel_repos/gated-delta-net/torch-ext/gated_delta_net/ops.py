@@ -42,16 +42,13 @@ def _meta(cu_seqlens, total: int, check: bool):
     if cu_seqlens is None:
         return None
     message = f"cu_seqlens must start at 0, never decrease and end at the number of tokens ({total})"
-    if use_triton(cu_seqlens) and cu_seqlens.device.type != "cpu":
-        from .triton_varlen import varlen_meta
-
-        return varlen_meta(cu_seqlens, total, message if check else None)
-    if check:
+    in_kernel = check and use_triton(cu_seqlens) and cu_seqlens.device.type != "cpu"
+    if check and not in_kernel:
         check_offsets(cu_seqlens, total, message)
-    if use_triton(cu_seqlens):  # the interpreter on CPU
+    if use_triton(cu_seqlens):
         from .triton_varlen import varlen_meta
 
-        return varlen_meta(cu_seqlens, total)
+        return varlen_meta(cu_seqlens, total, message if in_kernel else None)
     return None, None, seq_idx_reference(cu_seqlens, total)[0]
 
 

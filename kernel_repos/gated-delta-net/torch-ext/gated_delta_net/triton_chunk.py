@@ -613,10 +613,11 @@ def _grads_kernel(
     hv = i_bh % HV
     hk = hv // GROUP
     n, it, bos, seqlen, chunk = _chunk_coords(slot, i_bh, HV, CU, CHUNK_INFO, T, NT, VARLEN)
+    program = slot.to(tl.int64) * tl.num_programs(1) + i_bh  # (slot, batch, value head)
     if n < 0:  # a chunk slot no sequence of the packed input uses: zero partial sums of the gate parameters
         if VARLEN and DK_SIDE and GATE:
-            tl.store(DA_LOG_PART + slot.to(tl.int64) * tl.num_programs(1) + i_bh, 0.0)
-            tl.store(DDT_PART + slot.to(tl.int64) * tl.num_programs(1) + i_bh, 0.0)
+            tl.store(DA_LOG_PART + program, 0.0)
+            tl.store(DDT_PART + program, 0.0)
         return
     t0 = it * 64
     row0 = bos + t0
@@ -638,7 +639,6 @@ def _grads_kernel(
     qk_mask = m_c[:, None] & m_k[None, :]
     strict = (o_c[:, None] > o_c[None, :]) & m_c[:, None] & m_c[None, :]
     incl = (o_c[:, None] >= o_c[None, :]) & m_c[:, None] & m_c[None, :]
-    program = slot.to(tl.int64) * tl.num_programs(1) + i_bh  # (slot, batch, value head)
     scratch = SCRATCH + program * 2 * 64 * 64
     cc = o_c[:, None] * 64 + o_c[None, :]
     cc_t = o_c[None, :] * 64 + o_c[:, None]
