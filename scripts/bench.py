@@ -39,6 +39,7 @@ Configurations:
   ours_ro        ours + torch.compile(mode="reduce-overhead")
   ours_graph     ours, the whole step (fwd + bwd + capturable fused AdamW) captured once in a torch.cuda.CUDAGraph
                  and replayed (the batch copied into the graph's static inputs)
+  <config>+adamw any of the above with hubfuse.optim.AdamW (same arguments) in place of torch's fused AdamW
   <config>@<b>   any of the above with SDPA restricted to one backend b (flash, cudnn, efficient, math) through
                  torch.nn.attention.sdpa_kernel, for the whole run (capture included); `--sdpa-backends b ...`
                  runs every --configs entry once per backend
@@ -100,6 +101,8 @@ REDUCE_OVERHEAD = ("compile_ro", "ours_ro")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text")
 # `<config>@<backend>`: the configuration with SDPA restricted to one backend (torch.nn.attention.sdpa_kernel) for
 # the whole run, the CUDA-graph capture included
+# `<config>+adamw`: the configuration with hubfuse.optim.AdamW as its optimizer (the same arguments)
+ADAMW_SUFFIX = "+adamw"
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}
 LIGER_APPLY = {"qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe",
@@ -155,23 +158,29 @@ def log(msg: str) -> None:
 
 
 def split_config(config: str) -> tuple[str, str | None]:
-    """("ours_graph", "cudnn") for "ours_graph@cudnn"; (config, None) without a backend."""
+    """("ours_graph", "cudnn") for "ours_graph@cudnn" (and for "ours_graph+adamw@cudnn"); (config, None) without a
+    backend."""
     base, _, backend = config.partition("@")
-    return base, backend or None
+    return base.removesuffix(ADAMW_SUFFIX), backend or None
 
 
-def config_key(config: str) -> tuple[int, str]:
-    """Sort key: the run order of CONFIGS, then the backend."""
+def uses_hubfuse_adamw(config: str) -> bool:
+    """`<config>+adamw`: the step's optimizer is hubfuse.optim.AdamW instead of torch's fused AdamW."""
+    return config.partition("@")[0].endswith(ADAMW_SUFFIX)
+
+
+def config_key(config: str) -> tuple[int, bool, str]:
+    """Sort key: the run order of CONFIGS, then +adamw, then the backend."""
     base, backend = split_config(config)
-    return CONFIGS.index(base), backend or ""
+    return CONFIGS.index(base), uses_hubfuse_adamw(config), backend or ""
 
 
 def parse_config(text: str) -> str:
-    """argparse type of --configs: a name of CONFIGS, optionally `@<SDPA backend>`."""
+    """argparse type of --configs: a name of CONFIGS, optionally `+adamw`, optionally `@<SDPA backend>`."""
     base, backend = split_config(text)
     if base not in CONFIGS or (backend is not None and backend not in SDPA_BACKENDS):
         raise argparse.ArgumentTypeError(f"{text!r}: expected one of {list(CONFIGS)}, optionally followed by "
-                                         f"@<backend> with backend in {list(SDPA_BACKENDS)}")
+                                         f"{ADAMW_SUFFIX} and by @<backend> with backend in {list(SDPA_BACKENDS)}")
     return text
 
 
@@ -326,7 +335,7 @@ def load_model(name: str, config: str, path: Path, device: str):
     return model, extra, note
 
 
-def make_step(model, config: str, device: str, first_batch: dict):
+def make_step(model, config: str, device: str, first_batch: dict, hubfuse_adamw: bool = False):
     """The training step of one configuration: step(batch) -> loss tensor (no host sync inside), and the optimizer.
 
     ours_graph: `hubfuse.cuda_graphs.capture_train_step` (warm-up on a side stream, then fwd + bwd + the
@@ -337,7 +346,12 @@ def make_step(model, config: str, device: str, first_batch: dict):
 
     cuda = device == "cuda"
     graph = config == "ours_graph"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=cuda, capturable=graph)
+    if hubfuse_adamw:
+        from hubfuse.optim import AdamW
+
+        opt = AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=cuda, capturable=graph)
     run = model
     if config in COMPILED:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -499,7 +513,7 @@ def child(args) -> int:
                 torch.cuda.synchronize()
                 row["after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2)
                 torch.cuda.reset_peak_memory_stats()
-            step, opt = make_step(model, base, device, batches[0])
+            step, opt = make_step(model, base, device, batches[0], uses_hubfuse_adamw(config))
             row["load_s"] = round(time.time() - t_start, 1)
             times, losses = [], []
             for i, batch in enumerate(batches[:args.warmup + args.steps]):
@@ -666,6 +680,20 @@ def summary(rows) -> list[str]:
         if "compile" in peers and peers["compile"].get("peak_mem_GiB"):
             line += (f"; peak of {best_ours} / HF + compile "
                      f"{ours[best_ours]['peak_mem_GiB'] / peers['compile']['peak_mem_GiB']:.2f}")
+        # the `+adamw` rows: hubfuse's AdamW in place of torch's fused one, against the peers with torch's and
+        # (where run) with hubfuse's AdamW too
+        with_adamw = {c: by[(s, c + ADAMW_SUFFIX)] for c in CONFIGS
+                      if by.get((s, c + ADAMW_SUFFIX), {}).get("status") == "ok"}
+        ours_adamw = {c: r for c, r in with_adamw.items() if c in OURS}
+        if ours_adamw:
+            best = min(ours_adamw, key=lambda c: ours_adamw[c]["step_ms_median"])
+            ms = ours_adamw[best]["step_ms_median"]
+            line += (f"; with hubfuse.optim.AdamW: {best}{ADAMW_SUFFIX} {ms:.1f} ms, "
+                     f"{peers[best_peer]['step_ms_median'] / ms:.2f}x {best_peer}")
+            peers_adamw = {c: r for c, r in with_adamw.items() if c not in OURS}
+            if peers_adamw:
+                bp = min(peers_adamw, key=lambda c: peers_adamw[c]["step_ms_median"])
+                line += f", {peers_adamw[bp]['step_ms_median'] / ms:.2f}x {bp}{ADAMW_SUFFIX}"
         lines.append(line + ".")
     return lines
 

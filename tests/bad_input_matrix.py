@@ -1180,6 +1180,9 @@ def _register():
         "group_load_balancing_loss_func": "load_balancing_loss_func with its statistics all-reduced over a process "
             "group (tests/test_distributed.py)",
         "layers": "the module of the Layers and Layouts (each in the matrix)",
+        "AdamW": "an optimizer, not a function of tensors with a float64 oracle per cell: its bad-input cases "
+            "(torch-only options, sparse, mixed-dtype and non-contiguous gradients, NaN, odd sizes, every dtype "
+            "against float64) are tests/test_optim.py",
     })
 
 
@@ -1193,6 +1196,7 @@ def public_names() -> dict[str, list[str]]:
     for pkg in map(package_name, families()):
         module = importlib.import_module(f"hubfuse.{pkg}")
         out[pkg] = list(module.__all__) + list(module.layers.__all__)
+    out["optim"] = list(importlib.import_module("hubfuse.optim").__all__)  # the umbrella's kernels
     return out
 
 

@@ -11,8 +11,8 @@ value checks on the device), so the step replays with no Python at all: what is 
 is the copy of the batch and one graph launch. The rules are CUDA graphs' own:
 
 - static shapes: every batch has the shapes of `example_batch` (pad or bucket; one graph per shape);
-- a capturable optimizer (`capturable=True`; a tensor learning rate, updated in place, lets a scheduler
-  change it between replays);
+- a capturable optimizer (`capturable=True`, or `hubfuse.optim.AdamW`, whose CUDA step always is; a tensor
+  learning rate, updated in place, lets a scheduler change it between replays);
 - gradients are allocated by the capture (`zero_grad(set_to_none=True)` before it, none between replays:
   each replay writes them afresh), so gradient accumulation over micro-batches means one graph per micro-batch
   position, or torch.compile(mode="reduce-overhead") instead;
@@ -46,7 +46,7 @@ def capture_train_step(model, optimizer, example_batch: dict, warmup_steps: int 
     if not torch.cuda.is_available():
         raise RuntimeError("capture_train_step needs a CUDA device")
     for group in optimizer.param_groups:
-        if not group.get("capturable", False):
+        if not (group.get("capturable", False) or getattr(optimizer, "capturable_on_cuda", False)):
             raise ValueError(f"capture_train_step: the optimizer must be capturable ({type(optimizer).__name__}"
                              f"(..., capturable=True)): its step runs inside the graph")
     bad = [k for k, v in example_batch.items() if not (isinstance(v, torch.Tensor) and v.is_cuda)]

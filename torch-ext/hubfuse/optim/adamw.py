@@ -1,0 +1,113 @@
+"""`hubfuse.optim.AdamW`: torch's AdamW (same arguments, state and state_dict) whose step on a GPU updates each
+large tensor in one Triton pass.
+
+torch's fused AdamW (`fused=True`, what HF's Trainer picks by default) runs its multi-tensor kernel in launches of
+at most 320 blocks of 64K elements: on an H100 / H200 (132 SMs) that is one partial wave a launch, ~2.7 TB/s on
+bf16 weights and states. A launch per tensor over the whole tensor runs at copy bandwidth. Tensors below
+`KERNEL_MIN_NUMEL` elements (norms, small projections: little of the bytes, many of the tensors) still go
+through torch's fused kernel in one call, so the host cost of a step stays a few launches.
+
+Numerics: the same update as torch's (decoupled weight decay, bias corrections from the step count, fp32 math,
+each tensor stored in its own dtype); on CPU (without `TRITON_INTERPRET=1`) the step is torch's own. The step
+count and a tensor learning rate stay on the device: the step is capturable in a CUDA graph
+(`hubfuse.cuda_graphs.capture_train_step`) whatever `capturable` says.
+"""
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam as _torch_adam
+
+from .._common.device import use_triton
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class AdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW` with hubfuse's one-pass kernel for large tensors on the GPU.
+
+    Arguments as torch's: `lr` (float or 0-dim tensor), `betas` (floats), `eps`, `weight_decay`, `maximize`,
+    `capturable` (kept in the param groups for torch's AdamW to load the state_dict; every CUDA step of this class
+    is capturable whatever it says). `amsgrad`, `foreach`, `fused` and `differentiable` are torch-only options
+    and raise a ValueError when set.
+    """
+
+    KERNEL_MIN_NUMEL = 1 << 23  # ~8M elements: ~30 us of the kernel at copy bandwidth, well above a launch
+    capturable_on_cuda = True  # hubfuse.cuda_graphs.capture_train_step takes it without capturable=True
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None):
+        for name, value, default in (("amsgrad", amsgrad, False), ("foreach", foreach, None),
+                                     ("differentiable", differentiable, False), ("fused", fused, None)):
+            if value != default:
+                raise ValueError(f"hubfuse.optim.AdamW: {name}={value!r} is not supported (it chooses its own "
+                                 f"kernels and has no {name} mode); use torch.optim.AdamW for it")
+        if not all(isinstance(b, float) for b in betas) or len(betas) != 2:
+            raise ValueError(f"hubfuse.optim.AdamW: betas must be two floats, got {betas!r}")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                         capturable=capturable)
+
+    def _state(self, p: torch.Tensor, on_device: bool) -> dict:
+        """The parameter's state, created as torch's fused AdamW does (fp32 step count on the device)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif on_device and state["step"].device != p.device:  # a state_dict loaded with the step on the CPU
+            state["step"] = state["step"].to(p.device, torch.float32)
+        return state
+
+    def _kernel_eligible(self, p: torch.Tensor, lr) -> bool:
+        g, state = p.grad, self.state[p]
+        tensors = (p, g, state["exp_avg"], state["exp_avg_sq"])
+        return (p.numel() >= self.KERNEL_MIN_NUMEL and type(p.data) is torch.Tensor and not g.is_sparse
+                and p.dtype in _KERNEL_DTYPES and all(t.dtype == p.dtype and t.is_contiguous() for t in tensors)
+                and (isinstance(lr, float) or lr.device == p.device))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        lr = float(lr) if isinstance(lr, (int, float)) else lr
+        rest: dict[bool, list] = {}
+        kernel = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("hubfuse.optim.AdamW does not support sparse gradients")
+            on_device = use_triton(p) or p.device.type != "cpu"
+            state = self._state(p, on_device)
+            if use_triton(p) and self._kernel_eligible(p, lr):
+                kernel.append((p, state))
+            else:
+                rest.setdefault(p.device.type == "cuda", []).append((p, state))
+        if kernel:
+            from .triton_kernels import adamw_update
+
+            steps = [state["step"] for _, state in kernel]
+            torch._foreach_add_(steps, 1)
+            for p, state in kernel:
+                adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
+                             group["eps"], group["weight_decay"], group["maximize"])
+        for cuda, entries in rest.items():
+            params = [p for p, _ in entries]
+            # torch's own AdamW math on the rest: its fused kernel on CUDA (one call for all), its default on CPU
+            _torch_adam(
+                params, [p.grad for p in params], [s["exp_avg"] for _, s in entries],
+                [s["exp_avg_sq"] for _, s in entries], [], [s["step"] for _, s in entries],
+                fused=True if cuda else None, capturable=bool(group["capturable"]) and cuda,
+                has_complex=any(torch.is_complex(p) for p in params), decoupled_weight_decay=True,
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
+                eps=group["eps"], maximize=group["maximize"])
