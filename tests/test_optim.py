@@ -150,8 +150,8 @@ def test_interpreter_bf16(use_kernel_path):
 def test_kernel_path_is_taken(use_kernel_path, monkeypatch):
     """Tensors at or above KERNEL_MIN_NUMEL go through the kernel, the rest through torch's adam in one call."""
     use_kernel_path("triton")
-    from hubfuse.optim import adamw as adamw_module
-    from hubfuse.optim import triton_kernels
+    from hubfuse import _optim_kernels as triton_kernels
+    from hubfuse import optim as adamw_module
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     calls = {"kernel": [], "torch": []}

@@ -7,7 +7,8 @@ exposes every family's Layers and Layouts. The package also provides `KernelConf
 `KernelConfig` that works for training and on CPU and, with no mapping, turns on every hubfuse kernel for the model
 being loaded (imported lazily: the hub kernel itself needs nothing beyond torch), `presets`
 (`kernel_mapping(family)`, `enable_losses(model, family)`: every kernel that applies to a model family),
-`use_local_builds()` (build this clone's kernel repos and load them instead of the hub's), `distributed` (FSDP2 +
+`use_local_builds()` (build this clone's kernel repos and load them instead of the hub's), `optim` (`AdamW`:
+torch's AdamW with a one-pass update of each large tensor on the GPU), `distributed` (FSDP2 +
 expert parallelism over a kernelized model, HF-format checkpoints of the sharded model), `cuda_graphs` (a whole
 training step captured in one CUDA graph) and `training` (`apply_training_defaults`: in training mode no KV cache
 unless `use_cache=True` is passed, and SDPA's causal path under compile and CUDA graphs too; KernelConfig applies
@@ -24,7 +25,7 @@ if _here.parent.name == "torch-ext" and (_here.parents[1] / "kernel_repos").is_d
 del _Path, _here
 
 __all__ = ["layers", "KernelConfig", "kernel_state_snapshot", "restore_global_state", "presets", "distributed",
-           "cuda_graphs", "training", "kernel_mapping", "enable_losses", "use_local_builds", "local_builds"]
+           "cuda_graphs", "training", "optim", "kernel_mapping", "enable_losses", "use_local_builds", "local_builds"]
 
 
 def __getattr__(name):
@@ -34,7 +35,7 @@ def __getattr__(name):
         from . import kernel_config
 
         return getattr(kernel_config, name)
-    if name in ("layers", "presets", "sources", "distributed", "cuda_graphs", "training"):
+    if name in ("layers", "presets", "sources", "distributed", "cuda_graphs", "training", "optim"):
         return importlib.import_module(f"{__name__}.{name}")
     if name in ("kernel_mapping", "enable_losses"):
         from . import presets

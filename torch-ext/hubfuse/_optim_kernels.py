@@ -1,4 +1,5 @@
-"""The AdamW update of one tensor in one pass (imports triton; loaded on the first kernel step).
+"""hubfuse.optim.AdamW's kernel: the AdamW update of one tensor in one pass (imports triton; loaded on the first
+kernel step).
 
 Every element reads param, grad, exp_avg and exp_avg_sq once and writes param, exp_avg and exp_avg_sq once, in
 the tensors' own dtype, with the math in fp32. The step count and the learning rate can live on the device, so
@@ -7,7 +8,7 @@ the launch is the same on every step (CUDA-graph capturable).
 import triton
 import triton.language as tl
 
-from .._common.launch import cdiv, launch
+from ._common.launch import cdiv, launch
 
 BLOCK = 4096
 NUM_WARPS = 8

@@ -1,4 +1,4 @@
-"""`hubfuse.optim.AdamW`: torch's AdamW (same arguments, state and state_dict) whose step on a GPU updates each
+"""hubfuse's optimizers. `AdamW`: torch's AdamW (same arguments, state and state_dict) whose step on a GPU updates each
 large tensor in one Triton pass.
 
 torch's fused AdamW (`fused=True`, what HF's Trainer picks by default) runs its multi-tensor kernel in launches of
@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch.optim.adam import adam as _torch_adam
 
-from .._common.device import use_triton
+from ._common.device import use_triton
+
+__all__ = ["AdamW"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -94,7 +96,7 @@ class AdamW(torch.optim.AdamW):
             else:
                 rest.setdefault(p.device.type == "cuda", []).append((p, state))
         if kernel:
-            from .triton_kernels import adamw_update
+            from ._optim_kernels import adamw_update
 
             steps = [state["step"] for _, state in kernel]
             torch._foreach_add_(steps, 1)
