@@ -24,6 +24,15 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 # hubfuse_all: every tensor through the kernel (KERNEL_MIN_NUMEL = 1), the host cost of a launch per tensor
 OPTIMIZERS = ("torch_fused", "torch_foreach", "hubfuse", "hubfuse_all")
+# hubfuse:<BLOCK>x<NUM_WARPS>: the kernel with another launch setting (elements a program, warps)
+DEFAULT_LAUNCH = {}
+
+
+def parse_optimizer(text: str) -> str:
+    base, _, launch = text.partition(":")
+    if base not in OPTIMIZERS or (launch and (base != "hubfuse" or not launch.replace("x", "").isdigit())):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of {list(OPTIMIZERS)} or hubfuse:<BLOCK>x<WARPS>")
+    return text
 
 
 def param_shapes(slice_name: str) -> list[tuple[int, ...]]:
@@ -42,8 +51,12 @@ def make_optimizer(name: str, params):
     import torch
 
     if name.startswith("hubfuse"):
+        from hubfuse import _optim_kernels
         from hubfuse.optim import AdamW
 
+        block, warps = (map(int, name.split(":")[1].split("x")) if ":" in name
+                        else (DEFAULT_LAUNCH["BLOCK"], DEFAULT_LAUNCH["NUM_WARPS"]))
+        _optim_kernels.BLOCK, _optim_kernels.NUM_WARPS = block, warps
         opt = AdamW(params, lr=1e-5, weight_decay=0.01)
         if name == "hubfuse_all":
             opt.KERNEL_MIN_NUMEL = 1
@@ -110,7 +123,7 @@ def time_optimizer(name: str, shapes, steps: int, warmup: int, seed: int = 0) ->
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slices", nargs="+", default=["qwen3_30b_a3b_8l", "qwen3_0_6b", "qwen3_5_moe"])
-    ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), type=parse_optimizer)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "out"))
@@ -120,6 +133,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_adamw.py needs a CUDA device", file=sys.stderr)
         return 2
+    from hubfuse import _optim_kernels
+
+    DEFAULT_LAUNCH.update(BLOCK=_optim_kernels.BLOCK, NUM_WARPS=_optim_kernels.NUM_WARPS)
     bw = copy_tb_s()
     rows = []
     lines = [f"AdamW step alone, {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 weights, "

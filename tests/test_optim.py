@@ -211,7 +211,7 @@ def test_state_dict_round_trip_with_torch(use_kernel_path):
     ours.step()
     back.step()
     for p, r in zip(ps, back.param_groups[0]["params"]):
-        torch.testing.assert_close(p, r, rtol=4 * _eps(torch.float32), atol=1e-7)
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)  # ulps of the fp32 math apart; a lost state: 1e-3
         assert back.state[r]["step"].item() == 3
 
 
@@ -242,7 +242,8 @@ def test_what_the_kernel_does_not_take_is_torch_s(use_kernel_path, case):
     base = torch.randn(30, 40, device=device)
     p = torch.nn.Parameter(base.t() if case == "noncontiguous" else base.clone())
     q = torch.nn.Parameter(p.detach().clone())
-    grad = torch.randn(p.shape, device=device)
+    assert q.stride() == p.stride()
+    grad = torch.randn_like(p)  # the parameter's strides, as autograd makes its gradient
     if case == "nan":
         grad[3, 5] = float("nan")
     ours = AdamW([p], lr=1e-2)

@@ -50,22 +50,22 @@ class AdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                          capturable=capturable)
 
-    def _state(self, p: torch.Tensor, on_device: bool) -> dict:
-        """The parameter's state, created as torch's fused AdamW does (fp32 step count on the device)."""
+    def _new_state(self, p: torch.Tensor) -> dict:
+        """The parameter's state, created as torch's fused AdamW does (an fp32 step count on the device where the
+        update runs there)."""
+        step_device = p.device if (p.device.type != "cpu" or use_triton(p)) else "cpu"
         state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        elif on_device and state["step"].device != p.device:  # a state_dict loaded with the step on the CPU
-            state["step"] = state["step"].to(p.device, torch.float32)
+        state.update(step=torch.zeros((), dtype=torch.float32, device=step_device),
+                     exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                     exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
         return state
 
-    def _kernel_eligible(self, p: torch.Tensor, lr) -> bool:
-        g, state = p.grad, self.state[p]
-        tensors = (p, g, state["exp_avg"], state["exp_avg_sq"])
-        return (p.numel() >= self.KERNEL_MIN_NUMEL and type(p.data) is torch.Tensor and not g.is_sparse
-                and p.dtype in _KERNEL_DTYPES and all(t.dtype == p.dtype and t.is_contiguous() for t in tensors)
+    def _kernel_eligible(self, p: torch.Tensor, state: dict, lr) -> bool:
+        g = p.grad
+        return (type(p.data) is torch.Tensor and p.dtype in _KERNEL_DTYPES and g.dtype == p.dtype
+                and state["exp_avg"].dtype == p.dtype and state["exp_avg_sq"].dtype == p.dtype
+                and p.is_contiguous() and g.is_contiguous() and state["exp_avg"].is_contiguous()
+                and state["exp_avg_sq"].is_contiguous() and use_triton(p)
                 and (isinstance(lr, float) or lr.device == p.device))
 
     @torch.no_grad()
@@ -84,17 +84,20 @@ class AdamW(torch.optim.AdamW):
         lr = float(lr) if isinstance(lr, (int, float)) else lr
         rest: dict[bool, list] = {}
         kernel = []
+        min_numel = self.KERNEL_MIN_NUMEL
         for p in group["params"]:
-            if p.grad is None:
+            g = p.grad
+            if g is None:
                 continue
-            if p.grad.is_sparse:
+            if g.is_sparse:
                 raise RuntimeError("hubfuse.optim.AdamW does not support sparse gradients")
-            on_device = use_triton(p) or p.device.type != "cpu"
-            state = self._state(p, on_device)
-            if use_triton(p) and self._kernel_eligible(p, lr):
+            state = self.state[p] or self._new_state(p)
+            if p.is_cuda and state["step"].device != p.device:  # a loaded state_dict keeps it on the CPU
+                state["step"] = state["step"].to(p.device, torch.float32)
+            if p.numel() >= min_numel and self._kernel_eligible(p, state, lr):
                 kernel.append((p, state))
             else:
-                rest.setdefault(p.device.type == "cuda", []).append((p, state))
+                rest.setdefault(p.is_cuda, []).append((p, state))
         if kernel:
             from ._optim_kernels import adamw_update
 
