@@ -549,8 +549,10 @@ def child(args) -> int:
                     step(batch)
                     host.append(time.perf_counter() - t0)
                 torch.cuda.synchronize()
-                row["host_ms"] = round(statistics.median(host) * 1e3, 2)
-                row.update(profile_step(step, rest[n_host:], device))
+                if host:
+                    row["host_ms"] = round(statistics.median(host) * 1e3, 2)
+                if n_prof:
+                    row.update(profile_step(step, rest[n_host:], device))
                 if args.cprofile and config in args.cprofile:
                     out_dir = Path(os.environ.get("OUT") or ROOT / "out")
                     out_dir.mkdir(parents=True, exist_ok=True)

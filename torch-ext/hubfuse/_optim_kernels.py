@@ -10,8 +10,10 @@ import triton.language as tl
 
 from ._common.launch import cdiv, launch
 
-BLOCK = 4096  # elements a program; module settings, read at every launch (scripts/bench_adamw.py sweeps them)
-NUM_WARPS = 8
+# elements a program and warps; module settings read at every launch. `scripts/bench_adamw.py` sweeps them: on an
+# H200, 1024 x 4 warps moves 4.12 TB/s of the 4.24 a copy gets, 4096 x 8 3.64, 8192 x 8 2.77
+BLOCK = 1024
+NUM_WARPS = 4
 
 
 @triton.jit
