@@ -141,3 +141,32 @@ def test_sft_trainer(family, padding_free, model_dirs, tmp_path):
         assert all(b["input_ids"].shape[0] == 1 and "attention_mask" not in b for b in batches)
         assert all(int((b["position_ids"] == 0).sum()) == 2 for b in batches)
     _assert_same_training(ref, ours, losses_ref, losses_ours)
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch-path", "kernel-under-interpreter"])
+def test_trainer_with_hubfuse_adamw(kernel, model_dirs, tmp_path, monkeypatch):
+    """`Trainer(optimizer_cls_and_kwargs=(hubfuse.optim.AdamW, {...}))` trains as with torch's AdamW: bit for bit
+    on the plain CPU path; with every tensor through the Triton kernel (the interpreter) within fp32 roundings."""
+    from hubfuse.optim import AdamW
+
+    if kernel:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(AdamW, "KERNEL_MIN_NUMEL", 1)
+    data = _sequences(tiny_config("qwen3").vocab_size, seed=3)
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05)
+    runs = {}
+    for name, cls in (("torch", torch.optim.AdamW), ("hubfuse", AdamW)):
+        model = AutoModelForCausalLM.from_pretrained(model_dirs["qwen3"], use_kernels=True,
+                                                     kernel_config=hubfuse.KernelConfig())
+        args = TrainingArguments(output_dir=str(tmp_path / name), **COMMON_ARGS)
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=_collate,
+                          optimizer_cls_and_kwargs=(cls, kw))
+        trainer.train()
+        assert isinstance(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
+                          else trainer.optimizer, cls)
+        runs[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, want in runs["torch"].items():
+        if kernel:
+            torch.testing.assert_close(runs["hubfuse"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(runs["hubfuse"][name], want), name
