@@ -418,7 +418,12 @@ def run_config(config: str, path: Path, batches, args, d: Dist, cfg, record, uni
     load_s = round(time.time() - t0, 1)
     kernels = bound_kernels(model) if config != "hf" else None
     cuda = d.device.type == "cuda"
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-5, weight_decay=0.01, fused=cuda)
+    if args.optimizer == "hubfuse":
+        from hubfuse.optim import AdamW
+
+        opt = AdamW(param_groups(model), lr=1e-5, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(param_groups(model), lr=1e-5, weight_decay=0.01, fused=cuda)
     for mode, dispatch in variants(config, args, d):
         name = variant_name(config, mode, dispatch, units)
         row = dict(config=config, row=name, fsdp=mode, ep_dispatch=dispatch, gpus=d.world,
@@ -832,6 +837,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="sequences per GPU per step (default 2; smoke 2)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the world size)")
     p.add_argument("--sharding", choices=("transformers", "hubfuse"), default="transformers")
+    p.add_argument("--optimizer", choices=("torch", "hubfuse"), default="torch",
+                   help="torch's fused AdamW (default) or hubfuse.optim.AdamW (its kernel on each local shard)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 10; smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
@@ -916,6 +923,7 @@ def main(argv=None) -> int:
                     + " ".join(sys.argv[1:] if argv is None else argv),
                     model=args.model, device=name, world=d.world, ep=args.ep, layers=args.layers, seq=args.seq,
                     batch=args.batch, steps=args.steps, warmup=args.warmup, sharding=args.sharding,
+                    optimizer=args.optimizer,
                     activation_checkpointing=args.activation_checkpointing,
                     flops_per_token=args.flops_per_token, checkpoint_s=checkpoint_s, torch=torch.__version__,
                     peak_tflops=next((v for k, v in PEAK_TFLOPS.items() if k in name), None))

@@ -3,8 +3,8 @@
 - gloo: a tiny fp32 Qwen3 on 2 CPU processes (the normal suite);
 - nccl (`gpu`, needs 2 GPUs): a real slice in bf16 (hidden 2048, 16/8 heads, head_dim 128, intermediate 6144,
   2 layers, vocab 151936, 2 x 1024 tokens per rank), one GPU per rank.
-Each rank trains its own micro-batch for 3 AdamW steps (every decoder layer and the root sharded, as
-accelerate / TRL do with FSDP2); the per-rank losses must equal those of the non-sharded eager model trained
+Each rank trains its own micro-batch for 3 AdamW steps (torch's, or hubfuse.optim.AdamW on the local shards;
+every decoder layer and the root sharded, as accelerate / TRL do with FSDP2); the per-rank losses must equal those of the non-sharded eager model trained
 on both micro-batches with the gradients averaged (what FSDP's reduce-scatter computes).
 
 The ranks are two `python tests/test_fsdp2.py --worker` processes started here. Rendezvous goes through a
@@ -70,7 +70,8 @@ def _reference_losses(path, batches, backend):
     return losses
 
 
-def _worker(backend: str, rank: int, store_file: str, path: str, batches_file: str, out_file: str) -> None:
+def _worker(backend: str, rank: int, optimizer: str, store_file: str, path: str, batches_file: str,
+            out_file: str) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
@@ -95,7 +96,17 @@ def _worker(backend: str, rank: int, store_file: str, path: str, batches_file: s
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)  # root: embeddings, final norm, lm_head (the fused loss reads lm_head.weight)
         sharded = sum(type(p).__name__ == "DTensor" for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        kernel_updates = []
+        if optimizer == "hubfuse":  # every local shard through the kernel (the interpreter on CPU)
+            from hubfuse import _optim_kernels
+            from hubfuse.optim import AdamW
+
+            update = _optim_kernels.adamw_update
+            _optim_kernels.adamw_update = lambda *a: (kernel_updates.append(a[0].numel()), update(*a))
+            AdamW.KERNEL_MIN_NUMEL = 1
+            opt = AdamW(model.parameters(), lr=lr)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=lr)
         batches = torch.load(batches_file)
         losses = []
         for step in batches:
@@ -109,13 +120,16 @@ def _worker(backend: str, rank: int, store_file: str, path: str, batches_file: s
                         for name, m in model.named_modules() if name and "forward" in m.__dict__})
         with open(out_file, "w") as f:
             json.dump({"losses": losses, "layouts": layouts, "bound": bound, "sharded_params": sharded,
-                       "params": sum(1 for _ in model.parameters())}, f)
+                       "params": sum(1 for _ in model.parameters()), "kernel_updates": len(kernel_updates)}, f)
     finally:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("optimizer", ["torch", "hubfuse"])
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
-def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path, backend):
+def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path, backend, optimizer):
+    """`optimizer`: torch's AdamW or hubfuse.optim.AdamW (its kernel on every local shard) on the sharded model;
+    the reference is torch's AdamW on the unsharded one."""
     import torch
 
     from tests.utils import register_local_kernels, save_tiny_model, tiny_config
@@ -123,7 +137,9 @@ def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path, backend):
     if backend == "nccl" and torch.cuda.device_count() < WORLD_SIZE:
         pytest.skip(f"needs {WORLD_SIZE} GPUs")
     _, _, _, seq, tol = SETUPS[backend]
-    register_local_kernels("rmsnorm", "rotary", "swiglu", "cross-entropy")
+    from hubfuse.build import families
+
+    register_local_kernels(*families())  # every repo the preset maps (decoder-layer too), whatever ran before
     overrides = REAL_SLICE if backend == "nccl" else {}
     path = save_tiny_model(FAMILY, tmp_path, **overrides)
     batches = _batches(tiny_config(FAMILY, **overrides).vocab_size, seq)
@@ -132,7 +148,8 @@ def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path, backend):
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1" if not torch.cuda.is_available() else "0"))
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", backend, str(rank), str(store), str(path),
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", backend, str(rank), optimizer, str(store),
+                               str(path),
                                str(tmp_path / "batches.pt"), str(tmp_path / f"rank{rank}.json")],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(WORLD_SIZE)]
@@ -153,6 +170,7 @@ def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path, backend):
         assert {"DecoderLayerLayout", "QKNormRopeAttentionLayout", "RMSNormLayout", "SwiGLUMLPLayout"} \
             <= set(r["layouts"])
         assert {"DecoderLayer", "RMSNorm"} <= set(r["bound"])
+        assert r["kernel_updates"] == (STEPS * r["params"] if optimizer == "hubfuse" else 0)
     want = _reference_losses(path, batches, backend)
     got = [[results[rank]["losses"][step] for rank in range(WORLD_SIZE)] for step in range(STEPS)]
     print(f"{backend}: FSDP2 + kernels {got}; unsharded eager {want}")
@@ -160,5 +178,5 @@ def test_fsdp2_kernelized_qwen3_matches_unsharded_eager(tmp_path, backend):
     assert all(want[-1][r] < want[0][r] - 1e-3 for r in range(WORLD_SIZE))  # same batches, lower loss: it trained
 
 
-if __name__ == "__main__" and len(sys.argv) == 8 and sys.argv[1] == "--worker":
+if __name__ == "__main__" and len(sys.argv) == 9 and sys.argv[1] == "--worker":
     _worker(sys.argv[2], int(sys.argv[3]), *sys.argv[4:])

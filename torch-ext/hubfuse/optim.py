@@ -10,7 +10,8 @@ through torch's fused kernel in one call, so the host cost of a step stays a few
 Numerics: the same update as torch's (decoupled weight decay, bias corrections from the step count, fp32 math,
 each tensor stored in its own dtype); on CPU (without `TRITON_INTERPRET=1`) the step is torch's own. The step
 count and a tensor learning rate stay on the device: the step is capturable in a CUDA graph
-(`hubfuse.cuda_graphs.capture_train_step`) whatever `capturable` says.
+(`hubfuse.cuda_graphs.capture_train_step`) whatever `capturable` says. Sharded parameters (FSDP2, expert
+parallelism: DTensors) are updated on their local shards, no communication (AdamW is element-wise).
 """
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ from ._common.device import use_triton
 __all__ = ["AdamW"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed
+        return None
+    return DTensor
 
 
 class AdamW(torch.optim.AdamW):
@@ -60,13 +69,24 @@ class AdamW(torch.optim.AdamW):
                      exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
         return state
 
-    def _kernel_eligible(self, p: torch.Tensor, state: dict, lr) -> bool:
-        g = p.grad
-        return (type(p.data) is torch.Tensor and p.dtype in _KERNEL_DTYPES and g.dtype == p.dtype
-                and state["exp_avg"].dtype == p.dtype and state["exp_avg_sq"].dtype == p.dtype
-                and p.is_contiguous() and g.is_contiguous() and state["exp_avg"].is_contiguous()
-                and state["exp_avg_sq"].is_contiguous() and use_triton(p)
-                and (isinstance(lr, float) or lr.device == p.device))
+    @staticmethod
+    def _kernel_tensors(p: torch.Tensor, state: dict, lr) -> tuple | None:
+        """(param, grad, exp_avg, exp_avg_sq) as the kernel takes them, or None where it does not: plain tensors
+        of one dtype, contiguous, where Triton runs. DTensors (FSDP2 shards, expert-parallel banks) whose gradient
+        and states are laid out as the parameter give their local shards (the update is element-wise)."""
+        tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+        if type(p.data) is not torch.Tensor:
+            dtensor = _dtensor_class()
+            if dtensor is None or not all(isinstance(t, dtensor) and t.placements == p.placements
+                                          and t.device_mesh == p.device_mesh for t in tensors):
+                return None
+            tensors = tuple(t.to_local() for t in tensors)
+        local = tensors[0]
+        if not (local.dtype in _KERNEL_DTYPES and all(t.dtype == local.dtype and t.is_contiguous()
+                                                      and t.device == local.device for t in tensors)
+                and use_triton(local) and (isinstance(lr, float) or lr.device == local.device)):
+            return None
+        return tensors
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -94,8 +114,9 @@ class AdamW(torch.optim.AdamW):
             state = self.state[p] or self._new_state(p)
             if p.is_cuda and state["step"].device != p.device:  # a loaded state_dict keeps it on the CPU
                 state["step"] = state["step"].to(p.device, torch.float32)
-            if p.numel() >= min_numel and self._kernel_eligible(p, state, lr):
-                kernel.append((p, state))
+            tensors = self._kernel_tensors(p, state, lr) if p.numel() >= min_numel else None
+            if tensors is not None and tensors[0].numel() >= min_numel:
+                kernel.append((tensors, state))
             else:
                 rest.setdefault(p.is_cuda, []).append((p, state))
         if kernel:
@@ -103,9 +124,9 @@ class AdamW(torch.optim.AdamW):
 
             steps = [state["step"] for _, state in kernel]
             torch._foreach_add_(steps, 1)
-            for p, state in kernel:
-                adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
-                             group["eps"], group["weight_decay"], group["maximize"])
+            for tensors, state in kernel:
+                adamw_update(*tensors, state["step"], lr, beta1, beta2, group["eps"], group["weight_decay"],
+                             group["maximize"])
         for cuda, entries in rest.items():
             params = [p for p, _ in entries]
             # torch's own AdamW math on the rest: its fused kernel on CUDA (one call for all), its default on CPU
