@@ -4,8 +4,9 @@
 - nccl (`gpu`, needs 2 GPUs): a real slice in bf16 (hidden 2048, 16/8 heads, head_dim 128, intermediate 6144,
   2 layers, vocab 151936, 2 x 1024 tokens per rank), one GPU per rank.
 Each rank trains its own micro-batch for 3 AdamW steps (torch's, or hubfuse.optim.AdamW on the local shards;
-every decoder layer and the root sharded, as accelerate / TRL do with FSDP2); the per-rank losses must equal those of the non-sharded eager model trained
-on both micro-batches with the gradients averaged (what FSDP's reduce-scatter computes).
+every decoder layer and the root sharded, as accelerate / TRL do with FSDP2); the per-rank losses must equal
+those of the non-sharded eager model trained on both micro-batches with the gradients averaged (what FSDP's
+reduce-scatter computes).
 
 The ranks are two `python tests/test_fsdp2.py --worker` processes started here. Rendezvous goes through a
 file store in a temporary directory (no port to pick, nothing listens beyond the gloo pairs, which are bound

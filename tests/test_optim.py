@@ -115,6 +115,33 @@ def test_step_matches_float64(use_kernel_path, dtype, weight_decay, maximize, lr
     _check_against_float64(dtype, device, lr_kind, weight_decay, maximize, steps_before, 1)
 
 
+def test_beta1_zero_and_complex(use_kernel_path):
+    """beta1 = 0 (RMSprop-like, ln(beta1) = -inf in the kernel) against float64; a complex parameter takes
+    torch's path and matches torch's AdamW."""
+    use_kernel_path("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ps, gen = _params([(33, 17)], torch.float32, device, 8)
+    opt = AdamW(ps, lr=3e-3, betas=(0.0, 0.99), weight_decay=0.01)
+    opt.KERNEL_MIN_NUMEL = 1
+    _random_state(opt, gen, 4)
+    p = ps[0]
+    p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(device)
+    before = (p.detach().clone(), p.grad.clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+    opt.step()
+    (want, _, _), (scale, _, _) = _reference_step(*before, 5, 3e-3, 0.0, 0.99, 1e-8, 0.01, False)
+    assert ((p.double() - want).abs() / scale).max().item() <= _tolerance(torch.float32)
+    z = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.complex64, device=device))
+    w = torch.nn.Parameter(z.detach().clone())
+    ours, theirs = AdamW([z], lr=1e-2), torch.optim.AdamW([w], lr=1e-2)
+    ours.KERNEL_MIN_NUMEL = 1
+    for _ in range(2):
+        z.grad = torch.randn_like(z)
+        w.grad = z.grad.clone()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(z, w, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_small_tensors_are_torch_adamw_bit_for_bit(use_kernel_path, dtype):
     """Below KERNEL_MIN_NUMEL the step is torch's AdamW's (its fused kernel on CUDA, its default on CPU)."""

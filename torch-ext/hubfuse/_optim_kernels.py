@@ -67,8 +67,10 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1: float, beta2
 
     numel = param.numel()
     lr_on_device = not isinstance(lr, float)
-    # 1 - beta in double, then rounded once (fp32(1 - fp32(0.999)) is 5e-5 off 0.001 in relative terms)
+    # 1 - beta in double, then rounded once: 1 - fp32(0.999) is 1.3e-5 off 0.001 in relative terms
+    # ln(0) = -inf: beta**t = exp(-inf) = 0 for every t >= 1
+    ln_beta1, ln_beta2 = (math.log(b) if b > 0 else -math.inf for b in (beta1, beta2))
     launch(_adamw_kernel, (cdiv(numel, BLOCK),), param, grad, exp_avg, exp_avg_sq, step,
            lr if lr_on_device else step, numel, 0.0 if lr_on_device else lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2,
-           math.log(beta1), math.log(beta2), eps, weight_decay, LR_ON_DEVICE=lr_on_device, MAXIMIZE=maximize,
-           BLOCK=BLOCK, num_warps=NUM_WARPS)
+           ln_beta1, ln_beta2, eps, weight_decay, LR_ON_DEVICE=lr_on_device, MAXIMIZE=maximize, BLOCK=BLOCK,
+           num_warps=NUM_WARPS)

@@ -129,11 +129,13 @@ class AdamW(torch.optim.AdamW):
                              group["maximize"])
         for cuda, entries in rest.items():
             params = [p for p, _ in entries]
-            # torch's own AdamW math on the rest: its fused kernel on CUDA (one call for all), its default on CPU
+            has_complex = any(torch.is_complex(p) for p in params)
+            # torch's own AdamW math on the rest: its fused kernel on CUDA (one call for all; its default where a
+            # tensor is complex, which the fused kernel does not take), its default on CPU
             _torch_adam(
                 params, [p.grad for p in params], [s["exp_avg"] for _, s in entries],
                 [s["exp_avg_sq"] for _, s in entries], [], [s["step"] for _, s in entries],
-                fused=True if cuda else None, capturable=bool(group["capturable"]) and cuda,
-                has_complex=any(torch.is_complex(p) for p in params), decoupled_weight_decay=True,
+                fused=True if cuda and not has_complex else None, capturable=bool(group["capturable"]) and cuda,
+                has_complex=has_complex, decoupled_weight_decay=True,
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
                 eps=group["eps"], maximize=group["maximize"])
