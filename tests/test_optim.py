@@ -13,28 +13,12 @@
 """
 import copy
 import math
-import os
 
 import pytest
 import torch
 
 from hubfuse.optim import AdamW
 
-
-
-@pytest.fixture
-def use_kernel_path(monkeypatch):
-    """As kernel_repos/conftest.py's: "torch" = the plain CPU path, "triton" = the kernels (the interpreter on
-    CPU); skips where that path does not run here."""
-    def use(name: str) -> None:
-        if name == "torch":
-            if torch.cuda.is_available():
-                pytest.skip("the torch path is the no-Triton CPU path")
-            monkeypatch.setenv("TRITON_INTERPRET", "0")
-        elif not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("needs TRITON_INTERPRET=1 on CPU")
-
-    return use
 
 
 # rounding of the stored result, in units of the dtype's eps, on top of 4 fp32 eps of the fp32 math; the
