@@ -226,6 +226,31 @@ def test_state_dict_round_trip_with_torch(use_kernel_path):
         assert back.state[r]["step"].item() == 3
 
 
+def test_compiled_step_fullgraph(use_kernel_path):
+    """torch.compile(opt.step, fullgraph=True): the kernel is one opaque custom op (no graph break); the kernel's
+    tensors bit for bit as eager, the rest as torch's compiled AdamW (fp32 roundings)."""
+    use_kernel_path("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runs = []
+    for _ in range(2):
+        ps, gen = _params([(64, 33), (5,)], torch.float32, device, 9)
+        opt = AdamW(ps, lr=1e-2, weight_decay=0.1)
+        opt.KERNEL_MIN_NUMEL = 100
+        runs.append((ps, opt))
+    (eager_ps, eager_opt), (compiled_ps, compiled_opt) = runs
+    torch._dynamo.reset()
+    compiled_step = torch.compile(compiled_opt.step, fullgraph=True)
+    for _ in range(3):
+        for p, q in zip(eager_ps, compiled_ps):
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+            q.grad = p.grad.clone()
+        eager_opt.step()
+        compiled_step()
+    assert torch.equal(eager_ps[0], compiled_ps[0])
+    torch.testing.assert_close(eager_ps[1], compiled_ps[1], rtol=1e-6, atol=1e-6)
+    assert compiled_opt.state[compiled_ps[0]]["step"].item() == 3
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(amsgrad=True), "amsgrad"), (dict(fused=True), "fused"), (dict(foreach=True), "foreach"),
     (dict(differentiable=True), "differentiable"), (dict(betas=(torch.tensor(0.9), 0.999)), "betas"),

@@ -15,14 +15,34 @@ parallelism: DTensors) are updated on their local shards, no communication (Adam
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.optim.adam import adam as _torch_adam
 
+from ._common.custom_op import custom_op
 from ._common.device import use_triton
 
 __all__ = ["AdamW"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@custom_op("adamw_update", mutates_args=("param", "exp_avg", "exp_avg_sq"))
+def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 step: torch.Tensor, lr: float, lr_tensor: Optional[torch.Tensor], beta1: float, beta2: float,
+                 eps: float, weight_decay: float, maximize: bool) -> None:
+    """The kernel's update of one tensor, in place, as one opaque node for torch.compile (eager steps call
+    `adamw_update.eager_impl`); `lr_tensor`, where given, is the learning rate on the device."""
+    from ._optim_kernels import adamw_update as update
+
+    update(param, grad, exp_avg, exp_avg_sq, step, lr if lr_tensor is None else lr_tensor, beta1, beta2, eps,
+           weight_decay, maximize)
+
+
+@adamw_update.register_fake
+def _(param, grad, exp_avg, exp_avg_sq, step, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize):
+    return None
 
 
 def _dtensor_class():
@@ -120,13 +140,12 @@ class AdamW(torch.optim.AdamW):
             else:
                 rest.setdefault(p.is_cuda, []).append((p, state))
         if kernel:
-            from ._optim_kernels import adamw_update
-
-            steps = [state["step"] for _, state in kernel]
-            torch._foreach_add_(steps, 1)
+            update = adamw_update if torch.compiler.is_compiling() else adamw_update.eager_impl
+            lr_float, lr_tensor = (lr, None) if isinstance(lr, float) else (0.0, lr)
+            torch._foreach_add_([state["step"] for _, state in kernel], 1)
             for tensors, state in kernel:
-                adamw_update(*tensors, state["step"], lr, beta1, beta2, group["eps"], group["weight_decay"],
-                             group["maximize"])
+                update(*tensors, state["step"], lr_float, lr_tensor, beta1, beta2, group["eps"],
+                       group["weight_decay"], group["maximize"])
         for cuda, entries in rest.items():
             params = [p for p, _ in entries]
             has_complex = any(torch.is_complex(p) for p in params)
