@@ -32,6 +32,9 @@
 #                                                    the sweep's base row and bench_ops gated_delta_net (with FLA)
 #   bash scripts/gpu_check.sh kernels-benchmark      `kernels benchmark` over every repo
 #   bash scripts/gpu_check.sh demo                   scripts/demo.py
+#   bash scripts/gpu_check.sh adamw [args]           hubfuse.optim.AdamW: its GPU tests, then the optimizer step alone
+#                                                    against torch's (scripts/bench_adamw.py; e.g. `adamw --optimizers
+#                                                    torch_fused hubfuse hubfuse:2048x4`)
 #   bash scripts/gpu_check.sh dist [args]            Qwen3-30B-A3B under FSDP2 + EP (scripts/bench_distributed.py):
 #                                                    NPROC=1 (default) the --single-gpu proxy, NPROC=N torchrun
 #   bash scripts/gpu_check.sh scale [part ...]       issue 34 on NPROC (default 4) GPUs, one command, each part with
@@ -193,6 +196,10 @@ case "$step" in
     tail -n 3 "$OUT/kernels_benchmark.log" ;;
   demo)
     python3 scripts/demo.py 2>&1 | tee "$OUT/demo.log" | tail -n 60 ;;
+  adamw)
+    python3 -m pytest -v -p no:cacheprovider tests/test_optim.py >"$OUT/test_optim.log" 2>&1
+    grep -E "FAIL|ERROR|passed|failed" "$OUT/test_optim.log" | tail -n 12
+    python3 scripts/bench_adamw.py --out "$OUT" "$@" 2>&1 | tail -n 16 ;;
   dist)
     if [ "${NPROC:-1}" = 1 ]; then
       python3 scripts/bench_distributed.py --single-gpu "$@"
