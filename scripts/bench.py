@@ -702,12 +702,13 @@ def summary(rows) -> list[str]:
 
 def kernel_comparison(rows, top: int = 15) -> list[str]:
     """The profiler's top kernels of each eager hubfuse row next to its graph-replay row (`ours` / `ours_graph`,
-    with the same SDPA backend), ms and calls per step: which kernels slow down in replay."""
+    with the same optimizer and SDPA backend), ms and calls per step: which kernels slow down in replay."""
     by = {(r["slice"], r["config"]): r for r in rows}
     lines = []
     for r in rows:
         base, backend = split_config(r["config"])
-        replay = by.get((r["slice"], "ours_graph" + (f"@{backend}" if backend else "")), {})
+        adamw = ADAMW_SUFFIX if uses_hubfuse_adamw(r["config"]) else ""
+        replay = by.get((r["slice"], "ours_graph" + adamw + (f"@{backend}" if backend else "")), {})
         if base != "ours" or not r.get("top_kernels") or not replay.get("top_kernels"):
             continue
         eager_k = {name: (calls, ms) for name, calls, ms in r["top_kernels"]}
