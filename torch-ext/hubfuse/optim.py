@@ -29,18 +29,18 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @custom_op("adamw_update", mutates_args=("param", "exp_avg", "exp_avg_sq"))
-def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+def _adamw_update_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  step: torch.Tensor, lr: float, lr_tensor: Optional[torch.Tensor], beta1: float, beta2: float,
                  eps: float, weight_decay: float, maximize: bool) -> None:
     """The kernel's update of one tensor, in place, as one opaque node for torch.compile (eager steps call
-    `adamw_update.eager_impl`); `lr_tensor`, where given, is the learning rate on the device."""
+    `_adamw_update_op.eager_impl`); `lr_tensor`, where given, is the learning rate on the device."""
     from ._optim_kernels import adamw_update as update
 
     update(param, grad, exp_avg, exp_avg_sq, step, lr if lr_tensor is None else lr_tensor, beta1, beta2, eps,
            weight_decay, maximize)
 
 
-@adamw_update.register_fake
+@_adamw_update_op.register_fake
 def _(param, grad, exp_avg, exp_avg_sq, step, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize):
     return None
 
@@ -140,7 +140,7 @@ class AdamW(torch.optim.AdamW):
             else:
                 rest.setdefault(p.is_cuda, []).append((p, state))
         if kernel:
-            update = adamw_update if torch.compiler.is_compiling() else adamw_update.eager_impl
+            update = _adamw_update_op if torch.compiler.is_compiling() else _adamw_update_op.eager_impl
             lr_float, lr_tensor = (lr, None) if isinstance(lr, float) else (0.0, lr)
             torch._foreach_add_([state["step"] for _, state in kernel], 1)
             for tensors, state in kernel:
@@ -150,11 +150,12 @@ class AdamW(torch.optim.AdamW):
             params = [p for p, _ in entries]
             has_complex = any(torch.is_complex(p) for p in params)
             # torch's own AdamW math on the rest: its fused kernel on CUDA (one call for all; its default where a
-            # tensor is complex, which the fused kernel does not take), its default on CPU
+            # tensor is complex, which the fused kernel does not take), its default on CPU. The step counts of
+            # CUDA parameters live on the device, so torch's capturable form there (no host read of the step)
             _torch_adam(
                 params, [p.grad for p in params], [s["exp_avg"] for _, s in entries],
                 [s["exp_avg_sq"] for _, s in entries], [], [s["step"] for _, s in entries],
-                fused=True if cuda and not has_complex else None, capturable=bool(group["capturable"]) and cuda,
+                fused=True if cuda and not has_complex else None, capturable=cuda,
                 has_complex=has_complex, decoupled_weight_decay=True,
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
                 eps=group["eps"], maximize=group["maximize"])
