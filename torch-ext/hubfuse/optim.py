@@ -150,12 +150,14 @@ class AdamW(torch.optim.AdamW):
             params = [p for p, _ in entries]
             has_complex = any(torch.is_complex(p) for p in params)
             # torch's own AdamW math on the rest: its fused kernel on CUDA (one call for all; its default where a
-            # tensor is complex, which the fused kernel does not take), its default on CPU. The step counts of
+            # tensor is complex, which the fused kernel does not take, and under torch.compile, which does not
+            # trace the fused kernel: its multi-tensor form, compiled), its default on CPU. The step counts of
             # CUDA parameters live on the device, so torch's capturable form there (no host read of the step)
+            fused = cuda and not has_complex and not torch.compiler.is_compiling()
             _torch_adam(
                 params, [p.grad for p in params], [s["exp_avg"] for _, s in entries],
                 [s["exp_avg_sq"] for _, s in entries], [], [s["step"] for _, s in entries],
-                fused=True if cuda and not has_complex else None, capturable=cuda,
+                fused=True if fused else None, capturable=cuda,
                 has_complex=has_complex, decoupled_weight_decay=True,
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
                 eps=group["eps"], maximize=group["maximize"])
