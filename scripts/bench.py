@@ -540,6 +540,7 @@ def child(args) -> int:
                        loss_step1=losses[0], loss_last=losses[-1], steps=len(times), warmup=args.warmup)
             if cuda:
                 row["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                row["peak_mem_MiB"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
                 row["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
                 rest = batches[args.warmup + args.steps:]
                 host = []
@@ -571,7 +572,8 @@ def child(args) -> int:
             log(f"{tag} {row['status']}: {row['tokens_per_s']:.0f} tokens/s, median step {row['step_ms_median']:.1f} ms"
                 + (f", host {row['host_ms']:.1f} ms, GPU {row['gpu_ms']:.1f} ms, {row['launches_per_step']:.0f} launch "
                    f"calls/step" if "gpu_ms" in row else "")
-                + f", peak {row['peak_mem_GiB']} GiB, loss step 1 {row['loss_step1']:.4f}")
+                + f", peak {row['peak_mem_GiB']} GiB"
+                + (f" ({row['peak_mem_MiB']} MiB)" if "peak_mem_MiB" in row else "") + f", loss step 1 {row['loss_step1']:.4f}")
         except Exception as e:  # record and go on (an OOM too)
             oom = "out of memory" in str(e).lower() or type(e).__name__ == "OutOfMemoryError"
             row.update(status="oom" if oom else "error", note=f"{type(e).__name__}: {str(e)[:400]}")

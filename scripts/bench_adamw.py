@@ -4,10 +4,14 @@ values; and the floor (the bytes an AdamW step must move over the measured copy 
 
     python scripts/bench_adamw.py                       # slices qwen3_30b_a3b_8l qwen3_0_6b qwen3_5_moe
     python scripts/bench_adamw.py --slices qwen3_8b --steps 30
+    python scripts/bench_adamw.py --optimizers torch_fused+graph hubfuse+graph   # the step in a CUDA graph
 
 Per optimizer: GPU ms per step (median of CUDA-event times, each step alone on the stream), host ms (the time
 to enqueue one step, queue drained), TB/s (14 bytes a parameter: read weight, grad and two states, write weight
-and two states) and the ratio to torch's fused AdamW. Writes out/bench_adamw.json and .md.
+and two states) and the ratio to torch's fused AdamW (to `torch_fused+graph` for `+graph` rows).
+`<optimizer>+graph`: the step captured once in a CUDA graph (torch's with `capturable=True`), each timed step a
+replay (what `hubfuse.cuda_graphs.capture_train_step` runs; hubfuse's AdamW then sends every tensor through its
+kernel). Writes out/bench_adamw.json and .md.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ DEFAULT_LAUNCH = {}
 
 
 def parse_optimizer(text: str) -> str:
-    base, _, launch = text.partition(":")
+    base, _, launch = text.removesuffix("+graph").partition(":")
     if base not in OPTIMIZERS or (launch and (base != "hubfuse" or not launch.replace("x", "").isdigit())):
         raise argparse.ArgumentTypeError(f"{text!r}: expected one of {list(OPTIMIZERS)} or hubfuse:<BLOCK>x<WARPS>")
     return text
@@ -50,6 +54,8 @@ def param_shapes(slice_name: str) -> list[tuple[int, ...]]:
 def make_optimizer(name: str, params):
     import torch
 
+    graph = name.endswith("+graph")
+    name = name.removesuffix("+graph")
     if name.startswith("hubfuse"):
         from hubfuse import _optim_kernels
         from hubfuse.optim import AdamW
@@ -62,7 +68,7 @@ def make_optimizer(name: str, params):
             opt.KERNEL_MIN_NUMEL = 1
         return opt
     return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=name == "torch_fused",
-                             foreach=name == "torch_foreach")
+                             foreach=name == "torch_foreach", capturable=graph)
 
 
 def copy_tb_s(n_bytes: int = 2 << 30) -> float:
@@ -97,13 +103,24 @@ def time_optimizer(name: str, shapes, steps: int, warmup: int, seed: int = 0) ->
             opt.state[p]["exp_avg"].normal_(0, 1e-3, generator=gen)
             opt.state[p]["exp_avg_sq"].uniform_(1e-8, 1e-6, generator=gen)
     torch.cuda.synchronize()
+    step = opt.step
+    if name.endswith("+graph"):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            opt.step()  # warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            opt.step()
+        step = graph.replay
     gpu, host = [], []
     for i in range(warmup + steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         a.record()
-        opt.step()
+        step()
         b.record()
         t1 = time.perf_counter()
         b.synchronize()
@@ -144,14 +161,16 @@ def main(argv=None) -> int:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in args.slices:
         shapes = param_shapes(s)
-        fused = None
+        fused = {}  # torch's fused AdamW's GPU ms, eager (False) and replayed in a graph (True)
         for name in args.optimizers:
             row = time_optimizer(name, shapes, args.steps, args.warmup)
             row["slice"] = s
             row["floor_ms"] = round(14 * row["params"] / bw / 1e9, 3)
             rows.append(row)
-            fused = row["gpu_ms"] if name == "torch_fused" else fused
-            ratio = f"{fused / row['gpu_ms']:.2f}x" if fused else ""
+            graph = name.endswith("+graph")
+            if name.removesuffix("+graph") == "torch_fused":
+                fused[graph] = row["gpu_ms"]
+            ratio = f"{fused[graph] / row['gpu_ms']:.2f}x" if graph in fused else ""
             lines.append(f"| {s} | {name} | {row['tensors']} | {row['params'] / 1e6:.0f} | {row['gpu_ms']:.2f} | "
                          f"{row['host_ms']:.2f} | {row['tb_s']:.2f} | {ratio} | {row['floor_ms']:.2f} |")
             print(lines[-1], flush=True)
