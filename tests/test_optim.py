@@ -8,8 +8,8 @@
 - state_dict: ours -> torch's AdamW and back, the same trajectory.
 - Bad input: torch-only options and sparse gradients raise; what the kernel does not take (mixed dtypes,
   non-contiguous tensors, DTensors) goes through torch's path.
-- GPU: no host sync, one CUDA graph replays the eager step bit for bit (every tensor through the kernel while
-  capturing), and the error against float64 is at most torch's fused AdamW's.
+- GPU: no host sync, one CUDA graph replays the eager step bit for bit, and the error against float64 is at
+  most torch's fused AdamW's.
 """
 import copy
 import math
@@ -343,27 +343,14 @@ def test_gpu_error_at_most_torch_fused():
 
 
 @pytest.mark.gpu
-def test_gpu_step_syncs_nothing_and_replays_in_a_graph(monkeypatch):
-    """A captured step replays an eager step bit for bit, with no host sync. While capturing, every tensor goes
-    through the kernel (the small one too): the eager twin takes the kernel for every size."""
-    from hubfuse import _optim_kernels
-
+def test_gpu_step_syncs_nothing_and_replays_in_a_graph():
     gen = torch.Generator().manual_seed(7)
-    shapes = [(1000, 37), (5, 7)]
+    shapes = [(1000, 37), (3,)]
     ps = [torch.nn.Parameter(torch.randn(s, generator=gen).cuda().bfloat16()) for s in shapes]
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     lr = torch.tensor(1e-3, device="cuda")
     ours, twin = AdamW(ps, lr=lr), AdamW(qs, lr=lr.clone())
-    ours.KERNEL_MIN_NUMEL = twin.KERNEL_MIN_NUMEL = 1  # the first (eager) step through the kernel in both
-    captured = []
-    update = _optim_kernels.adamw_update
-
-    def recording_update(param, *args):
-        if torch.cuda.is_current_stream_capturing():
-            captured.append(param.numel())
-        return update(param, *args)
-
-    monkeypatch.setattr(_optim_kernels, "adamw_update", recording_update)
+    ours.KERNEL_MIN_NUMEL = twin.KERNEL_MIN_NUMEL = 1000
     grads = [[torch.randn(s, generator=gen).cuda().bfloat16() for s in shapes] for _ in range(5)]
     static = [torch.empty_like(g) for g in grads[0]]
     for opt, params in ((ours, ps), (twin, qs)):  # states, kernels compiled
@@ -371,7 +358,6 @@ def test_gpu_step_syncs_nothing_and_replays_in_a_graph(monkeypatch):
             p.grad = g.clone()
         opt.step()
     torch.cuda.synchronize()
-    ours.KERNEL_MIN_NUMEL = 1000  # eagerly the small tensor would take torch's kernel; captured, it does not
     for p, s in zip(ps, static):
         p.grad = s
     graph = torch.cuda.CUDAGraph()
@@ -388,7 +374,6 @@ def test_gpu_step_syncs_nothing_and_replays_in_a_graph(monkeypatch):
             twin.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert sorted(captured) == [35, 37000]
     for p, q in zip(ps, qs):
         assert torch.equal(p, q) and torch.equal(ours.state[p]["exp_avg"], twin.state[q]["exp_avg"])
     assert ours.state[ps[0]]["step"].item() == 5

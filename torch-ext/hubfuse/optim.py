@@ -5,9 +5,7 @@ torch's fused AdamW (`fused=True`, what HF's Trainer picks by default) runs its 
 at most 320 blocks of 64K elements: on an H100 / H200 (132 SMs) that is one partial wave a launch, ~2.7 TB/s on
 bf16 weights and states. A launch per tensor over the whole tensor runs at copy bandwidth. Tensors below
 `KERNEL_MIN_NUMEL` elements (norms, small projections: little of the bytes, many of the tensors) still go
-through torch's fused kernel in one call, so the host cost of a step stays a few launches. While a CUDA graph is
-being captured, every tensor the kernel takes goes through it, small ones included: a replay has no host cost a
-launch, and the kernel moves their bytes faster than torch's multi-tensor launches.
+through torch's fused kernel in one call, so the host cost of a step stays a few launches.
 
 Numerics: the same update as torch's (decoupled weight decay, bias corrections from the step count, fp32 math,
 each tensor stored in its own dtype); on CPU (without `TRITON_INTERPRET=1`) the step is torch's own. The step
@@ -47,12 +45,6 @@ def _(param, grad, exp_avg, exp_avg_sq, step, lr, lr_tensor, beta1, beta2, eps, 
     return None
 
 
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (not asked while torch.compile traces)."""
-    return (not torch.compiler.is_compiling() and torch.cuda.is_available()
-            and torch.cuda.is_current_stream_capturing())
-
-
 def _dtensor_class():
     try:
         from torch.distributed.tensor import DTensor
@@ -70,9 +62,7 @@ class AdamW(torch.optim.AdamW):
     and raise a ValueError when set.
     """
 
-    # ~8M elements: ~30 us of the kernel at copy bandwidth, well above a launch's host cost (while a CUDA graph is
-    # captured: every size)
-    KERNEL_MIN_NUMEL = 1 << 23
+    KERNEL_MIN_NUMEL = 1 << 23  # ~8M elements: ~30 us of the kernel at copy bandwidth, well above a launch
     capturable_on_cuda = True  # hubfuse.cuda_graphs.capture_train_step takes it without capturable=True
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -134,7 +124,7 @@ class AdamW(torch.optim.AdamW):
         lr = float(lr) if isinstance(lr, (int, float)) else lr
         rest: dict[bool, list] = {}
         kernel = []
-        min_numel = 1 if _capturing() else self.KERNEL_MIN_NUMEL
+        min_numel = self.KERNEL_MIN_NUMEL
         for p in group["params"]:
             g = p.grad
             if g is None:
