@@ -519,6 +519,7 @@ def child(args) -> int:
             for i, batch in enumerate(batches[:args.warmup + args.steps]):
                 if i == args.warmup and cuda:
                     row["peak_warmup_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                    row["peak_warmup_MiB"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
                     if base != "ours_graph":  # the graph's memory pool was allocated by the capture
                         torch.cuda.reset_peak_memory_stats()
                 if cuda:
@@ -573,7 +574,8 @@ def child(args) -> int:
                 + (f", host {row['host_ms']:.1f} ms, GPU {row['gpu_ms']:.1f} ms, {row['launches_per_step']:.0f} launch "
                    f"calls/step" if "gpu_ms" in row else "")
                 + f", peak {row['peak_mem_GiB']} GiB"
-                + (f" ({row['peak_mem_MiB']} MiB)" if "peak_mem_MiB" in row else "") + f", loss step 1 {row['loss_step1']:.4f}")
+                + (f" ({row['peak_mem_MiB']} MiB; warm-up {row.get('peak_warmup_MiB')} MiB)" if "peak_mem_MiB" in row
+                   else "") + f", loss step 1 {row['loss_step1']:.4f}")
         except Exception as e:  # record and go on (an OOM too)
             oom = "out of memory" in str(e).lower() or type(e).__name__ == "OutOfMemoryError"
             row.update(status="oom" if oom else "error", note=f"{type(e).__name__}: {str(e)[:400]}")
