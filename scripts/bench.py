@@ -520,6 +520,8 @@ def child(args) -> int:
                 if i == args.warmup and cuda:
                     row["peak_warmup_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                     row["peak_warmup_MiB"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                    row["peak_warmup_requested_MiB"] = round(
+                        torch.cuda.memory_stats().get("requested_bytes.all.peak", float("nan")) / 2**20, 1)
                     if base != "ours_graph":  # the graph's memory pool was allocated by the capture
                         torch.cuda.reset_peak_memory_stats()
                 if cuda:
@@ -542,6 +544,9 @@ def child(args) -> int:
             if cuda:
                 row["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 row["peak_mem_MiB"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                # the bytes asked for (the allocated figure counts whole cached blocks a request was given)
+                row["peak_requested_MiB"] = round(
+                    torch.cuda.memory_stats().get("requested_bytes.all.peak", float("nan")) / 2**20, 1)
                 row["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
                 rest = batches[args.warmup + args.steps:]
                 host = []
