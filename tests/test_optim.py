@@ -90,13 +90,16 @@ def _check_against_float64(dtype, device, lr_kind, weight_decay, maximize, steps
 @pytest.mark.parametrize("weight_decay,maximize,lr_kind", [(0.01, False, "float"), (0.0, True, "tensor"),
                                                            (0.1, False, "tensor")])
 @pytest.mark.parametrize("steps_before", [0, 6, 2000])
-def test_step_matches_float64(use_kernel_path, dtype, weight_decay, maximize, lr_kind, steps_before):
-    """Every tensor through the kernel (KERNEL_MIN_NUMEL=1)."""
+@pytest.mark.parametrize("launch", ["per_tensor", "many"])
+def test_step_matches_float64(use_kernel_path, dtype, weight_decay, maximize, lr_kind, steps_before, launch):
+    """Every tensor through the kernels: a launch each (KERNEL_MIN_NUMEL=1) or all in one (the many-tensor
+    launch, KERNEL_MIN_NUMEL above every size)."""
     use_kernel_path("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): test_interpreter_bf16")
-    _check_against_float64(dtype, device, lr_kind, weight_decay, maximize, steps_before, 1)
+    _check_against_float64(dtype, device, lr_kind, weight_decay, maximize, steps_before,
+                           1 if launch == "per_tensor" else 1 << 40)
 
 
 def test_beta1_zero_and_complex(use_kernel_path):
@@ -128,12 +131,14 @@ def test_beta1_zero_and_complex(use_kernel_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_small_tensors_are_torch_adamw_bit_for_bit(use_kernel_path, dtype):
-    """Below KERNEL_MIN_NUMEL the step is torch's AdamW's (its fused kernel on CUDA, its default on CPU)."""
+    """With the many-tensor launch off, below KERNEL_MIN_NUMEL the step is torch's AdamW's (its fused kernel on
+    CUDA, its default on CPU)."""
     use_kernel_path("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ps, gen = _params([(37, 53), (7,)], dtype, device, 4)
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     ours = AdamW(ps, lr=3e-3, weight_decay=0.02)
+    ours.MANY_TENSOR_LAUNCH = False
     theirs = torch.optim.AdamW(qs, lr=3e-3, weight_decay=0.02, fused=True if device == "cuda" else None)
     for _ in range(3):
         for p, q in zip(ps, qs):
@@ -154,30 +159,70 @@ def test_interpreter_bf16(use_kernel_path):
     STORE_EPS[torch.bfloat16] = 1.0
     try:
         _check_against_float64(torch.bfloat16, "cpu", "float", 0.01, False, 6, 1)
+        _check_against_float64(torch.bfloat16, "cpu", "float", 0.01, False, 6, 1 << 40)
     finally:
         STORE_EPS[torch.bfloat16] = 0.5
 
 
 def test_kernel_path_is_taken(use_kernel_path, monkeypatch):
-    """Tensors at or above KERNEL_MIN_NUMEL go through the kernel, the rest through torch's adam in one call."""
+    """Tensors at or above KERNEL_MIN_NUMEL get a launch each, the smaller ones one launch a param group and dtype,
+    what the kernels do not take (non-contiguous, complex) torch's adam in one call."""
     use_kernel_path("triton")
     from hubfuse import _optim_kernels as triton_kernels
     from hubfuse import optim as adamw_module
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    calls = {"kernel": [], "torch": []}
-    real_update, real_adam = triton_kernels.adamw_update, adamw_module._torch_adam
+    calls = {"kernel": [], "many": [], "torch": []}
+    real_update, real_many, real_adam = (triton_kernels.adamw_update, triton_kernels.adamw_update_many,
+                                         adamw_module._torch_adam)
     monkeypatch.setattr(triton_kernels, "adamw_update", lambda p, *a: (calls["kernel"].append(p.numel()),
                                                                         real_update(p, *a)))
+    monkeypatch.setattr(triton_kernels, "adamw_update_many", lambda info, dtype, *a: (
+        calls["many"].append((info[1], dtype)), real_many(info, dtype, *a)))
     monkeypatch.setattr(adamw_module, "_torch_adam", lambda params, *a, **k: (calls["torch"].append(len(params)),
                                                                               real_adam(params, *a, **k)))
-    ps, _ = _params([(64, 33), (5,), (100,)], torch.float32, device, 1)
+    ps, _ = _params([(64, 33), (5,), (100,), (7, 3)], torch.float32, device, 1)
+    ps += _params([(9,), (4, 4)], torch.float16, device, 2)[0]
+    ps.append(torch.nn.Parameter(torch.randn(6, 4, device=device).t()))  # not contiguous
+    ps.append(torch.nn.Parameter(torch.randn(5, dtype=torch.complex64, device=device)))
     opt = AdamW(ps)
     opt.KERNEL_MIN_NUMEL = 100
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
-    assert sorted(calls["kernel"]) == [100, 64 * 33] and calls["torch"] == [1]
+    assert sorted(calls["kernel"]) == [100, 64 * 33] and calls["torch"] == [2]
+    assert sorted(calls["many"], key=str) == [(2, torch.float16), (2, torch.float32)]
+    assert all(opt.state[p]["step"].item() == 1 for p in ps)
+
+
+def test_many_tensor_launch_equals_a_launch_each(use_kernel_path):
+    """The many-tensor launch does each element's arithmetic as the one-tensor kernel: bit for bit, over steps
+    where the gradients move (the address table rebuilt) and where they stay (the table reused), in two param
+    groups."""
+    use_kernel_path("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = [(37, 53), (7,), (300, 41), (1, 1), (129, 3)]
+    runs = []
+    for kernel_min in (1, 1 << 40):
+        ps, gen = _params(shapes, torch.float32, device, 11)
+        opt = AdamW([{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0}], lr=2e-3, weight_decay=0.05)
+        opt.KERNEL_MIN_NUMEL = kernel_min
+        runs.append((ps, opt))
+    tables = []
+    for step in range(4):
+        grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
+        for ps, opt in runs:
+            for p, g in zip(ps, grads):
+                if step == 2:  # same tensors as the step before: the table is reused
+                    p.grad.copy_(g)
+                else:
+                    p.grad = g.clone()
+            opt.step()
+        tables.append([entry[2] for entry in runs[1][1]._address_tables.latest.values()])
+    for p, q in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(p, q)
+        assert torch.equal(runs[0][1].state[p]["exp_avg_sq"], runs[1][1].state[q]["exp_avg_sq"])
+    assert len(tables[2]) == 2 and all(a is b for a, b in zip(tables[1], tables[2]))
 
 
 def test_cpu_is_torch_adamw_bit_for_bit(use_kernel_path):
@@ -377,3 +422,36 @@ def test_gpu_step_syncs_nothing_and_replays_in_a_graph():
     for p, q in zip(ps, qs):
         assert torch.equal(p, q) and torch.equal(ours.state[p]["exp_avg"], twin.state[q]["exp_avg"])
     assert ours.state[ps[0]]["step"].item() == 5
+    assert len(ours._address_tables.captured) == 1  # the small tensor: the many-tensor launch in the graph
+
+
+@pytest.mark.gpu
+def test_gpu_graph_captured_before_any_eager_step():
+    """A step captured first (no eager step has made the many-tensor launch's host buffer): the small tensors go
+    through torch's capturable kernel, and replays equal eager steps that take that path too."""
+    gen = torch.Generator().manual_seed(8)
+    shapes = [(1000, 37), (5, 7), (3,)]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).cuda().bfloat16()) for s in shapes]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours, twin = AdamW(ps, lr=1e-3), AdamW(qs, lr=1e-3)
+    ours.KERNEL_MIN_NUMEL = twin.KERNEL_MIN_NUMEL = 1000
+    twin.MANY_TENSOR_LAUNCH = False
+    grads = [[torch.randn(s, generator=gen).cuda().bfloat16() for s in shapes] for _ in range(4)]
+    static = [g.clone() for g in grads[0]]
+    for p, s in zip(ps, static):
+        p.grad = s
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        ours.step()
+    torch.cuda.current_stream().wait_stream(side)
+    for batch in grads:
+        for s, g in zip(static, batch):
+            s.copy_(g)
+        graph.replay()
+        for q, g in zip(qs, batch):
+            q.grad = g.clone()
+        twin.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q) and torch.equal(ours.state[p]["exp_avg_sq"], twin.state[q]["exp_avg_sq"])

@@ -1,17 +1,21 @@
-"""hubfuse's optimizers. `AdamW`: torch's AdamW (same arguments, state and state_dict) whose step on a GPU updates each
-large tensor in one Triton pass.
+"""hubfuse's optimizers. `AdamW`: torch's AdamW (same arguments, state and state_dict) whose step on a GPU updates every
+tensor in Triton passes at copy bandwidth.
 
 torch's fused AdamW (`fused=True`, what HF's Trainer picks by default) runs its multi-tensor kernel in launches of
 at most 320 blocks of 64K elements: on an H100 / H200 (132 SMs) that is one partial wave a launch, ~2.7 TB/s on
-bf16 weights and states. A launch per tensor over the whole tensor runs at copy bandwidth. Tensors below
-`KERNEL_MIN_NUMEL` elements (norms, small projections: little of the bytes, many of the tensors) still go
-through torch's fused kernel in one call, so the host cost of a step stays a few launches.
+bf16 weights and states. Here each tensor of `KERNEL_MIN_NUMEL` elements and up gets a launch over the whole
+tensor; the smaller ones (norms, small projections: many tensors, a fraction of the bytes) share one launch a
+param group and dtype, whose programs find their tensor in a table of addresses on the device (rebuilt only
+when the tensors move). What the kernels do not take (complex or non-contiguous tensors, mixed dtypes) goes
+through torch's fused kernel in one call.
 
 Numerics: the same update as torch's (decoupled weight decay, bias corrections from the step count, fp32 math,
 each tensor stored in its own dtype); on CPU (without `TRITON_INTERPRET=1`) the step is torch's own. The step
 count and a tensor learning rate stay on the device: the step is capturable in a CUDA graph
-(`hubfuse.cuda_graphs.capture_train_step`) whatever `capturable` says. Sharded parameters (FSDP2, expert
-parallelism: DTensors) are updated on their local shards, no communication (AdamW is element-wise).
+(`hubfuse.cuda_graphs.capture_train_step`) whatever `capturable` says (a graph captured before any eager step
+sends the small tensors through torch's capturable kernel: the table's host buffer comes from an eager step).
+Sharded parameters (FSDP2, expert parallelism: DTensors) are updated on their local shards, no communication
+(AdamW is element-wise). Under torch.compile the small tensors take torch's path (traced and compiled).
 """
 from __future__ import annotations
 
@@ -63,6 +67,9 @@ class AdamW(torch.optim.AdamW):
     """
 
     KERNEL_MIN_NUMEL = 1 << 23  # ~8M elements: ~30 us of the kernel at copy bandwidth, well above a launch
+    # the smaller tensors the kernel takes: one launch a (param group, device, dtype) over a table of their
+    # addresses (False: torch's fused kernel)
+    MANY_TENSOR_LAUNCH = True
     capturable_on_cuda = True  # hubfuse.cuda_graphs.capture_train_step takes it without capturable=True
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -114,17 +121,19 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            self._step_group(group)
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group)
         return loss
 
-    def _step_group(self, group: dict) -> None:
+    def _step_group(self, index: int, group: dict) -> None:
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         lr = float(lr) if isinstance(lr, (int, float)) else lr
         rest: dict[bool, list] = {}
         kernel = []
+        small: dict[tuple, list] = {}  # (device, dtype) -> [(param, tensors, state)] for the many-tensor launch
         min_numel = self.KERNEL_MIN_NUMEL
+        many = self.MANY_TENSOR_LAUNCH and not torch.compiler.is_compiling()
         for p in group["params"]:
             g = p.grad
             if g is None:
@@ -134,18 +143,39 @@ class AdamW(torch.optim.AdamW):
             state = self.state[p] or self._new_state(p)
             if p.is_cuda and state["step"].device != p.device:  # a loaded state_dict keeps it on the CPU
                 state["step"] = state["step"].to(p.device, torch.float32)
-            tensors = self._kernel_tensors(p, state, lr) if p.numel() >= min_numel else None
-            if tensors is not None and tensors[0].numel() >= min_numel:
+            tensors = self._kernel_tensors(p, state, lr) if many or p.numel() >= min_numel else None
+            numel = 0 if tensors is None else tensors[0].numel()
+            if numel >= min_numel:
                 kernel.append((tensors, state))
+            elif many and numel > 0 and state["step"].dtype == torch.float32:
+                small.setdefault((tensors[0].device, tensors[0].dtype), []).append((p, tensors, state))
             else:
                 rest.setdefault(p.is_cuda, []).append((p, state))
-        if kernel:
-            update = _adamw_update_op if torch.compiler.is_compiling() else _adamw_update_op.eager_impl
+        launches = []
+        if small:
+            from ._optim_kernels import AddressTables, many_table
+
+            tables = self.__dict__.setdefault("_address_tables", AddressTables())
+            for (device, dtype), entries in small.items():
+                info = many_table(tables, (index, device, dtype), [(t, state["step"]) for _, t, state in entries])
+                if info is None:  # captured before any eager step of this slot: torch's path
+                    rest.setdefault(device.type == "cuda", []).extend((p, state) for p, _, state in entries)
+                else:
+                    launches.append((info, dtype, entries))
+        if kernel or launches:
             lr_float, lr_tensor = (lr, None) if isinstance(lr, float) else (0.0, lr)
-            torch._foreach_add_([state["step"] for _, state in kernel], 1)
+            torch._foreach_add_([state["step"] for _, state in kernel]
+                                + [state["step"] for _, _, entries in launches for _, _, state in entries], 1)
+            update = _adamw_update_op if torch.compiler.is_compiling() else _adamw_update_op.eager_impl
             for tensors, state in kernel:
                 update(*tensors, state["step"], lr_float, lr_tensor, beta1, beta2, group["eps"],
                        group["weight_decay"], group["maximize"])
+            if launches:
+                from ._optim_kernels import adamw_update_many
+
+                for info, dtype, _ in launches:
+                    adamw_update_many(info, dtype, lr, beta1, beta2, group["eps"], group["weight_decay"],
+                                      group["maximize"])
         for cuda, entries in rest.items():
             params = [p for p, _ in entries]
             has_complex = any(torch.is_complex(p) for p in params)
