@@ -8,8 +8,11 @@
 - state_dict: ours -> torch's AdamW and back, the same trajectory.
 - Bad input: torch-only options and sparse gradients raise; what the kernel does not take (mixed dtypes,
   non-contiguous tensors, DTensors) goes through torch's path.
-- GPU: no host sync, one CUDA graph replays the eager step bit for bit, and the error against float64 is at
-  most torch's fused AdamW's.
+- Small tensors: eagerly torch's path; the many-tensor launch (one launch a group and dtype over a table of
+  addresses) against float64 and bit for bit against a launch a tensor, where the table is rebuilt and reused.
+- GPU: no host sync, one CUDA graph replays the eager step bit for bit (the small tensors through the many-tensor
+  launch in the graph; through torch's kernel in a graph captured before any eager step), and the error against
+  float64 is at most torch's fused AdamW's.
 """
 import copy
 import math
@@ -68,6 +71,7 @@ def _check_against_float64(dtype, device, lr_kind, weight_decay, maximize, steps
     lr = 3e-3 if lr_kind == "float" else torch.tensor(3e-3, device=device)
     opt = AdamW(ps, lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, maximize=maximize)
     opt.KERNEL_MIN_NUMEL = kernel_min
+    opt.MANY_TENSOR_LAUNCH = "always"
     _random_state(opt, gen, steps_before)
     for p in ps:
         p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(device, dtype)
@@ -131,14 +135,13 @@ def test_beta1_zero_and_complex(use_kernel_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_small_tensors_are_torch_adamw_bit_for_bit(use_kernel_path, dtype):
-    """With the many-tensor launch off, below KERNEL_MIN_NUMEL the step is torch's AdamW's (its fused kernel on
-    CUDA, its default on CPU)."""
+    """Eagerly, below KERNEL_MIN_NUMEL the step is torch's AdamW's (its fused kernel on CUDA, its default on
+    CPU): the many-tensor launch runs in captured graphs only (MANY_TENSOR_LAUNCH = "graph")."""
     use_kernel_path("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ps, gen = _params([(37, 53), (7,)], dtype, device, 4)
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     ours = AdamW(ps, lr=3e-3, weight_decay=0.02)
-    ours.MANY_TENSOR_LAUNCH = False
     theirs = torch.optim.AdamW(qs, lr=3e-3, weight_decay=0.02, fused=True if device == "cuda" else None)
     for _ in range(3):
         for p, q in zip(ps, qs):
@@ -187,6 +190,7 @@ def test_kernel_path_is_taken(use_kernel_path, monkeypatch):
     ps.append(torch.nn.Parameter(torch.randn(5, dtype=torch.complex64, device=device)))
     opt = AdamW(ps)
     opt.KERNEL_MIN_NUMEL = 100
+    opt.MANY_TENSOR_LAUNCH = "always"
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -207,6 +211,7 @@ def test_many_tensor_launch_equals_a_launch_each(use_kernel_path):
         ps, gen = _params(shapes, torch.float32, device, 11)
         opt = AdamW([{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0}], lr=2e-3, weight_decay=0.05)
         opt.KERNEL_MIN_NUMEL = kernel_min
+        opt.MANY_TENSOR_LAUNCH = "always"
         runs.append((ps, opt))
     tables = []
     for step in range(4):
@@ -396,6 +401,7 @@ def test_gpu_step_syncs_nothing_and_replays_in_a_graph():
     lr = torch.tensor(1e-3, device="cuda")
     ours, twin = AdamW(ps, lr=lr), AdamW(qs, lr=lr.clone())
     ours.KERNEL_MIN_NUMEL = twin.KERNEL_MIN_NUMEL = 1000
+    twin.MANY_TENSOR_LAUNCH = "never"  # the first step eager in both: torch's kernel for the small tensor
     grads = [[torch.randn(s, generator=gen).cuda().bfloat16() for s in shapes] for _ in range(5)]
     static = [torch.empty_like(g) for g in grads[0]]
     for opt, params in ((ours, ps), (twin, qs)):  # states, kernels compiled
@@ -403,6 +409,7 @@ def test_gpu_step_syncs_nothing_and_replays_in_a_graph():
             p.grad = g.clone()
         opt.step()
     torch.cuda.synchronize()
+    twin.MANY_TENSOR_LAUNCH = "always"  # then what the graph replays: the many-tensor launch for it
     for p, s in zip(ps, static):
         p.grad = s
     graph = torch.cuda.CUDAGraph()
@@ -435,7 +442,14 @@ def test_gpu_graph_captured_before_any_eager_step():
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     ours, twin = AdamW(ps, lr=1e-3), AdamW(qs, lr=1e-3)
     ours.KERNEL_MIN_NUMEL = twin.KERNEL_MIN_NUMEL = 1000
-    twin.MANY_TENSOR_LAUNCH = False
+    twin.MANY_TENSOR_LAUNCH = "never"
+    for opt in (ours, twin):  # states made before the capture (a captured zeros_like would run at every replay)
+        _random_state(opt, gen, 3)
+        for p in opt.param_groups[0]["params"]:
+            opt.state[p]["step"] = opt.state[p]["step"].cuda()
+    for p, q in zip(ps, qs):
+        for key in ("exp_avg", "exp_avg_sq"):
+            twin.state[q][key] = ours.state[p][key].clone()
     grads = [[torch.randn(s, generator=gen).cuda().bfloat16() for s in shapes] for _ in range(4)]
     static = [g.clone() for g in grads[0]]
     for p, s in zip(ps, static):
@@ -455,3 +469,13 @@ def test_gpu_graph_captured_before_any_eager_step():
         twin.step()
     for p, q in zip(ps, qs):
         assert torch.equal(p, q) and torch.equal(ours.state[p]["exp_avg_sq"], twin.state[q]["exp_avg_sq"])
+
+
+def test_unknown_many_tensor_mode_is_a_clear_error(use_kernel_path):
+    use_kernel_path("triton")
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    p.grad = torch.randn(4, 3)
+    opt = AdamW([p])
+    opt.MANY_TENSOR_LAUNCH = True
+    with pytest.raises(ValueError, match="MANY_TENSOR_LAUNCH"):
+        opt.step()

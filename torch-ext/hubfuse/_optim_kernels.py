@@ -129,18 +129,24 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 class AddressTables:
     """The tables `adamw_update_many` reads, on the device, kept by their contents: a step whose tensors sit where
-    the last one's did (the caching allocator's usual case) launches with no copy. One slot a (param group, device,
-    dtype) of an optimizer.
+    the last one's did (the caching allocator's usual case) launches with no copy. One slot a (param group index,
+    device, dtype) of an optimizer.
 
-    CUDA graphs: a table made while a graph is captured is copied from a pinned host buffer allocated by an
-    earlier eager step of the same slot (a replay copies that buffer again, so it is never written after) and kept
-    for the optimizer's life. Without one (a slot's first step captured), `table` returns None and the caller
-    takes another path."""
+    CUDA graphs: a table made while a graph is captured is copied from a pinned host buffer that an earlier eager
+    step reserved for its param group (`reserve`; a replay copies that buffer again, so it is never written
+    after), and kept for the optimizer's life. Without one (a group's first step captured), `table` returns None
+    and the caller takes another path."""
 
     def __init__(self):
         self.latest = {}  # slot -> (values, host buffer, device table) of the last eager step
         self.captured = {}  # (slot, values) -> (host buffer, device table): read by captured graphs' replays
-        self.spare = {}  # slot -> pinned host buffer for a capture
+        self.spare = {}  # param group index -> [pinned host buffer, first free element] for captures
+
+    def reserve(self, group_index: int, n_params: int) -> None:
+        """Eager, on CUDA: a pinned host buffer big enough for the group's tables in a later capture."""
+        spare = self.spare.get(group_index)
+        if spare is None or spare[0].numel() < TABLE_COLUMNS * n_params:
+            self.spare[group_index] = [torch.empty(TABLE_COLUMNS * n_params, dtype=torch.int64, pin_memory=True), 0]
 
     def table(self, slot, values: tuple, device: torch.device):
         entry = self.latest.get(slot)
@@ -155,9 +161,11 @@ class AddressTables:
             return table
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing:
-            host = self.spare.pop(slot, None)
-            if host is None or host.numel() != len(values):
+            spare = self.spare.get(slot[0])
+            if spare is None or spare[0].numel() - spare[1] < len(values):
                 return None
+            host = spare[0][spare[1]:spare[1] + len(values)]
+            spare[1] += len(values)  # this slice is the graph's from now on
         else:
             host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
         host.copy_(torch.tensor(values, dtype=torch.int64))
@@ -167,9 +175,6 @@ class AddressTables:
             self.captured[(slot, values)] = (host, table)
         else:
             self.latest[slot] = (values, host, table)
-            spare = self.spare.get(slot)
-            if spare is None or spare.numel() != len(values):
-                self.spare[slot] = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
         return table
 
 

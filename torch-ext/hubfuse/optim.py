@@ -6,14 +6,17 @@ at most 320 blocks of 64K elements: on an H100 / H200 (132 SMs) that is one part
 bf16 weights and states. Here each tensor of `KERNEL_MIN_NUMEL` elements and up gets a launch over the whole
 tensor; the smaller ones (norms, small projections: many tensors, a fraction of the bytes) share one launch a
 param group and dtype, whose programs find their tensor in a table of addresses on the device (rebuilt only
-when the tensors move). What the kernels do not take (complex or non-contiguous tensors, mixed dtypes) goes
-through torch's fused kernel in one call.
+when the tensors move). That table costs host time a tensor, so eager steps send the small tensors through
+torch's fused kernel (one call) and captured CUDA graphs, which pay it once, through the shared launch
+(`MANY_TENSOR_LAUNCH`). What the kernels do not take (complex or non-contiguous tensors, mixed dtypes) goes
+through torch's fused kernel.
 
 Numerics: the same update as torch's (decoupled weight decay, bias corrections from the step count, fp32 math,
 each tensor stored in its own dtype); on CPU (without `TRITON_INTERPRET=1`) the step is torch's own. The step
 count and a tensor learning rate stay on the device: the step is capturable in a CUDA graph
 (`hubfuse.cuda_graphs.capture_train_step`) whatever `capturable` says (a graph captured before any eager step
-sends the small tensors through torch's capturable kernel: the table's host buffer comes from an eager step).
+sends the small tensors through torch's capturable kernel: the table's pinned host buffer is reserved by an eager
+step).
 Sharded parameters (FSDP2, expert parallelism: DTensors) are updated on their local shards, no communication
 (AdamW is element-wise). Under torch.compile the small tensors take torch's path (traced and compiled).
 """
@@ -49,6 +52,11 @@ def _(param, grad, exp_avg, exp_avg_sq, step, lr, lr_tensor, beta1, beta2, eps, 
     return None
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _dtensor_class():
     try:
         from torch.distributed.tensor import DTensor
@@ -67,9 +75,10 @@ class AdamW(torch.optim.AdamW):
     """
 
     KERNEL_MIN_NUMEL = 1 << 23  # ~8M elements: ~30 us of the kernel at copy bandwidth, well above a launch
-    # the smaller tensors the kernel takes: one launch a (param group, device, dtype) over a table of their
-    # addresses (False: torch's fused kernel)
-    MANY_TENSOR_LAUNCH = True
+    # the smaller tensors the kernel takes, in one launch a (param group, device, dtype) over a table of their
+    # addresses: "graph" while a CUDA graph is captured (eagerly torch's fused kernel, whose host cost is lower
+    # than building the table's ~10 us a tensor), "always", or "never"
+    MANY_TENSOR_LAUNCH = "graph"
     capturable_on_cuda = True  # hubfuse.cuda_graphs.capture_train_step takes it without capturable=True
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -133,8 +142,17 @@ class AdamW(torch.optim.AdamW):
         kernel = []
         small: dict[tuple, list] = {}  # (device, dtype) -> [(param, tensors, state)] for the many-tensor launch
         min_numel = self.KERNEL_MIN_NUMEL
-        many = self.MANY_TENSOR_LAUNCH and not torch.compiler.is_compiling()
-        for p in group["params"]:
+        mode = self.MANY_TENSOR_LAUNCH
+        if mode not in ("graph", "always", "never"):
+            raise ValueError(f"hubfuse.optim.AdamW.MANY_TENSOR_LAUNCH: expected 'graph', 'always' or 'never', got "
+                             f"{mode!r}")
+        many = not torch.compiler.is_compiling() and (mode == "always" or mode == "graph" and _capturing())
+        params = group["params"]
+        if mode == "graph" and not many and not torch.compiler.is_compiling() and params and params[0].is_cuda:
+            from ._optim_kernels import AddressTables
+
+            self.__dict__.setdefault("_address_tables", AddressTables()).reserve(index, len(params))
+        for p in params:
             g = p.grad
             if g is None:
                 continue
