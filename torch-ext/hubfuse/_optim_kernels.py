@@ -145,7 +145,9 @@ class AddressTables:
     def reserve(self, group_index: int, n_params: int) -> None:
         """Eager, on CUDA: a pinned host buffer big enough for the group's tables in a later capture."""
         spare = self.spare.get(group_index)
-        if spare is None or spare[0].numel() < TABLE_COLUMNS * n_params:
+        # a fresh one where a capture took part of it (its slices are that graph's), so that every capture (one
+        # graph per batch shape) finds room
+        if spare is None or spare[1] > 0 or spare[0].numel() < TABLE_COLUMNS * n_params:
             self.spare[group_index] = [torch.empty(TABLE_COLUMNS * n_params, dtype=torch.int64, pin_memory=True), 0]
 
     def table(self, slot, values: tuple, device: torch.device):
