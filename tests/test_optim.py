@@ -392,6 +392,18 @@ def test_gpu_error_at_most_torch_fused():
         assert ours_err <= torch_err * 1.001 + 1e-12, (errors["ours"], errors["torch"])
 
 
+def _replays_and_eager_steps(graph, static_grads, batches, twin, twin_params):
+    """For each batch of gradients: copied into the graph's static gradients and replayed; the same gradients
+    given to the eager twin, which steps."""
+    for batch in batches:
+        for s, g in zip(static_grads, batch):
+            s.copy_(g)
+        graph.replay()
+        for q, g in zip(twin_params, batch):
+            q.grad = g.clone()
+        twin.step()
+
+
 @pytest.mark.gpu
 def test_gpu_step_syncs_nothing_and_replays_in_a_graph():
     gen = torch.Generator().manual_seed(7)
@@ -417,13 +429,7 @@ def test_gpu_step_syncs_nothing_and_replays_in_a_graph():
     try:
         with torch.cuda.graph(graph):
             ours.step()
-        for batch in grads[1:]:
-            for s, g in zip(static, batch):
-                s.copy_(g)
-            graph.replay()
-            for q, g in zip(qs, batch):
-                q.grad = g.clone()
-            twin.step()
+        _replays_and_eager_steps(graph, static, grads[1:], twin, qs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for p, q in zip(ps, qs):
@@ -460,13 +466,7 @@ def test_gpu_graph_captured_before_any_eager_step():
     with torch.cuda.graph(graph, stream=side):
         ours.step()
     torch.cuda.current_stream().wait_stream(side)
-    for batch in grads:
-        for s, g in zip(static, batch):
-            s.copy_(g)
-        graph.replay()
-        for q, g in zip(qs, batch):
-            q.grad = g.clone()
-        twin.step()
+    _replays_and_eager_steps(graph, static, grads, twin, qs)
     for p, q in zip(ps, qs):
         assert torch.equal(p, q) and torch.equal(ours.state[p]["exp_avg_sq"], twin.state[q]["exp_avg_sq"])
 
