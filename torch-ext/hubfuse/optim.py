@@ -134,6 +134,22 @@ class AdamW(torch.optim.AdamW):
             self._step_group(index, group)
         return loss
 
+    def _many_tensor_tables(self, index: int, small: dict, rest: dict) -> list:
+        """[(table info, dtype, entries)] for the many-tensor launches of param group `index` (`small`: (device,
+        dtype) -> [(param, tensors, state)]); a slot without a table (a capture with no reserved host buffer) is
+        moved to `rest`, torch's path."""
+        from ._optim_kernels import AddressTables, many_table
+
+        tables = self.__dict__.setdefault("_address_tables", AddressTables())
+        launches = []
+        for (device, dtype), entries in small.items():
+            info = many_table(tables, (index, device, dtype), [(t, state["step"]) for _, t, state in entries])
+            if info is None:
+                rest.setdefault(device.type == "cuda", []).extend((p, state) for p, _, state in entries)
+            else:
+                launches.append((info, dtype, entries))
+        return launches
+
     def _step_group(self, index: int, group: dict) -> None:
         beta1, beta2 = group["betas"]
         lr = group["lr"]
@@ -169,17 +185,7 @@ class AdamW(torch.optim.AdamW):
                 small.setdefault((tensors[0].device, tensors[0].dtype), []).append((p, tensors, state))
             else:
                 rest.setdefault(p.is_cuda, []).append((p, state))
-        launches = []
-        if small:
-            from ._optim_kernels import AddressTables, many_table
-
-            tables = self.__dict__.setdefault("_address_tables", AddressTables())
-            for (device, dtype), entries in small.items():
-                info = many_table(tables, (index, device, dtype), [(t, state["step"]) for _, t, state in entries])
-                if info is None:  # captured before any eager step of this slot: torch's path
-                    rest.setdefault(device.type == "cuda", []).extend((p, state) for p, _, state in entries)
-                else:
-                    launches.append((info, dtype, entries))
+        launches = self._many_tensor_tables(index, small, rest) if small else []
         if kernel or launches:
             lr_float, lr_tensor = (lr, None) if isinstance(lr, float) else (0.0, lr)
             torch._foreach_add_([state["step"] for _, state in kernel]
@@ -195,15 +201,15 @@ class AdamW(torch.optim.AdamW):
                     adamw_update_many(info, dtype, lr, beta1, beta2, group["eps"], group["weight_decay"],
                                       group["maximize"])
         for cuda, entries in rest.items():
-            params = [p for p, _ in entries]
-            has_complex = any(torch.is_complex(p) for p in params)
+            rest_params = [p for p, _ in entries]
+            has_complex = any(torch.is_complex(p) for p in rest_params)
             # torch's own AdamW math on the rest: its fused kernel on CUDA (one call for all; its default where a
             # tensor is complex, which the fused kernel does not take, and under torch.compile, which does not
             # trace the fused kernel: its multi-tensor form, compiled), its default on CPU. The step counts of
             # CUDA parameters live on the device, so torch's capturable form there (no host read of the step)
             fused = cuda and not has_complex and not torch.compiler.is_compiling()
             _torch_adam(
-                params, [p.grad for p in params], [s["exp_avg"] for _, s in entries],
+                rest_params, [p.grad for p in rest_params], [s["exp_avg"] for _, s in entries],
                 [s["exp_avg_sq"] for _, s in entries], [], [s["step"] for _, s in entries],
                 fused=True if fused else None, capturable=cuda,
                 has_complex=has_complex, decoupled_weight_decay=True,
