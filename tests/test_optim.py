@@ -479,3 +479,33 @@ def test_unknown_many_tensor_mode_is_a_clear_error(use_kernel_path):
     opt.MANY_TENSOR_LAUNCH = True
     with pytest.raises(ValueError, match="MANY_TENSOR_LAUNCH"):
         opt.step()
+
+
+@pytest.mark.gpu
+def test_gpu_two_graphs_each_take_the_many_tensor_launch():
+    """Two graphs captured in turn (one per batch shape, as `capture_train_step` is used with buckets), each after
+    an eager step: both send the small tensors through the many-tensor launch, each copying its table from a host
+    buffer of its own (the eager step renews the one the first capture took)."""
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(1000, 37), (5, 7), (3,)]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).cuda().bfloat16()) for s in shapes]
+    opt = AdamW(ps, lr=1e-3)
+    opt.KERNEL_MIN_NUMEL = 1000
+    side = torch.cuda.Stream()
+    graphs = []
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen).cuda().bfloat16()
+        opt.step()  # eager: reserves the host buffer a capture copies its table from
+        for p in ps:  # the graph's gradients, at addresses of their own
+            p.grad = torch.randn(p.shape, generator=gen).cuda().bfloat16()
+        side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            opt.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs.append(graph)
+    assert len(opt._address_tables.captured) == 2
+    for graph in graphs:
+        graph.replay()
+    assert all(torch.isfinite(p).all() for p in ps)
