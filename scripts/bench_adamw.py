@@ -10,8 +10,8 @@ Per optimizer: GPU ms per step (median of CUDA-event times, each step alone on t
 to enqueue one step, queue drained), TB/s (14 bytes a parameter: read weight, grad and two states, write weight
 and two states) and the ratio to torch's fused AdamW (to `torch_fused+graph` for `+graph` rows).
 `<optimizer>+graph`: the step captured once in a CUDA graph (torch's with `capturable=True`), each timed step a
-replay (what `hubfuse.cuda_graphs.capture_train_step` runs; hubfuse's AdamW then sends every tensor through its
-kernel). Writes out/bench_adamw.json and .md.
+replay (what `hubfuse.cuda_graphs.capture_train_step` runs; hubfuse's AdamW then sends its small tensors through
+the many-tensor launch). Writes out/bench_adamw.json and .md.
 """
 from __future__ import annotations
 

@@ -138,7 +138,7 @@ class AddressTables:
     and the caller takes another path."""
 
     def __init__(self):
-        self.latest = {}  # slot -> (values, host buffer, device table) of the last eager step
+        self.latest = {}  # slot -> (values, None, device table) of the last eager step
         self.captured = {}  # (slot, values) -> (host buffer, device table): read by captured graphs' replays
         self.spare = {}  # param group index -> [pinned host buffer, first free element] for captures
 
@@ -157,26 +157,22 @@ class AddressTables:
         captured = self.captured.get((slot, values))
         if captured is not None:
             return captured[1]
-        if device.type != "cuda":  # the interpreter (CPU tests)
-            table = torch.tensor(values, dtype=torch.int64, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            # pinned host memory and an asynchronous copy on CUDA: no host sync; the interpreter (CPU tests) reads
+            # a CPU table
+            cuda = device.type == "cuda"
+            table = torch.tensor(values, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=cuda)
             self.latest[slot] = (values, None, table)
             return table
-        capturing = torch.cuda.is_current_stream_capturing()
-        if capturing:
-            spare = self.spare.get(slot[0])
-            if spare is None or spare[0].numel() - spare[1] < len(values):
-                return None
-            host = spare[0][spare[1]:spare[1] + len(values)]
-            spare[1] += len(values)  # this slice is the graph's from now on
-        else:
-            host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
+        spare = self.spare.get(slot[0])
+        if spare is None or spare[0].numel() - spare[1] < len(values):
+            return None
+        host = spare[0][spare[1]:spare[1] + len(values)]
+        spare[1] += len(values)  # this slice is the graph's from now on
         host.copy_(torch.tensor(values, dtype=torch.int64))
         table = torch.empty(len(values), dtype=torch.int64, device=device)
         table.copy_(host, non_blocking=True)
-        if capturing:
-            self.captured[(slot, values)] = (host, table)
-        else:
-            self.latest[slot] = (values, host, table)
+        self.captured[(slot, values)] = (host, table)
         return table
 
 

@@ -162,9 +162,10 @@ class AdamW(torch.optim.AdamW):
         if mode not in ("graph", "always", "never"):
             raise ValueError(f"hubfuse.optim.AdamW.MANY_TENSOR_LAUNCH: expected 'graph', 'always' or 'never', got "
                              f"{mode!r}")
-        many = not torch.compiler.is_compiling() and (mode == "always" or mode == "graph" and _capturing())
+        compiling = torch.compiler.is_compiling()
+        many = not compiling and (mode == "always" or mode == "graph" and _capturing())
         params = group["params"]
-        if mode == "graph" and not many and not torch.compiler.is_compiling() and params and params[0].is_cuda:
+        if mode == "graph" and not many and not compiling and params and params[0].is_cuda:
             from ._optim_kernels import AddressTables
 
             self.__dict__.setdefault("_address_tables", AddressTables()).reserve(index, len(params))
@@ -190,7 +191,7 @@ class AdamW(torch.optim.AdamW):
             lr_float, lr_tensor = (lr, None) if isinstance(lr, float) else (0.0, lr)
             torch._foreach_add_([state["step"] for _, state in kernel]
                                 + [state["step"] for _, _, entries in launches for _, _, state in entries], 1)
-            update = _adamw_update_op if torch.compiler.is_compiling() else _adamw_update_op.eager_impl
+            update = _adamw_update_op if compiling else _adamw_update_op.eager_impl
             for tensors, state in kernel:
                 update(*tensors, state["step"], lr_float, lr_tensor, beta1, beta2, group["eps"],
                        group["weight_decay"], group["maximize"])
@@ -207,7 +208,7 @@ class AdamW(torch.optim.AdamW):
             # tensor is complex, which the fused kernel does not take, and under torch.compile, which does not
             # trace the fused kernel: its multi-tensor form, compiled), its default on CPU. The step counts of
             # CUDA parameters live on the device, so torch's capturable form there (no host read of the step)
-            fused = cuda and not has_complex and not torch.compiler.is_compiling()
+            fused = cuda and not has_complex and not compiling
             _torch_adam(
                 rest_params, [p.grad for p in rest_params], [s["exp_avg"] for _, s in entries],
                 [s["exp_avg_sq"] for _, s in entries], [], [s["step"] for _, s in entries],
