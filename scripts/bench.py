@@ -19,6 +19,7 @@ Slices (decoder layers, batch x tokens per sequence; the full vocabulary):
                      experts top-8, moe_intermediate 512, shared expert 512, 16/2 heads, head_dim 256, partial RoPE
                      0.25, gated attention, vocab 248320), layer_types 3 x linear_attention + 1 x full_attention,
                      router aux loss on; 4 layers, 8 x 2048
+  qwen3_5_moe_medium the same with 64 experts and vocab 32000; 4 layers, 8 x 1024 (issue 32's step slice)
 Configurations:
   eager          HF eager (sdpa attention; MoE experts with experts_implementation="grouped_mm")
   compile        the same + torch.compile of the whole model (fwd+bwd; the optimizer step stays eager)
@@ -132,6 +133,8 @@ SLICES = {
     # Qwen3_5MoeTextConfig defaults; only the layer count (and layer_types to match it) and the aux loss change
     "qwen3_5_moe": dict(family="qwen3_5_moe_text", title="Qwen3.5-MoE-like", layers=4, batch=8, seq=2048,
                         config=dict(output_router_logits=True)),
+    "qwen3_5_moe_medium": dict(family="qwen3_5_moe_text", title="Qwen3.5-MoE medium", layers=4, batch=8, seq=1024,
+                               config=dict(output_router_logits=True, num_experts=64, vocab_size=32000)),
 }
 # --smoke: tiny dims of the same structure (CPU, bf16)
 _SMOKE_DENSE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -145,6 +148,7 @@ SMOKE_DIMS = {
                         head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                         linear_num_value_heads=4),
 }
+SMOKE_DIMS["qwen3_5_moe_medium"] = SMOKE_DIMS["qwen3_5_moe"]
 SMOKE_SLICES = ("qwen3_small", "qwen3_moe_small", "qwen3_5_moe")  # one per family: the CPU check
 # Per-run timeouts (s): subprocess start, load, compile / autotuning, the steps. Liger's fused MoE autotunes for
 # ~3.5 min on its first call (235 s for the Qwen3-30B-A3B slice on an H200).
