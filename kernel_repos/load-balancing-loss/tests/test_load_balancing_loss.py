@@ -242,20 +242,29 @@ def test_lbl_unaligned_layer_views():
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="CPU stand-in for the CUDA-graph capture branch")
-def test_lbl_capture_branch_stacks_layers(monkeypatch):
-    """The branch taken for a new layout under CUDA-graph capture (stack + on-device table), forced on CPU."""
+def test_lbl_capture_branch_writes_the_table_by_launches(monkeypatch):
+    """The branch taken for a new layout under CUDA-graph capture, forced on CPU: the offsets written by
+    `_offset_table_kernel` launches (two at 19 layers), no stacked copy; the table equals the one copied from
+    the host, and loss and gradients match float64."""
     from hubfuse.load_balancing_loss import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "_capturing", lambda device: True)
     torch.manual_seed(6)
-    for dtype, (T, E) in ((torch.float32, (9, 12)), (torch.float16, (7, 5))):  # aligned and unaligned layers
-        zs = make_logits(3, T, E, dtype)
+    for L, dtype, (T, E) in ((3, torch.float32, (9, 12)), (19, torch.float16, (7, 5))):  # aligned, unaligned
+        zs = make_logits(L, T, E, dtype)
+        zs.insert(0, zs.pop(L // 2))  # offsets of both signs
+        copied = triton_kernels.layer_table(zs)
+        monkeypatch.setattr(triton_kernels, "_capturing", lambda device: True)
+        monkeypatch.setattr(triton_kernels, "_OFFSET_TABLES", {})
+        base, table, unit = triton_kernels.layer_table(zs)
+        assert base is zs[0] and unit == copied[2]
+        assert table.tolist() == copied[1].tolist() and len(set(table.tolist())) == L
         mask = make_mask(T)
         loss, grads = run_fused(zs, E, 2, mask)
         ref_loss, ref_grads = lbl_float64(zs, E, 2, mask)
         torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-7)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g.double(), r, **TOL[dtype])
+        monkeypatch.undo()
 
 
 def test_lbl_bad_inputs():
@@ -525,7 +534,7 @@ def test_gpu_router_real_size(dtype):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture():
-    """Forward + backward captured in a CUDA graph (a new layout under capture: stacked, table built on device)."""
+    """Forward + backward captured in a CUDA graph (a new layout under capture: the table written by launches)."""
     torch.manual_seed(0)
     L, T, E, K = 4, 1024, 64, 4
     warm = [torch.randn(T, E, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(L)]
@@ -540,9 +549,15 @@ def test_gpu_cuda_graph_capture():
         static.append(torch.randn(T, E, device="cuda", dtype=torch.bfloat16, requires_grad=True))
         pads.append(torch.empty(4096 * (i + 3), device="cuda"))
     graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     with torch.cuda.graph(graph):
         loss = lbl.load_balancing_loss(static, E, K)
         grads = torch.autograd.grad(loss, static)
+    # the capture holds the gradients' one (L, T, E) buffer and small tables, not a stacked copy of the logits
+    layers_bytes = L * T * E * static[0].element_size()
+    assert torch.cuda.max_memory_allocated() - before < 1.5 * layers_bytes
     fresh = [torch.randn(T, E, device="cuda", dtype=torch.bfloat16) for _ in range(L)]
     with torch.no_grad():
         for s, f in zip(static, fresh):

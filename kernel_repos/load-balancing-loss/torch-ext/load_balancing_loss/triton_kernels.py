@@ -241,6 +241,33 @@ def _lbl_bwd_kernel(
 # one. Past the cap, new layouts get a fresh table per call instead (the allocator usually repeats layouts).
 _OFFSET_TABLES = {}
 _OFFSET_TABLES_CAP = 4096
+_TABLE_SLOTS = 16  # offsets written per launch of `_offset_table_kernel`
+_SLOTS = [f"v{i}" for i in range(_TABLE_SLOTS)]
+
+
+@triton.jit(do_not_specialize=["start", "n"] + _SLOTS)
+def _offset_table_kernel(TABLE, start, n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
+    """TABLE[start + i] = v_i for i < n. Under CUDA-graph capture the values are the launch's arguments, recorded
+    in the graph: a table of constants with no host-to-device copy."""
+    i = tl.arange(0, 16)
+    values = tl.zeros([16], dtype=tl.int64)
+    values = tl.where(i == 0, v0, values)
+    values = tl.where(i == 1, v1, values)
+    values = tl.where(i == 2, v2, values)
+    values = tl.where(i == 3, v3, values)
+    values = tl.where(i == 4, v4, values)
+    values = tl.where(i == 5, v5, values)
+    values = tl.where(i == 6, v6, values)
+    values = tl.where(i == 7, v7, values)
+    values = tl.where(i == 8, v8, values)
+    values = tl.where(i == 9, v9, values)
+    values = tl.where(i == 10, v10, values)
+    values = tl.where(i == 11, v11, values)
+    values = tl.where(i == 12, v12, values)
+    values = tl.where(i == 13, v13, values)
+    values = tl.where(i == 14, v14, values)
+    values = tl.where(i == 15, v15, values)
+    tl.store(TABLE + start + i, values, mask=i < n)
 
 
 def _capturing(device) -> bool:
@@ -253,9 +280,9 @@ def layer_table(tensors):
     Offsets are relative to tensors[0], in units of 16 bytes when every start is 16-byte aligned relative to
     the first (fresh allocations always are; it keeps the loads vectorised), else one element. Tables are
     cached by content: no host->device copy when the layout repeats, as it does step after step (a new one is
-    copied asynchronously from pinned memory). Under
-    CUDA-graph capture a new layout cannot be copied from the host: the layers are then stacked (one
-    capturable copy) and the table is built on the device."""
+    copied asynchronously from pinned memory). Under CUDA-graph capture a new layout cannot be copied from the
+    host: its offsets are written by `_offset_table_kernel` launches that carry them as arguments (the graph
+    replays them; the table is not cached, it holds no values before the first replay)."""
     elem = tensors[0].element_size()
     base = tensors[0].data_ptr()
     deltas = [t.data_ptr() - base for t in tensors]
@@ -266,11 +293,12 @@ def layer_table(tensors):
     if table is not None:
         return tensors[0], table, unit_bytes // elem
     if _capturing(device):
-        stacked = torch.stack(tensors)
-        layer_bytes = tensors[0].numel() * elem
-        unit_bytes = 16 if layer_bytes % 16 == 0 else elem
-        table = torch.arange(len(tensors), device=device, dtype=torch.int64) * (layer_bytes // unit_bytes)
-        return stacked, table, unit_bytes // elem
+        table = torch.empty(len(tensors), dtype=torch.int64, device=device)
+        for start in range(0, len(tensors), _TABLE_SLOTS):
+            values = key[2][start:start + _TABLE_SLOTS]
+            launch(_offset_table_kernel, (1,), table, start, len(values), *values,
+                   *([0] * (_TABLE_SLOTS - len(values))))
+        return tensors[0], table, unit_bytes // elem
     # pinned host memory and an asynchronous copy: no host sync (a pageable copy would wait for the stream)
     table = torch.tensor(key[2], dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
     if len(_OFFSET_TABLES) < _OFFSET_TABLES_CAP:
