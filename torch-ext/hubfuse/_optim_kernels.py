@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common.device import capturing
 from ._common.launch import cdiv, launch
 
 # elements a program and warps; module settings read at every launch. `scripts/bench_adamw.py` sweeps them: on an
@@ -157,7 +158,7 @@ class AddressTables:
         captured = self.captured.get((slot, values))
         if captured is not None:
             return captured[1]
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if not capturing(device):
             # pinned host memory and an asynchronous copy on CUDA: no host sync; the interpreter (CPU tests) reads
             # a CPU table
             cuda = device.type == "cuda"

@@ -28,7 +28,7 @@ import torch
 from torch.optim.adam import adam as _torch_adam
 
 from ._common.custom_op import custom_op
-from ._common.device import use_triton
+from ._common.device import capturing, use_triton
 
 __all__ = ["AdamW"]
 
@@ -50,11 +50,6 @@ def _adamw_update_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
 @_adamw_update_op.register_fake
 def _(param, grad, exp_avg, exp_avg_sq, step, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize):
     return None
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _dtensor_class():
@@ -163,9 +158,10 @@ class AdamW(torch.optim.AdamW):
             raise ValueError(f"hubfuse.optim.AdamW.MANY_TENSOR_LAUNCH: expected 'graph', 'always' or 'never', got "
                              f"{mode!r}")
         compiling = torch.compiler.is_compiling()
-        many = not compiling and (mode == "always" or mode == "graph" and _capturing())
         params = group["params"]
-        if mode == "graph" and not many and not compiling and params and params[0].is_cuda:
+        cuda_group = bool(params) and params[0].is_cuda
+        many = not compiling and (mode == "always" or mode == "graph" and cuda_group and capturing(params[0].device))
+        if mode == "graph" and not many and not compiling and cuda_group:
             from ._optim_kernels import AddressTables
 
             self.__dict__.setdefault("_address_tables", AddressTables()).reserve(index, len(params))

@@ -253,7 +253,7 @@ def test_lbl_capture_branch_writes_the_table_by_launches(monkeypatch):
         zs = make_logits(L, T, E, dtype)
         zs.insert(0, zs.pop(L // 2))  # offsets of both signs
         copied = triton_kernels.layer_table(zs)
-        monkeypatch.setattr(triton_kernels, "_capturing", lambda device: True)
+        monkeypatch.setattr(triton_kernels, "capturing", lambda device: True)
         monkeypatch.setattr(triton_kernels, "_OFFSET_TABLES", {})
         base, table, unit = triton_kernels.layer_table(zs)
         assert base is zs[0] and unit == copied[2]

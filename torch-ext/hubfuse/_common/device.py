@@ -16,6 +16,12 @@ def use_triton(t: torch.Tensor) -> bool:
     return device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether `device` is CUDA and its current stream is capturing a CUDA graph (work enqueued now is recorded,
+    not run: no host-to-device copy of new values, no reading results back)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hubfuse._common.device import capturing
 from hubfuse._common.launch import cdiv, next_power_of_2, launch
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -270,10 +271,6 @@ def _offset_table_kernel(TABLE, start, n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9
     tl.store(TABLE + start + i, values, mask=i < n)
 
 
-def _capturing(device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def layer_table(tensors):
     """(base tensor, int64 offset table on the device, UNIT): layer l starts at base + table[l] * UNIT elements.
 
@@ -292,7 +289,7 @@ def layer_table(tensors):
     table = _OFFSET_TABLES.get(key)
     if table is not None:
         return tensors[0], table, unit_bytes // elem
-    if _capturing(device):
+    if capturing(device):
         table = torch.empty(len(tensors), dtype=torch.int64, device=device)
         for start in range(0, len(tensors), _TABLE_SLOTS):
             values = key[2][start:start + _TABLE_SLOTS]

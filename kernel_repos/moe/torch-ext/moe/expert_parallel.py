@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from hubfuse._common.checks import check_range, first_order
+from hubfuse._common.device import capturing
 from .ops import _autocast_inputs, _check_inputs, _experts_bwd, _experts_fwd
 
 DISTRIBUTED = torch.distributed.is_available()
@@ -461,7 +462,7 @@ def _local_ids_on_rank(global_ids: torch.Tensor, rank: int, num_local: int, ep_s
     key = (global_ids.device, rank, num_local, ep_size)
     table = _LOCAL_ID_TABLES.get(key)
     if table is None:
-        if global_ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(global_ids.device):
             return _local_ids(global_ids, rank * num_local, num_local)
         table = _local_ids(torch.arange(ep_size * num_local + 1, device=global_ids.device), rank * num_local,
                            num_local)
