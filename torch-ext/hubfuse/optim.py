@@ -159,7 +159,7 @@ class AdamW(torch.optim.AdamW):
                              f"{mode!r}")
         compiling = torch.compiler.is_compiling()
         params = group["params"]
-        cuda_group = bool(params) and params[0].is_cuda
+        cuda_group = len(params) > 0 and params[0].is_cuda  # (dynamo on torch 2.11 cannot trace bool(list))
         many = not compiling and (mode == "always" or mode == "graph" and cuda_group and capturing(params[0].device))
         if mode == "graph" and not many and not compiling and cuda_group:
             from ._optim_kernels import AddressTables
