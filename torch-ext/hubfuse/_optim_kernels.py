@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common.device import capturing
+from ._common.device import capturing, int64_table
 from ._common.launch import cdiv, launch
 
 # elements a program and warps; module settings read at every launch. `scripts/bench_adamw.py` sweeps them: on an
@@ -159,10 +159,7 @@ class AddressTables:
         if captured is not None:
             return captured[1]
         if not capturing(device):
-            # pinned host memory and an asynchronous copy on CUDA: no host sync; the interpreter (CPU tests) reads
-            # a CPU table
-            cuda = device.type == "cuda"
-            table = torch.tensor(values, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=cuda)
+            table = int64_table(values, device)  # the interpreter (CPU tests) reads a CPU table
             self.latest[slot] = (values, None, table)
             return table
         spare = self.spare.get(slot[0])

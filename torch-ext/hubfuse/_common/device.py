@@ -22,6 +22,13 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def int64_table(values, device: torch.device) -> torch.Tensor:
+    """`values` (ints) as an int64 tensor on `device`; on CUDA through pinned host memory and an asynchronous copy,
+    so that the host does not wait for the stream (a pageable copy would)."""
+    cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=torch.int64, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
 def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hubfuse._common.device import capturing
+from hubfuse._common.device import capturing, int64_table
 from hubfuse._common.launch import cdiv, next_power_of_2, launch
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -296,8 +296,7 @@ def layer_table(tensors):
             launch(_offset_table_kernel, (1,), table, start, len(values), *values,
                    *([0] * (_TABLE_SLOTS - len(values))))
         return tensors[0], table, unit_bytes // elem
-    # pinned host memory and an asynchronous copy: no host sync (a pageable copy would wait for the stream)
-    table = torch.tensor(key[2], dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    table = int64_table(key[2], device)
     if len(_OFFSET_TABLES) < _OFFSET_TABLES_CAP:
         _OFFSET_TABLES[key] = table
     return tensors[0], table, unit_bytes // elem
