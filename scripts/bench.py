@@ -140,15 +140,15 @@ SLICES = {
 _SMOKE_DENSE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16)
 _SMOKE_MOE = dict(_SMOKE_DENSE, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+_SMOKE_QWEN3_5 = dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                      linear_num_value_heads=4)
 SMOKE_DIMS = {
     "qwen3_0_6b": _SMOKE_DENSE, "qwen3_small": _SMOKE_DENSE, "qwen3_8b": _SMOKE_DENSE,
     "qwen3_moe_small": _SMOKE_MOE, "qwen3_30b_a3b_8l": _SMOKE_MOE, "qwen3_30b_a3b": _SMOKE_MOE,
-    "qwen3_5_moe": dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                        num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                        linear_num_value_heads=4),
+    "qwen3_5_moe": _SMOKE_QWEN3_5, "qwen3_5_moe_medium": _SMOKE_QWEN3_5,
 }
-SMOKE_DIMS["qwen3_5_moe_medium"] = SMOKE_DIMS["qwen3_5_moe"]
 SMOKE_SLICES = ("qwen3_small", "qwen3_moe_small", "qwen3_5_moe")  # one per family: the CPU check
 # Per-run timeouts (s): subprocess start, load, compile / autotuning, the steps. Liger's fused MoE autotunes for
 # ~3.5 min on its first call (235 s for the Qwen3-30B-A3B slice on an H200).

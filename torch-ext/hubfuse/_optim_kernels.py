@@ -6,6 +6,8 @@ Every element reads param, grad, exp_avg and exp_avg_sq once and writes param, e
 the tensors' own dtype, with the math in fp32. The step counts and the learning rate can live on the device, so
 the launches are the same on every step (CUDA-graph capturable).
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -105,20 +107,23 @@ def _adamw_many_kernel(TABLE, n_tensors, lr_ptr, lr, beta1, beta2, one_minus_bet
                         bias_correction2_sqrt, decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, MAXIMIZE)
 
 
+def _beta_args(beta1: float, beta2: float) -> tuple:
+    """The kernels' (beta1, beta2, 1 - beta1, 1 - beta2, ln beta1, ln beta2)."""
+    # 1 - beta in double, then rounded once: 1 - fp32(0.999) is 1.3e-5 off 0.001 in relative terms
+    # ln(0) = -inf: beta**t = exp(-inf) = 0 for every t >= 1
+    ln_beta1, ln_beta2 = (math.log(b) if b > 0 else -math.inf for b in (beta1, beta2))
+    return beta1, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta1, ln_beta2
+
+
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1: float, beta2: float, eps: float,
                  weight_decay: float, maximize: bool) -> None:
     """One AdamW update of contiguous same-dtype tensors, in place; `step` (a 0-dim tensor on their device) is
     the step count after this step; `lr` a float or a 0-dim tensor on their device."""
-    import math
-
     numel = param.numel()
     lr_on_device = not isinstance(lr, float)
-    # 1 - beta in double, then rounded once: 1 - fp32(0.999) is 1.3e-5 off 0.001 in relative terms
-    # ln(0) = -inf: beta**t = exp(-inf) = 0 for every t >= 1
-    ln_beta1, ln_beta2 = (math.log(b) if b > 0 else -math.inf for b in (beta1, beta2))
     launch(_adamw_kernel, (cdiv(numel, BLOCK),), param, grad, exp_avg, exp_avg_sq, step,
-           lr if lr_on_device else step, numel, 0.0 if lr_on_device else lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2,
-           ln_beta1, ln_beta2, eps, weight_decay, LR_ON_DEVICE=lr_on_device, MAXIMIZE=maximize, BLOCK=BLOCK,
+           lr if lr_on_device else step, numel, 0.0 if lr_on_device else lr, *_beta_args(beta1, beta2), eps,
+           weight_decay, LR_ON_DEVICE=lr_on_device, MAXIMIZE=maximize, BLOCK=BLOCK,
            num_warps=NUM_WARPS)
 
 
@@ -193,12 +198,9 @@ def adamw_update_many(table_info, dtype, lr, beta1: float, beta2: float, eps: fl
                       maximize: bool) -> None:
     """One AdamW update of every tensor of a `many_table` (contiguous tensors of one dtype, their step counts
     already incremented), in one launch; the same arithmetic per element as `adamw_update`."""
-    import math
-
     table, n_tensors, programs = table_info
     lr_on_device = not isinstance(lr, float)
-    ln_beta1, ln_beta2 = (math.log(b) if b > 0 else -math.inf for b in (beta1, beta2))
     launch(_adamw_many_kernel, (programs,), table, n_tensors, lr if lr_on_device else table,
-           0.0 if lr_on_device else lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta1, ln_beta2, eps, weight_decay,
+           0.0 if lr_on_device else lr, *_beta_args(beta1, beta2), eps, weight_decay,
            DTYPE=_TL_DTYPES[dtype], LR_ON_DEVICE=lr_on_device, MAXIMIZE=maximize, BLOCK=BLOCK, BLOCKS=BLOCKS,
            SEARCH_STEPS=max(n_tensors - 1, 1).bit_length(), num_warps=NUM_WARPS)

@@ -9,7 +9,7 @@ param group and dtype, whose programs find their tensor in a table of addresses 
 when the tensors move). That table costs host time a tensor, so eager steps send the small tensors through
 torch's fused kernel (one call) and captured CUDA graphs, which pay it once, through the shared launch
 (`MANY_TENSOR_LAUNCH`). What the kernels do not take (complex or non-contiguous tensors, mixed dtypes) goes
-through torch's fused kernel.
+through torch's own AdamW: its fused kernel, or its multi-tensor one where a tensor is complex.
 
 Numerics: the same update as torch's (decoupled weight decay, bias corrections from the step count, fp32 math,
 each tensor stored in its own dtype); on CPU (without `TRITON_INTERPRET=1`) the step is torch's own. The step
