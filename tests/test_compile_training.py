@@ -102,3 +102,62 @@ def test_compiled_training_one_graph_no_recompile_cuda(family, mode, model_dirs,
     counters = _check(family, model_dirs, dynamo_counters, "cuda", torch.bfloat16, backend="inductor", mode=mode,
                       tol=2e-2)
     assert dict(counters["inductor"]).get("cudagraph_skips", 0) == 0, dict(counters["inductor"])
+
+
+def _graph_recorder(graphs):
+    """An AOTAutograd backend that keeps the forward and backward graphs and runs them as traced (no inductor)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+def _loss_and_grads(model, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad for n, p in model.named_parameters()}
+
+
+def _assert_equal_steps(candidate, reference, tol=1e-5):
+    torch.testing.assert_close(candidate[0], reference[0], atol=tol, rtol=tol)
+    assert candidate[1].keys() == reference[1].keys()
+    for name, grad in reference[1].items():
+        assert grad is not None and grad.abs().max() > 0, name  # every parameter gets a gradient, not zeros
+        torch.testing.assert_close(candidate[1][name], grad, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+INLINED_OPS = ("rms_norm_fwd", "rms_norm_bwd", "qkv_proj_", "qk_norm_rope_", "rms_norm_gate_up_", "swiglu_down_")
+
+
+def _call_targets(graphs):
+    return [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inline", ("1", "0"))
+def test_compiled_ops_inlined_on_cuda(inline, model_dirs, dynamo_counters, monkeypatch):
+    """On CUDA the dense families' ops are replaced in the compiled graphs by their implementations
+    (`_common.custom_op`: Triton launches as `triton_kernel_wrapper_functional` nodes), or stay opaque with
+    HUBFUSE_INLINE_OPS=0; either way the loss and every gradient equal the eager kernels' (fp32: the same
+    kernels, only the functionalized buffers differ), through the traced graphs and through inductor. Fails if an
+    argument's clone were handed back for another (`_common.launch._traced_launch`)."""
+    monkeypatch.setenv("HUBFUSE_INLINE_OPS", inline)
+    path = model_dirs["qwen3"]
+    batch = make_batch(tiny_config("qwen3").vocab_size, seq=16, device="cuda", seed=3)
+    reference = _loss_and_grads(_kernelized(path, "qwen3", "cuda", torch.float32), batch)
+    graphs = []
+    traced = _kernelized(path, "qwen3", "cuda", torch.float32)
+    _assert_equal_steps(_loss_and_grads(torch.compile(traced, backend=_graph_recorder(graphs)), batch), reference)
+    targets = _call_targets(graphs)
+    ours = [t for t in targets if any(op in t for op in INLINED_OPS)]
+    wrapped = [t for t in targets if "triton_kernel_wrapper" in t]
+    if inline == "1":
+        assert wrapped and not ours, ours
+    else:
+        assert not wrapped and ours
+    torch._dynamo.reset()
+    compiled = _kernelized(path, "qwen3", "cuda", torch.float32)
+    _assert_equal_steps(_loss_and_grads(torch.compile(compiled), batch), reference)

@@ -167,6 +167,91 @@ def test_missing_argument_is_a_clear_error(fake):
         lm.launch(kernel, (1,), torch.randn(4), torch.randn(4), 4, 0.5)
 
 
+class _WrapRecorder:
+    """Stands in for `torch.library.wrap_triton`: records (kernel, grid, args, kwargs) of each traced launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, kernel):
+        recorder = self
+
+        class _Wrapped:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: recorder.calls.append((kernel, grid, args, kwargs))
+
+        return _Wrapped()
+
+
+@pytest.fixture
+def traced(fake, monkeypatch):
+    """(launch module, kernel, Triton's launches, wrap_triton's recorder, fake tensors x and y)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lm, kernel, triton_launches = fake
+    recorder = _WrapRecorder()
+    monkeypatch.setattr(torch.library, "wrap_triton", recorder)
+    with FakeTensorMode():
+        x, y = torch.randn(64), torch.randn(64)
+    return lm, kernel, triton_launches, recorder, x, y
+
+
+def test_traced_launch_is_a_wrap_triton_node(traced):
+    """Fake tensors (torch.compile tracing an inlined op): the launch becomes a `wrap_triton` call with the same
+    arguments and warps; `enable_fp_fusion` is left to the compiler; nothing reaches Triton."""
+    lm, kernel, triton_launches, recorder, x, y = traced
+    lm.launch(kernel, (4,), x, y, 64, 0.5, BLOCK=16, num_warps=4, enable_fp_fusion=False)
+    assert not triton_launches
+    ((wrapped, grid, args, kwargs),) = recorder.calls
+    assert wrapped is kernel and grid == (4,) and args == (x, y, 64, 0.5)
+    assert kwargs == {"BLOCK": 16, "num_warps": 4}
+    lm.launch(kernel, (4,), torch.randn(64), torch.randn(64), 64, 0.5, BLOCK=16)  # real tensors: Triton
+    assert len(triton_launches) == 1 and len(recorder.calls) == 1
+
+
+def test_traced_launch_refuses_one_tensor_written_twice(traced, monkeypatch):
+    """One tensor passed as two arguments: traced only when at most one of them is written (functionalization
+    hands each written argument its own clone back); with two written, a clear error, no graph."""
+    lm, kernel, _, recorder, x, _ = traced
+    monkeypatch.setattr(lm, "_written_arguments", lambda k, values: {"X", "Y"})
+    with pytest.raises(RuntimeError, match=r"\['X', 'Y'\] are one tensor and more than one of them is written"):
+        lm.launch(kernel, (4,), x, x, 64, 0.5, BLOCK=16)
+    assert not recorder.calls
+    monkeypatch.setattr(lm, "_written_arguments", lambda k, values: {"Y"})  # x read as X, updated in place as Y
+    lm.launch(kernel, (4,), x, x, 64, 0.5, BLOCK=16)
+    assert len(recorder.calls) == 1
+
+
+def test_traced_launch_refuses_options_the_compiler_drops(traced):
+    lm, kernel, _, recorder, x, y = traced
+    with pytest.raises(RuntimeError, match=r"launch options \['maxnreg'\] cannot be traced"):
+        lm.launch(kernel, (4,), x, y, 64, 0.5, BLOCK=16, maxnreg=128)
+    assert not recorder.calls
+
+
+@pytest.mark.gpu
+def test_written_arguments_from_torchs_analysis():
+    """torch's TTIR analysis (torch-private, two names across versions) finds what the kernel stores to."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import triton
+    import triton.language as tl
+    from hubfuse._common import launch
+
+    @triton.jit
+    def copy_scaled(X, OUT, UNUSED, n, STORE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        v = tl.load(X + offs, mask=offs < n)
+        if STORE:
+            tl.store(UNUSED + offs, v, mask=offs < n)
+        tl.store(OUT + offs, 2 * v, mask=offs < n)
+
+    with FakeTensorMode():
+        x, out = torch.randn(64, device="cuda"), torch.empty(64, device="cuda")
+    values = dict(X=x, OUT=out, UNUSED=out, n=64, STORE=False, BLOCK=64)
+    assert launch._written_arguments(copy_scaled, values) == {"OUT"}
+    assert launch._written_arguments(copy_scaled, {**values, "STORE": True}) == {"OUT", "UNUSED"}
+
+
 _AXPY = '''
 import triton
 import triton.language as tl

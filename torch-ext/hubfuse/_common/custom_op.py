@@ -11,25 +11,65 @@ implementation, `setup_context` and `backward`, and gets:
 
 A backward calls other ops through `call(ctx, op, *args)`: their implementation when the forward ran eagerly
 (`ctx` then carries `eager = True`), the op itself when it is being traced.
+
+Inlined under torch.compile on CUDA (as `torch.library.triton_op` does): when AOTAutograd functionalizes the
+graph, an op whose tensors are on a CUDA device is replaced by its implementation, traced: its torch ops enter the
+graph and its Triton launches become `wrap_triton` nodes (`_common.launch`), so Inductor launches the kernels
+from its own generated code, plans their buffers with the rest and fuses the torch ops around them; nothing of
+the op's Python runs per step. Elsewhere (CPU, the interpreter), with `inline=False`, or with
+`HUBFUSE_INLINE_OPS=0` in the environment at compile time, the op stays one opaque node.
 """
 import inspect
+import os
 
 import torch
 
 from ._ops import add_op_namespace_prefix
 
+INLINE_SWITCH = "HUBFUSE_INLINE_OPS"  # "0": every op stays an opaque node under torch.compile
 
-def custom_op(name: str, mutates_args=()):
+
+def custom_op(name: str, mutates_args=(), inline: bool = False):
     """`torch.library.custom_op` under this build's namespace; the op keeps its plain function as `eager_impl`
-    and the positions of the arguments it mutates."""
+    and the positions of the arguments it mutates. `inline`: replaced by its traced implementation when
+    torch.compile functionalizes a graph with it on CUDA (the implementation must then launch Triton through
+    `_common.launch.launch` and run on fake tensors)."""
 
     def register(fn):
         op = torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=mutates_args)(fn)
         op.eager_impl = fn
         op.mutated_positions = [i for i, arg in enumerate(inspect.signature(fn).parameters) if arg in mutates_args]
+        if inline:
+            from torch._subclasses.functional_tensor import FunctionalTensorMode  # torch-private, as triton_op
+
+            op.register_torch_dispatch(FunctionalTensorMode, _inlined(fn))
         return op
 
     return register
+
+
+def _inlined(fn):
+    def functional_rule(mode, op, types, args, kwargs):
+        if _inline_on(args):
+            with mode:
+                return fn(*args, **kwargs)
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+
+    return functional_rule
+
+
+def _inline_on(args) -> bool:
+    """Whether an op call being functionalized is replaced by its implementation: its first tensor on CUDA (the
+    Triton path with compiled kernels), and the switch not set to "0"."""
+    value = os.environ.get(INLINE_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{INLINE_SWITCH} must be 0 or 1, got {value!r}")
+    if value == "0":
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type == "cuda"
+    return False
 
 
 def call(ctx, op, *args):

@@ -20,10 +20,14 @@ the GPU, e.g. fp32 tiles at head dim 128 with the stages tuned for 16-bit ones) 
 fewer, down to one; the fast path then keeps that kernel under the original settings' key. The failure comes
 from loading the compiled kernel, before anything runs.
 
+Traced (an op's implementation inlined by torch.compile, `_common.custom_op`: its tensors are fake), a launch is
+`torch.library.wrap_triton(kernel)[grid](...)`, a graph node Inductor compiles and launches itself.
+
 `cdiv` and `next_power_of_2` are Triton's for host code, without the constexpr-function wrapper.
 """
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake  # torch-private: no public "is this tensor fake"
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _MISSING = object()
@@ -149,9 +153,66 @@ def _triton_launch(kernel, grid, args, kwargs):
         return _triton_launch(kernel, grid, args, {**kwargs, "num_stages": stages - 1})
 
 
+def _traced(args) -> bool:
+    """Whether the launch's first tensor is fake (functional or fake tensors: a graph is being traced)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return type(a) is not torch.Tensor and is_fake(a)
+    return False
+
+
+def _written_arguments(kernel, values) -> set:
+    """The arguments torch's analysis of the kernel's TTIR finds written (torch-private: `identify_mutated_tensors`
+    up to torch 2.12, `identify_accessed_tensors` since)."""
+    from torch._higher_order_ops import triton_kernel_wrap
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    # the analysis takes fake tensors, as functionalization hands them to it
+    values = {name: (v.from_functional() if isinstance(v, FunctionalTensor) else v) for name, v in values.items()}
+    accessed = getattr(triton_kernel_wrap, "identify_accessed_tensors", None)
+    if accessed is not None:
+        return {dep.name for dep in accessed(kernel, values, {}).read_writes.writes}
+    return set(triton_kernel_wrap.identify_mutated_tensors(kernel, values, {}))
+
+
+def _traced_launch(kernel, grid, args, kwargs):
+    """The launch as a `wrap_triton` node. Functionalization clones each tensor the kernel writes and hands the
+    clone back for that argument, so one tensor passed as two arguments (a placeholder for an output not
+    written, or an in-place update) is only right when at most one of them is written: checked here, from the
+    writes torch's own analysis of the kernel finds (it reports every argument when it cannot tell)."""
+    values = dict(zip(kernel.arg_names, args))
+    values.update((name, value) for name, value in kwargs.items() if name in kernel.arg_names)
+    by_tensor = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            by_tensor.setdefault(id(value), []).append(name)
+    shared = [names for names in by_tensor.values() if len(names) > 1]
+    if shared:
+        written = _written_arguments(kernel, values)
+        for names in shared:
+            if len(written.intersection(names)) > 1:
+                raise RuntimeError(
+                    f"{kernel.fn.__name__}: arguments {names} are one tensor and more than one of them is written; "
+                    "it cannot be traced (run with HUBFUSE_INLINE_OPS=0)")
+    options = {name: value for name, value in kwargs.items() if name not in kernel.arg_names}
+    unknown = set(options) - _TRACED_OPTIONS - {"enable_fp_fusion"}
+    if unknown:
+        raise RuntimeError(f"{kernel.fn.__name__}: launch options {sorted(unknown)} cannot be traced "
+                           "(run with HUBFUSE_INLINE_OPS=0)")
+    # Inductor compiles the kernel with its own floating-point contraction setting, as for its own kernels
+    kwargs = {name: value for name, value in kwargs.items() if name != "enable_fp_fusion"}
+    return torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+_TRACED_OPTIONS = {"num_warps", "num_stages"}  # launch options a wrap_triton node passes on to the compiler
+
+
 def launch(kernel, grid, *args, **kwargs):
-    """`kernel[grid](*args, **kwargs)` through the compiled kernel's own launcher once it is known."""
+    """`kernel[grid](*args, **kwargs)` through the compiled kernel's own launcher once it is known; a
+    `wrap_triton` node when traced."""
     global _fast_path, KEYING
+    if _traced(args):
+        return _traced_launch(kernel, grid, args, kwargs)
     if not _fast_path or not isinstance(kernel, triton.runtime.jit.JITFunction) or _hooks_set():
         return _triton_launch(kernel, grid, args, kwargs)
     state = _state(kernel)

@@ -59,7 +59,7 @@ def _out_dtype(x: torch.Tensor, weight: torch.Tensor, mode: int) -> torch.dtype:
     return torch.promote_types(weight.dtype, x.dtype) if mode == STANDARD else x.dtype
 
 
-@custom_op("rms_norm_fwd")
+@custom_op("rms_norm_fwd", inline=True)
 def _rms_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor], eps: float, mode: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +71,7 @@ def _(x, weight, gate, eps, mode):
     return x.new_empty(x.shape, dtype=_out_dtype(x, weight, mode)), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@custom_op("rms_norm_bwd")
+@custom_op("rms_norm_bwd", inline=True)
 def _rms_norm_bwd(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gate: Optional[torch.Tensor], rstd: torch.Tensor,
     mode: int,

@@ -100,9 +100,11 @@ def _rms_norm_bwd_kernel(
 
 
 @triton.jit
-def _sum_partials_kernel(P, OUT_A, OUT_B, split, rows, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sum_partials_kernel(P, OUT_A, OUT_B, split, rows, N, HAS_B: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     # program (group, column block): column sums of P[0:split] into OUT_A (group 0) or of P[split:rows] into
-    # OUT_B (group 1), in fp32, tile by tile in a fixed order (deterministic), cast to the outputs' dtype
+    # OUT_B (group 1, only with HAS_B), in fp32, tile by tile in a fixed order (deterministic), cast to the
+    # outputs' dtype
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -114,7 +116,9 @@ def _sum_partials_kernel(P, OUT_A, OUT_B, split, rows, N, BLOCK_R: tl.constexpr,
         mask = (r < end)[:, None] & col_mask[None, :]
         acc += tl.load(P + r.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, axis=0)
-    if group == 0:
+    if not HAS_B:  # OUT_B is a placeholder: no store to it in the kernel (a traced launch checks that)
+        tl.store(OUT_A + cols, total.to(OUT_A.dtype.element_ty), mask=col_mask)
+    elif group == 0:
         tl.store(OUT_A + cols, total.to(OUT_A.dtype.element_ty), mask=col_mask)
     else:
         tl.store(OUT_B + cols, total.to(OUT_B.dtype.element_ty), mask=col_mask)
@@ -136,8 +140,8 @@ def sum_partials(partials: torch.Tensor, split: int, dtype: torch.dtype):
     out_b = torch.empty(N, dtype=dtype, device=partials.device) if split < rows else None
     block_r, block_n, num_warps = _sum_config(N)
     launch(_sum_partials_kernel, (1 if out_b is None else 2, cdiv(N, block_n)),
-        partials, out_a, out_b if out_b is not None else out_a, split, rows, N, BLOCK_R=block_r, BLOCK_N=block_n,
-        num_warps=num_warps,
+        partials, out_a, out_b if out_b is not None else out_a, split, rows, N, HAS_B=out_b is not None,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out_a, out_b
 

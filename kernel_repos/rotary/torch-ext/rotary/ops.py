@@ -78,7 +78,7 @@ def _rope_into(q, k, cos, sin, head_pos, q_out, k_out) -> None:
         k_out.copy_(kr)
 
 
-@custom_op("rope_fwd")
+@custom_op("rope_fwd", inline=True)
 def _rope_fwd(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +96,7 @@ def _(q, k, cos, sin, head_pos):
     return _rope_out(q, dtype, full), _rope_out(k, dtype, full)
 
 
-@custom_op("rope_fwd_flat")
+@custom_op("rope_fwd_flat", inline=True)
 def _rope_fwd_flat(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int) -> torch.Tensor:
     dtype = torch.promote_types(q.dtype, cos.dtype)
     flat = q.new_empty(q.numel() + k.numel(), dtype=dtype)
@@ -110,7 +110,7 @@ def _(q, k, cos, sin, head_pos):
     return q.new_empty(q.numel() + k.numel(), dtype=torch.promote_types(q.dtype, cos.dtype))
 
 
-@custom_op("rope_bwd")
+@custom_op("rope_bwd", inline=True)
 def _rope_bwd(
     dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int,
     q_order: list[int], k_order: list[int],
@@ -260,7 +260,7 @@ def _no_heads(x: torch.Tensor, head_pos: int) -> torch.Tensor:
     return x.narrow(head_pos, 0, 0)
 
 
-@custom_op("rope_fwd_", mutates_args=("x",))
+@custom_op("rope_fwd_", mutates_args=("x",), inline=True)
 def _rope_fwd_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int) -> None:
     if use_triton(x):
         from .triton_kernels import qk_rope_fwd
@@ -358,7 +358,7 @@ def _qk_norm_rope_into(q, k, q_weight, k_weight, cos, sin, eps, mode, norm_dtype
         k_out.copy_(kr)
 
 
-@custom_op("qk_norm_rope_fwd")
+@custom_op("qk_norm_rope_fwd", inline=True)
 def _qk_norm_rope_fwd(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, eps: float, mode: int,
@@ -377,7 +377,7 @@ def _(q, k, q_weight, k_weight, cos, sin, eps, mode):
     return _norm_rope_out(q, dtype, full), _norm_rope_out(k, dtype, full)
 
 
-@custom_op("qk_norm_rope_bwd")
+@custom_op("qk_norm_rope_bwd", inline=True)
 def _qk_norm_rope_bwd(
     dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, mode: int,
@@ -419,7 +419,7 @@ def _norm_rope_backward(ctx, dq_out, dk_out):
 _qk_norm_rope_op = differentiable_op(_qk_norm_rope_fwd, _norm_rope_setup_context, _norm_rope_backward)
 
 
-@custom_op("qk_norm_rope_fwd_flat")
+@custom_op("qk_norm_rope_fwd_flat", inline=True)
 def _qk_norm_rope_fwd_flat(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, eps: float, mode: int,
@@ -513,7 +513,7 @@ def qk_norm_rope_flat(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6, zer
 
 # ----------------------------------------------------------------------------- q/k/v projections
 
-@custom_op("qkv_proj_fwd")
+@custom_op("qkv_proj_fwd", inline=True)
 def _qkv_proj_fwd(
     x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
     q_bias: Optional[torch.Tensor], k_bias: Optional[torch.Tensor], v_bias: Optional[torch.Tensor],
@@ -526,7 +526,7 @@ def _(x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias):
     return tuple(x.new_empty((*x.shape[:-1], w.shape[0])) for w in (q_weight, k_weight, v_weight))
 
 
-@custom_op("qkv_proj_bwd")
+@custom_op("qkv_proj_bwd", inline=True)
 def _qkv_proj_bwd(
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor, q_weight: torch.Tensor,
     k_weight: torch.Tensor, v_weight: torch.Tensor, has_bias: bool,

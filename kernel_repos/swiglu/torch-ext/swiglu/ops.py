@@ -35,7 +35,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------- activation alone
-@custom_op("swiglu_fwd")
+@custom_op("swiglu_fwd", inline=True)
 def _swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
     if use_triton(gate_up):
         from .triton_kernels import swiglu_fwd
@@ -49,7 +49,7 @@ def _(gate_up):
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
 
-@custom_op("swiglu_bwd")
+@custom_op("swiglu_bwd", inline=True)
 def _swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     if use_triton(gate_up):
         from .triton_kernels import swiglu_bwd
@@ -79,7 +79,7 @@ _swiglu = differentiable_op(_swiglu_fwd, _swiglu_setup_context, _swiglu_backward
 
 
 # ---------------------------------------------------------------- activation + down_proj
-@custom_op("swiglu_down_fwd")
+@custom_op("swiglu_down_fwd", inline=True)
 def _swiglu_down_fwd(
     gate_up: torch.Tensor, down_weight: torch.Tensor, down_bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
@@ -92,7 +92,7 @@ def _(gate_up, down_weight, down_bias):
     return gate_up.new_empty((gate_up.shape[0], down_weight.shape[0]))
 
 
-@custom_op("swiglu_down_bwd", mutates_args=("gate_up",))
+@custom_op("swiglu_down_bwd", mutates_args=("gate_up",), inline=True)
 def _swiglu_down_bwd(
     dout: torch.Tensor, gate_up: torch.Tensor, down_weight: torch.Tensor, has_down_bias: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +117,33 @@ def _(dout, gate_up, down_weight, has_down_bias):
     return torch.empty_like(down_weight), d_down_bias
 
 
+@custom_op("swiglu_down_bwd_functional", inline=True)
+def _swiglu_down_bwd_functional(
+    dout: torch.Tensor, gate_up: torch.Tensor, down_weight: torch.Tensor, has_down_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`swiglu_down_bwd` without the in-place write, for traced graphs: (dgate_up, d down_weight, d down_bias or an
+    empty tensor). Traced, an in-place write into the saved `gate_up` costs functionalization a copy of it; a new
+    `dgate_up` costs nothing, and the compiler plans the buffers."""
+    dh = dout @ down_weight  # [M, I]
+    if use_triton(gate_up):
+        from .triton_kernels import swiglu_bwd
+
+        dgate_up = torch.empty_like(gate_up)
+        swiglu_bwd(dh, gate_up, dgate_up, h=dh)  # the recomputed h over dh
+        h = dh
+    else:
+        dgate_up, h = swiglu_bwd_reference(dh, gate_up)
+    d_down_weight = dout.t() @ h
+    d_down_bias = dout.sum(0) if has_down_bias else dout.new_empty(0)
+    return dgate_up, d_down_weight, d_down_bias
+
+
+@_swiglu_down_bwd_functional.register_fake
+def _(dout, gate_up, down_weight, has_down_bias):
+    d_down_bias = dout.new_empty(dout.shape[1]) if has_down_bias else dout.new_empty(0)
+    return torch.empty_like(gate_up), torch.empty_like(down_weight), d_down_bias
+
+
 def _swiglu_down_setup_context(ctx, inputs, output):
     gate_up, down_weight, down_bias = inputs
     ctx.save_for_backward(gate_up, down_weight)
@@ -126,6 +153,10 @@ def _swiglu_down_setup_context(ctx, inputs, output):
 @first_order("swiglu_mlp")
 def _swiglu_down_backward(ctx, dout):
     gate_up, down_weight = ctx.saved_tensors
+    if not getattr(ctx, "eager", False):  # traced (torch.compile): no in-place write into a saved tensor
+        dgate_up, d_down_weight, d_down_bias = _swiglu_down_bwd_functional(dout.contiguous(), gate_up, down_weight,
+                                                                           ctx.has_down_bias)
+        return dgate_up, d_down_weight, (d_down_bias if ctx.has_down_bias else None)
     d_down_weight, d_down_bias = call(ctx, _swiglu_down_bwd, dout.contiguous(), gate_up, down_weight,
                                       ctx.has_down_bias)
     # `gate_up` now holds its own gradient
@@ -136,7 +167,7 @@ _swiglu_down = differentiable_op(_swiglu_down_fwd, _swiglu_down_setup_context, _
 
 
 # ---------------------------------------------------------------- RMSNorm + gate/up GEMM
-@custom_op("rms_norm_gate_up_fwd")
+@custom_op("rms_norm_gate_up_fwd", inline=True)
 def _rms_norm_gate_up_fwd(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
     gate_up_bias: Optional[torch.Tensor],
@@ -150,7 +181,7 @@ def _(x, norm_weight, eps, gate_up_weight, gate_up_bias):
     return x.new_empty((x.shape[0], gate_up_weight.shape[0])), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@custom_op("rms_norm_gate_up_bwd")
+@custom_op("rms_norm_gate_up_bwd", inline=True)
 def _rms_norm_gate_up_bwd(
     dgate_up: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor,
     gate_up_weight: torch.Tensor, has_gate_up_bias: bool,
