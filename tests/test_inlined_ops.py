@@ -1,7 +1,7 @@
 """`_common.custom_op`'s inlining under torch.compile, on CPU: an op with `inline=True` whose tensors are on CUDA
 is replaced, when AOTAutograd functionalizes the graph, by its traced implementation (its Triton launches as
-`triton_kernel_wrapper_functional` nodes, `_common.launch`); on CPU, or with HUBFUSE_INLINE_OPS=0, it stays one
-node. Traced here with fake CUDA tensors (no GPU needed: nothing runs). Also the torch-private names the two
+`triton_kernel_wrapper_functional` nodes, `_common.launch`); on CPU, with dynamic shapes, or with
+HUBFUSE_INLINE_OPS=0, it stays one node. Traced here with fake CUDA tensors (no GPU needed: nothing runs). Also the torch-private names the two
 modules use: the tests fail when torch changes them. What the inlined graphs compute is checked on the GPU
 (`tests/test_compile_training.py::test_compiled_ops_inlined_on_cuda`)."""
 import pytest
@@ -51,13 +51,18 @@ def test_op_stays_one_node_off_cuda_or_switched_off(monkeypatch, switch, device_
     assert not any("triton_kernel_wrapper" in t for t in targets)
 
 
-def test_inline_switch_values(monkeypatch):
+def test_inline_switch_and_conditions(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     with FakeTensorMode():
         cuda = torch.empty(2, device="cuda")
     monkeypatch.setenv(custom_op.INLINE_SWITCH, "1")
     assert custom_op._inline_on((3, cuda)) and not custom_op._inline_on((torch.empty(2),))
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        dynamic = torch.empty(shape_env.create_unbacked_symint(), 4, device="cuda")
+    assert not custom_op._inline_on((cuda, dynamic))  # a graph compiled for dynamic shapes: the op stays opaque
     monkeypatch.setenv(custom_op.INLINE_SWITCH, "0")
     assert not custom_op._inline_on((cuda,))
     monkeypatch.setenv(custom_op.INLINE_SWITCH, "yes")

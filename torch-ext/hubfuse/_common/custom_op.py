@@ -16,8 +16,8 @@ Inlined under torch.compile on CUDA (as `torch.library.triton_op` does): when AO
 graph, an op whose tensors are on a CUDA device is replaced by its implementation, traced: its torch ops enter the
 graph and its Triton launches become `wrap_triton` nodes (`_common.launch`), so Inductor launches the kernels
 from its own generated code, plans their buffers with the rest and fuses the torch ops around them; nothing of
-the op's Python runs per step. Elsewhere (CPU, the interpreter), with `inline=False`, or with
-`HUBFUSE_INLINE_OPS=0` in the environment at compile time, the op stays one opaque node.
+the op's Python runs per step. Elsewhere (CPU, the interpreter), in a graph compiled for dynamic shapes, with
+`inline=False`, or with `HUBFUSE_INLINE_OPS=0` in the environment at compile time, the op stays one opaque node.
 """
 import inspect
 import os
@@ -60,16 +60,17 @@ def _inlined(fn):
 
 def _inline_on(args) -> bool:
     """Whether an op call being functionalized is replaced by its implementation: its first tensor on CUDA (the
-    Triton path with compiled kernels), and the switch not set to "0"."""
+    Triton path with compiled kernels), every tensor's shape static (a graph compiled for dynamic shapes keeps
+    the op opaque: the launch-shape heuristics take integers), and the switch not set to "0"."""
     value = os.environ.get(INLINE_SWITCH, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{INLINE_SWITCH} must be 0 or 1, got {value!r}")
     if value == "0":
         return False
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.device.type == "cuda"
-    return False
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors or tensors[0].device.type != "cuda":
+        return False
+    return all(type(n) is int for t in tensors for n in t.shape)
 
 
 def call(ctx, op, *args):
