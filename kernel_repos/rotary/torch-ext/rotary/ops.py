@@ -100,7 +100,7 @@ def _(q, k, cos, sin, head_pos):
 def _rope_fwd_flat(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_pos: int) -> torch.Tensor:
     dtype = torch.promote_types(q.dtype, cos.dtype)
     flat = q.new_empty(q.numel() + k.numel(), dtype=dtype)
-    q_out, k_out = flat[: q.numel()].view(q.shape), flat[q.numel():].view(k.shape)
+    q_out, k_out = flat.narrow(0, 0, q.numel()).view(q.shape), flat.narrow(0, q.numel(), k.numel()).view(k.shape)
     _rope_into(q, k, cos, sin, head_pos, q_out, k_out)
     return flat
 
@@ -428,8 +428,8 @@ def _qk_norm_rope_fwd_flat(
     B, S, Hq, D = q.shape
     Hk = k.shape[2]
     flat = q.new_empty(q.numel() + k.numel(), dtype=dtype)
-    q_out = flat[: q.numel()].view(B, Hq, S, D)
-    k_out = flat[q.numel():].view(B, Hk, S, D)
+    q_out = flat.narrow(0, 0, q.numel()).view(B, Hq, S, D)  # narrow: no device guard, unlike indexing
+    k_out = flat.narrow(0, q.numel(), k.numel()).view(B, Hk, S, D)
     _qk_norm_rope_into(q, k, q_weight, k_weight, cos, sin, eps, mode, norm_dtype, q_out, k_out)
     return flat
 

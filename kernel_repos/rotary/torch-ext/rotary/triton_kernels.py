@@ -530,7 +530,7 @@ def qk_rope_bwd(dq_out, dk_out, cos, sin, dq, dk, q=None, k=None, q_weight=None,
     n_prog_q, n_prog_k = cdiv(Mq, rpp_q), cdiv(Mk, rpp_k)
     if norm != NONE:
         dw_partials = torch.empty((n_prog_q + n_prog_k, D), dtype=torch.float32, device=dq.device)
-        dwq, dwk = dw_partials[:n_prog_q], dw_partials[n_prog_q:]
+        dwq, dwk = dw_partials.narrow(0, 0, n_prog_q), dw_partials.narrow(0, n_prog_q, n_prog_k)
         qx, kx, wq, wk = q, k, q_weight, k_weight
     else:
         dwq = dwk = cos
