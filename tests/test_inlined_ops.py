@@ -78,6 +78,9 @@ def test_inline_switch_and_conditions(monkeypatch):
     with FakeTensorMode(shape_env=shape_env):
         dynamic = torch.empty(shape_env.create_unbacked_symint(), 4, device="cuda")
     assert not custom_op._inline_on((cuda, dynamic))  # a graph compiled for dynamic shapes: the op stays opaque
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not custom_op._inline_on((cuda,))  # ROCm: the opaque op
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setenv(custom_op.INLINE_SWITCH, "0")
     assert not custom_op._inline_on((cuda,))
     monkeypatch.setenv(custom_op.INLINE_SWITCH, "yes")

@@ -12,12 +12,13 @@ implementation, `setup_context` and `backward`, and gets:
 A backward calls other ops through `call(ctx, op, *args)`: their implementation when the forward ran eagerly
 (`ctx` then carries `eager = True`), the op itself when it is being traced.
 
-Inlined under torch.compile on CUDA (as `torch.library.triton_op` does): when AOTAutograd functionalizes the
-graph, an op whose tensors are on a CUDA device is replaced by its implementation, traced: its torch ops enter the
-graph and its Triton launches become `wrap_triton` nodes (`_common.launch`), so Inductor launches the kernels
-from its own generated code, plans their buffers with the rest and fuses the torch ops around them; nothing of
-the op's Python runs per step. Elsewhere (CPU, the interpreter), in a graph compiled for dynamic shapes, with
-`inline=False`, or with `HUBFUSE_INLINE_OPS=0` in the environment at compile time, the op stays one opaque node.
+Inlined under torch.compile on NVIDIA GPUs (as `torch.library.triton_op` does): when AOTAutograd functionalizes
+the graph, an op whose tensors are on a CUDA device is replaced by its implementation, traced: its torch ops
+enter the graph and its Triton launches become `wrap_triton` nodes (`_common.launch`), so Inductor launches the
+kernels from its own generated code, plans their buffers with the rest and fuses the torch ops around them;
+nothing of the op's Python runs per step. Elsewhere (CPU, the interpreter, ROCm), in a graph compiled for
+dynamic shapes, with `inline=False`, or with `HUBFUSE_INLINE_OPS=0` in the environment at compile time, the op
+stays one opaque node.
 """
 import inspect
 import os
@@ -59,16 +60,17 @@ def _inlined(fn):
 
 
 def _inline_on(args) -> bool:
-    """Whether an op call being functionalized is replaced by its implementation: its first tensor on CUDA (the
-    Triton path with compiled kernels), every tensor's shape static (a graph compiled for dynamic shapes keeps
-    the op opaque: the launch-shape heuristics take integers), and the switch not set to "0"."""
+    """Whether an op call being functionalized is replaced by its implementation: its first tensor on an NVIDIA
+    GPU (the Triton path with compiled kernels; ROCm, also "cuda" to torch, keeps the opaque op), every tensor's
+    shape static (a graph compiled for dynamic shapes keeps the op opaque: the launch-shape heuristics take
+    integers), and the switch not set to "0"."""
     value = os.environ.get(INLINE_SWITCH, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{INLINE_SWITCH} must be 0 or 1, got {value!r}")
     if value == "0":
         return False
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if not tensors or tensors[0].device.type != "cuda":
+    if not tensors or tensors[0].device.type != "cuda" or torch.version.hip is not None:  # NVIDIA (as measured)
         return False
     return all(type(n) is int for t in tensors for n in t.shape)
 
