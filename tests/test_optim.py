@@ -224,7 +224,7 @@ def test_many_tensor_launch_equals_a_launch_each(use_kernel_path):
                 else:
                     p.grad = g.clone()
             opt.step()
-        tables.append([entry[2] for entry in runs[1][1]._address_tables.latest.values()])
+        tables.append([entry[1] for entry in runs[1][1]._address_tables.latest.values()])
     for p, q in zip(runs[0][0], runs[1][0]):
         assert torch.equal(p, q)
         assert torch.equal(runs[0][1].state[p]["exp_avg_sq"], runs[1][1].state[q]["exp_avg_sq"])

@@ -144,7 +144,7 @@ class AddressTables:
     and the caller takes another path."""
 
     def __init__(self):
-        self.latest = {}  # slot -> (values, None, device table) of the last eager step
+        self.latest = {}  # slot -> (values, device table) of the last eager step
         self.captured = {}  # (slot, values) -> (host buffer, device table): read by captured graphs' replays
         self.spare = {}  # param group index -> [pinned host buffer, first free element] for captures
 
@@ -159,13 +159,13 @@ class AddressTables:
     def table(self, slot, values: tuple, device: torch.device):
         entry = self.latest.get(slot)
         if entry is not None and entry[0] == values:
-            return entry[2]
+            return entry[1]
         captured = self.captured.get((slot, values))
         if captured is not None:
             return captured[1]
         if not capturing(device):
             table = int64_table(values, device)  # the interpreter (CPU tests) reads a CPU table
-            self.latest[slot] = (values, None, table)
+            self.latest[slot] = (values, table)
             return table
         spare = self.spare.get(slot[0])
         if spare is None or spare[0].numel() - spare[1] < len(values):
