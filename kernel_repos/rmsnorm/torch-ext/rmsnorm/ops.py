@@ -1,7 +1,8 @@
 """Custom ops and the functional API of the RMSNorm family.
 
 The fused forward and backward are custom ops under this build's unique namespace, with fake implementations
-and autograd, so that `torch.compile(fullgraph=True)` sees one opaque node per call. In eager mode the same
+and autograd, so that `torch.compile(fullgraph=True)` sees one opaque node per call (on NVIDIA GPUs it inlines
+them, `_common.custom_op`'s `inline=True`: Inductor traces the implementations and launches the kernels itself). In eager mode the same
 implementations run through an autograd.Function (`_custom_op.differentiable_op`), which costs far less Python
 per call than the custom-op dispatcher (the ops are small enough for that overhead to show). Both dispatch on the tensor's device at run time:
 Triton on CUDA/ROCm/XPU (and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.

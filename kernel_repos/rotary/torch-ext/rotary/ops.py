@@ -1,9 +1,11 @@
 """Custom ops and the functional API: RoPE (full / partial) and fused per-head RMSNorm + RoPE.
 
 Every forward and backward is a custom op under this build's unique namespace, with a fake implementation and
-autograd, so `torch.compile(fullgraph=True)` sees one opaque node per call; eager calls run the same
-implementations through an autograd.Function (`_custom_op.differentiable_op`: no dispatcher cost). Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU
-(and on CPU under `TRITON_INTERPRET=1`), the torch reference otherwise.
+autograd, so `torch.compile(fullgraph=True)` sees one opaque node per call (on NVIDIA GPUs it inlines them,
+`_common.custom_op`'s `inline=True`: Inductor traces the implementations and launches the Triton kernels itself);
+eager calls run the same implementations through an autograd.Function (`_custom_op.differentiable_op`: no
+dispatcher cost). Each op dispatches on the tensor's device at run time: Triton on CUDA/ROCm/XPU (and on CPU
+under `TRITON_INTERPRET=1`), the torch reference otherwise.
 
 Output memory layout follows HF so that downstream attention kernels see the same strides as in eager:
 full RoPE keeps the input's layout (`q * cos` does), partial RoPE is contiguous (`torch.cat` makes it so).

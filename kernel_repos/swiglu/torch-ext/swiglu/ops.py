@@ -1,8 +1,9 @@
 """Custom ops and the functional API of the SwiGLU MLP.
 
-Two custom-op pairs under this build's unique namespace, with fake implementations and autograd, so
-`torch.compile(fullgraph=True)` sees one opaque node per call (eager calls run the same implementations through an
-autograd.Function, `_custom_op.differentiable_op`: no dispatcher cost):
+Custom-op pairs under this build's unique namespace, with fake implementations and autograd, so
+`torch.compile(fullgraph=True)` sees one opaque node per call (on NVIDIA GPUs it inlines them, `_common.custom_op`'s
+`inline=True`; eager calls run the same implementations through an autograd.Function,
+`_custom_op.differentiable_op`: no dispatcher cost):
 
 - `swiglu_fwd` / `swiglu_bwd`: the activation alone, `[..., 2I] -> [..., I]`, functional backward.
 - `swiglu_down_fwd` / `swiglu_down_bwd`: the activation followed by `down_proj`, the tail of the MLP. Only
@@ -10,6 +11,8 @@ autograd.Function, `_custom_op.differentiable_op`: no dispatcher cost):
   buffer of `dh`, and writes `dgate_up` over `gate_up` in place, so the backward allocates no activation-sized
   buffer beyond `dh`. `gate_up` is an internal of `swiglu_mlp` (never exposed), and autograd's version counter
   turns a second backward over the same graph (`retain_graph=True`) into an error rather than a wrong result.
+  Traced (torch.compile), the backward takes `swiglu_down_bwd_functional`, which writes `dgate_up` to a new
+  buffer: there the compiler plans the buffers, and an in-place write into a saved tensor costs a copy.
 
 - `rms_norm_gate_up_fwd` / `rms_norm_gate_up_bwd`: the RMSNorm followed by the gate/up GEMM, the head of the
   fused `rms_norm_swiglu_mlp`. It saves the norm's input and rstd but not its output (the GEMM's input): the
