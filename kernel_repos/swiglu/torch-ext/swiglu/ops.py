@@ -95,29 +95,40 @@ def _(gate_up, down_weight, down_bias):
     return gate_up.new_empty((gate_up.shape[0], down_weight.shape[0]))
 
 
+def _down_grads(dout, gate_up, down_weight, has_down_bias: bool, in_place: bool):
+    """(dgate_up, d down_weight, d down_bias or an empty tensor) of the MLP tail; `in_place`: dgate_up is written
+    over `gate_up` (and returned as it), else into a new buffer. The recomputed h goes over dh either way."""
+    dh = dout @ down_weight  # [M, I]
+    if use_triton(gate_up):
+        from .triton_kernels import swiglu_bwd
+
+        dgate_up = gate_up if in_place else torch.empty_like(gate_up)
+        swiglu_bwd(dh, gate_up, dgate_up, h=dh)
+        h = dh
+    else:
+        dgate_up, h = swiglu_bwd_reference(dh, gate_up)
+        if in_place:
+            dgate_up = gate_up.copy_(dgate_up)
+    d_down_weight = dout.t() @ h
+    d_down_bias = dout.sum(0) if has_down_bias else dout.new_empty(0)
+    return dgate_up, d_down_weight, d_down_bias
+
+
+def _fake_down_bias_grad(dout, has_down_bias: bool):
+    return dout.new_empty(dout.shape[1]) if has_down_bias else dout.new_empty(0)
+
+
 @custom_op("swiglu_down_bwd", mutates_args=("gate_up",), inline=True)
 def _swiglu_down_bwd(
     dout: torch.Tensor, gate_up: torch.Tensor, down_weight: torch.Tensor, has_down_bias: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (d down_weight, d down_bias or an empty tensor); overwrites `gate_up` with `dgate_up`."""
-    dh = dout @ down_weight  # [M, I]
-    if use_triton(gate_up):
-        from .triton_kernels import swiglu_bwd
-
-        swiglu_bwd(dh, gate_up, gate_up, h=dh)  # in place: dgate_up over gate_up, recomputed h over dh
-        h = dh
-    else:
-        dgate_up, h = swiglu_bwd_reference(dh, gate_up)
-        gate_up.copy_(dgate_up)
-    d_down_weight = dout.t() @ h
-    d_down_bias = dout.sum(0) if has_down_bias else dout.new_empty(0)
-    return d_down_weight, d_down_bias
+    return _down_grads(dout, gate_up, down_weight, has_down_bias, in_place=True)[1:]
 
 
 @_swiglu_down_bwd.register_fake
 def _(dout, gate_up, down_weight, has_down_bias):
-    d_down_bias = dout.new_empty(dout.shape[1]) if has_down_bias else dout.new_empty(0)
-    return torch.empty_like(down_weight), d_down_bias
+    return torch.empty_like(down_weight), _fake_down_bias_grad(dout, has_down_bias)
 
 
 @custom_op("swiglu_down_bwd_functional", inline=True)
@@ -127,24 +138,12 @@ def _swiglu_down_bwd_functional(
     """`swiglu_down_bwd` without the in-place write, for traced graphs: (dgate_up, d down_weight, d down_bias or an
     empty tensor). Traced, an in-place write into the saved `gate_up` costs functionalization a copy of it; a new
     `dgate_up` costs nothing, and the compiler plans the buffers."""
-    dh = dout @ down_weight  # [M, I]
-    if use_triton(gate_up):
-        from .triton_kernels import swiglu_bwd
-
-        dgate_up = torch.empty_like(gate_up)
-        swiglu_bwd(dh, gate_up, dgate_up, h=dh)  # the recomputed h over dh
-        h = dh
-    else:
-        dgate_up, h = swiglu_bwd_reference(dh, gate_up)
-    d_down_weight = dout.t() @ h
-    d_down_bias = dout.sum(0) if has_down_bias else dout.new_empty(0)
-    return dgate_up, d_down_weight, d_down_bias
+    return _down_grads(dout, gate_up, down_weight, has_down_bias, in_place=False)
 
 
 @_swiglu_down_bwd_functional.register_fake
 def _(dout, gate_up, down_weight, has_down_bias):
-    d_down_bias = dout.new_empty(dout.shape[1]) if has_down_bias else dout.new_empty(0)
-    return torch.empty_like(gate_up), torch.empty_like(down_weight), d_down_bias
+    return torch.empty_like(gate_up), torch.empty_like(down_weight), _fake_down_bias_grad(dout, has_down_bias)
 
 
 def _swiglu_down_setup_context(ctx, inputs, output):
