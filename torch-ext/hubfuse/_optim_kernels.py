@@ -80,18 +80,18 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, lr
 def _adamw_many_kernel(TABLE, n_tensors, lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, ln_beta1,
                        ln_beta2, eps, weight_decay, DTYPE: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
                        MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
-                       SEARCH_STEPS: tl.constexpr):
-    # TABLE: a row of TABLE_COLUMNS int64 a tensor (addresses of param, grad, exp_avg, exp_avg_sq and the fp32 step
+                       SEARCH_STEPS: tl.constexpr, COLUMNS: tl.constexpr):
+    # TABLE: a row of COLUMNS (TABLE_COLUMNS) int64 a tensor (addresses of param, grad, exp_avg, exp_avg_sq and the fp32 step
     # count, numel, first program); program i updates BLOCKS * BLOCK elements of the tensor whose programs hold i
     pid = tl.program_id(0)
     lo = 0
     hi = n_tensors
     for _ in tl.static_range(SEARCH_STEPS):  # the last row whose first program is <= pid (rows sorted by it)
         mid = (lo + hi) // 2
-        below = tl.load(TABLE + mid * 8 + 6) <= pid
+        below = tl.load(TABLE + mid * COLUMNS + 6) <= pid
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)
-    row = TABLE + lo * 8
+    row = TABLE + lo * COLUMNS
     param_ptr = tl.load(row).to(tl.pointer_type(DTYPE))
     grad_ptr = tl.load(row + 1).to(tl.pointer_type(DTYPE))
     exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(DTYPE))
@@ -203,4 +203,4 @@ def adamw_update_many(table_info, dtype, lr, beta1: float, beta2: float, eps: fl
     launch(_adamw_many_kernel, (programs,), table, n_tensors, lr if lr_on_device else table,
            0.0 if lr_on_device else lr, *_beta_args(beta1, beta2), eps, weight_decay,
            DTYPE=_TL_DTYPES[dtype], LR_ON_DEVICE=lr_on_device, MAXIMIZE=maximize, BLOCK=BLOCK, BLOCKS=BLOCKS,
-           SEARCH_STEPS=max(n_tensors - 1, 1).bit_length(), num_warps=NUM_WARPS)
+           SEARCH_STEPS=max(n_tensors - 1, 1).bit_length(), COLUMNS=TABLE_COLUMNS, num_warps=NUM_WARPS)
