@@ -1,8 +1,9 @@
 """Traces every inlined op's implementation with fake CUDA tensors, in a process of its own (run by
 tests/test_inlined_ops.py): the kernels must be Triton's compiled kind, not the interpreter's the CPU tests use,
 and torch's analysis of a kernel's writes needs a target, given here by a stand-in driver (sm_90). Nothing runs on
-a device. Prints one JSON object: per case, the kernels it launched through `wrap_triton` or the error it raised;
-and the functionalized graphs of RMSNorm's forward and backward with the switch on and off."""
+a device. Prints one JSON object: per case, the kernels it launched through `wrap_triton` or the error it raised; the
+kernels' f64 operations with Python floats typed as Inductor types them; and the functionalized graphs of
+RMSNorm's forward and backward with the switch on and off."""
 import json
 import os
 import sys
@@ -33,11 +34,43 @@ from hubfuse._common import custom_op, device, launch  # noqa: E402
 
 device._sm_count = lambda index: 132
 launched = []
+fp64_ops = {}  # kernel -> TTIR ops on f64 values with Python floats typed as Inductor types them
 _traced_launch = launch._traced_launch
+_mangle_type = triton.runtime.jit.mangle_type
+
+
+def _inductor_type(arg, *args, **kwargs):
+    """Triton's type of a kernel argument, but fp64 for a Python float: Inductor's signature of a user kernel
+    (`torch._inductor.codegen.triton_utils.signature_of`) types one so, where Triton's own launch types it fp32."""
+    return "fp64" if type(arg) is float else _mangle_type(arg, *args, **kwargs)
+
+
+def _fp64_ops(kernel, args, kwargs) -> list:
+    """The kernel's TTIR lines computing on f64 when its Python float arguments come in as fp64 (the function
+    signatures and the truncations to f32 aside): Inductor would run them in double precision, or fail to
+    compile a loop that carries an fp32 value updated with one (torch's TTIR generation, torch-private)."""
+    from torch._higher_order_ops.triton_kernel_wrap import generate_ttir
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    values = dict(zip(kernel.arg_names, args))
+    values.update((name, value) for name, value in kwargs.items() if name in kernel.arg_names)
+    values = {name: (v.from_functional() if isinstance(v, FunctionalTensor) else v) for name, v in values.items()}
+    triton.runtime.jit.mangle_type = _inductor_type
+    try:
+        module, _ = generate_ttir(kernel, values, {})
+    except Exception as e:  # noqa: BLE001 - reported: it is the failure Inductor would hit
+        return [f"{type(e).__name__}: {str(e)[-300:]}"]
+    finally:
+        triton.runtime.jit.mangle_type = _mangle_type
+    return [line.strip()[:160] for line in str(module).splitlines()
+            if "f64" in line and "tt.func" not in line and "arith.truncf" not in line]
 
 
 def _recording(kernel, grid, args, kwargs):
     launched.append(kernel.fn.__name__)
+    ops = _fp64_ops(kernel, args, kwargs)
+    if ops:
+        fp64_ops.setdefault(kernel.fn.__name__, ops[:3])
     return _traced_launch(kernel, grid, args, kwargs)
 
 
@@ -132,7 +165,7 @@ def main():
             except Exception as e:  # noqa: BLE001 - reported, the test names it
                 results[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
     graphs = {switch: rms_norm_graph(switch) for switch in ("1", "0")}
-    json.dump({"cases": results, "graphs": graphs}, sys.stdout)
+    json.dump({"cases": results, "graphs": graphs, "fp64_ops": fp64_ops}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,14 @@ def test_every_inlined_op_traces_with_its_launches(traced):
     assert traced["cases"]["rms_norm_bwd[2]"]["launched"] == ["_rms_norm_bwd_kernel", "_sum_partials_kernel"]
 
 
+def test_inlined_kernels_compute_in_fp32_under_inductor(traced):
+    """Inductor types a user kernel's Python float argument fp64 (Triton's own launch: fp32). Every kernel an
+    inlined op launches casts its float arguments to fp32 first, so nothing runs in double precision under
+    torch.compile and no fp32 loop value turns fp64 (a compile error on the GPU: rotary's weight-gradient sums
+    with eps). Fails without the casts in rmsnorm's and rotary's kernels."""
+    assert traced["fp64_ops"] == {}, traced["fp64_ops"]
+
+
 def test_cuda_op_is_replaced_by_its_launches(traced):
     targets = traced["graphs"]["1"]
     assert sum("triton_kernel_wrapper_functional" in t for t in targets) == 3  # forward, backward, partial sums

@@ -20,6 +20,7 @@ def _rms_norm_fwd_kernel(
     X, W, G, Y, RSTD, M, N, stride_x, stride_g, stride_y, eps,
     MODE: tl.constexpr, ROUND_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64 (torch.compile, ops inlined)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M

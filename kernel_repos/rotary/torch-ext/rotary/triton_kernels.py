@@ -208,6 +208,7 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64 (torch.compile, ops inlined)
     # programs [0, n_prog_q) take q's rows, the rest k's
     pid = tl.program_id(0)
     if pid < n_prog_q:
@@ -399,6 +400,7 @@ def _bwd_kernel(
     HAS_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
     ROW_TILE: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64 (torch.compile, ops inlined)
     # programs [0, n_prog_q) take q's rows, the rest k's; each writes its own row of the weight-grad partials
     pid = tl.program_id(0)
     if pid < n_prog_q:
