@@ -228,10 +228,11 @@ def test_fused_wu_forward_vs_float64(case, dtype, use_kernel_path, monkeypatch):
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
-def test_fused_wu_forward_equals_two_kernels(case, use_kernel_path, monkeypatch):
-    """The fused forward recurrence computes what `_wu_kernel` then `_recurrence_fwd_kernel` compute (o, the final
-    state, and the l2norm scales the output kernel reads), the Qwen3.5 gates and packed sequences included: bitwise
-    under the interpreter, within a few roundings on a GPU (other V blocks, other register allocation)."""
+def test_fused_wu_equals_two_kernels(case, use_kernel_path, monkeypatch):
+    """The fused serial recurrence computes what `_wu_kernel` then `_recurrence_fwd_kernel` compute: o, the final
+    state (the forward) and every gradient (the backward's run, where `_wu_kernel` writes w and M but not u), the
+    Qwen3.5 gates and packed sequences included: bitwise under the interpreter, within a few roundings on a GPU
+    (other V blocks, other register allocation)."""
     from hubfuse.gated_delta_net import triton_chunk
 
     use_kernel_path("triton")
@@ -241,17 +242,22 @@ def test_fused_wu_forward_equals_two_kernels(case, use_kernel_path, monkeypatch)
     gen = torch.Generator().manual_seed(T)
     a, b = (torch.randn(B, T, HV, generator=gen).to(DEV, dtype) for _ in range(2))
     A_log, dt_bias = torch.randn(HV, generator=gen).to(DEV) * 0.5, torch.randn(HV, generator=gen).to(DEV)
+    do = torch.randn(B, T, HV, V, generator=gen).to(DEV, dtype)
+    dht = torch.randn(h0.shape, generator=gen).to(DEV)
 
-    def forward(fused):
+    def run(fused):
         monkeypatch.setitem(triton_chunk.CONFIG["recurrence"], "fuse_wu", fused)
-        with torch.no_grad():
-            if gates:
-                return gdn.gated_delta_rule_qwen3_5(q, k, v, a, b, A_log, dt_bias, initial_state=h0,
-                                                    output_final_state=True)
-            return gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                              use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
+        if gates:
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias, h0)]
+            o, ht = gdn.gated_delta_rule_qwen3_5(*leaves[:7], initial_state=leaves[7], output_final_state=True)
+        else:
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+            o, ht = gdn.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                               use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
+        return (o, ht, *torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves))
 
-    for name, got, want in zip(("o", "final state"), forward(1), forward(0), strict=True):
+    names = ["o", "final state", "dq", "dk", "dv"] + (["da", "db", "dA_log", "ddt_bias"] if gates else ["dg", "dbeta"])
+    for name, got, want in zip(names + ["dh0"], run(1), run(0), strict=True):
         if DEV == "cpu":
             assert torch.equal(got, want), f"{name}: fused differs from the two kernels by {_rel(got, want):.3g}"
         else:
