@@ -455,20 +455,30 @@ def _recurrence_fwd_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, W, U, GC,
     v_new = u - _dot(w, h.to(DT), IEEE)  # fp32: the output kernel takes it in fp32, the backward in 16 bits
     _st(VN + vv, v_new.to(VN.dtype.element_ty), vmask, FULL)
     gc = _ld(GC + (row0 * HV + hv) + o_c * HV, m_c, FULL)
-    if FULL:
-        g_last = tl.load(GC + (row0 + 63) * HV + hv)
-    else:
-        g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
-    # h <- exp(g_last) h + kn^T diag(exp(g_last - g)) v' = exp(g_last) h + k^T diag(rk exp(g_last - g)) v',
-    # k^T read through transposed pointers
+    g_last = _last_decay(GC, row0, bos, t0, seqlen, HV, hv, FULL)
     kt = _ld(K_ + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
              m_k[:, None] & m_c[None, :], FULL)
     rk = _row_scale(RK, hv, R, row0, m_c, L2NORM, FULL)
+    return _state_update(h, v_new, kt, gc, g_last, rk, m_c, DT, IEEE, FULL)
+
+
+@triton.jit
+def _last_decay(GC, row0, bos, t0, seqlen, HV, hv, FULL: tl.constexpr):
+    """g_last: the cumulative decay of the chunk's last valid token."""
+    if FULL:
+        return tl.load(GC + (row0 + 63) * HV + hv)
+    else:
+        return tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
+
+
+@triton.jit
+def _state_update(h, v_new, kt, gc, g_last, rk, m_c, DT: tl.constexpr, IEEE: tl.constexpr, FULL: tl.constexpr):
+    """The state at the chunk's end: exp(g_last) h + kn^T diag(exp(g_last - g)) v' = exp(g_last) h + k^T diag(rk
+    exp(g_last - g)) v' (kt: k^T, read through transposed pointers)."""
     e = tl.exp(g_last - gc) * rk
     if not FULL:
         e = tl.where(m_c, e, 0.0)
-    v_dec = (v_new * e[:, None]).to(DT)
-    return _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
+    return _dot(kt, (v_new * e[:, None]).to(DT), IEEE, h * tl.exp(g_last))
 
 
 @triton.jit
@@ -533,16 +543,9 @@ def _recurrence_fwd_wu_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, V_, G_
     vv = gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :]  # (token, v) in (rows, HV, V) buffers
     v_new = u - _dot(w, h.to(DT), IEEE)
     _st(VN + vv, v_new.to(VN.dtype.element_ty), vmask, FULL)
-    if FULL:
-        g_last = tl.load(GC + (row0 + 63) * HV + hv)
-    else:
-        g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
+    g_last = _last_decay(GC, row0, bos, t0, seqlen, HV, hv, FULL)
     kt = _ld(k_rows + o_c[None, :] * stride_kt + o_k[:, None], m_k[:, None] & m_c[None, :], FULL)
-    e = tl.exp(g_last - gc) * rk
-    if not FULL:
-        e = tl.where(m_c, e, 0.0)
-    v_dec = (v_new * e[:, None]).to(DT)
-    return _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
+    return _state_update(h, v_new, kt, gc, g_last, rk, m_c, DT, IEEE, FULL)
 
 
 @triton.jit
