@@ -2,8 +2,9 @@
 is replaced, when AOTAutograd functionalizes the graph, by its traced implementation (its Triton launches as
 `triton_kernel_wrapper_functional` nodes, `_common.launch`); on CPU, with dynamic shapes, or with
 HUBFUSE_INLINE_OPS=0, it stays one node. Traced with fake CUDA tensors (no GPU needed: nothing runs), in a process of its own
-(`tests/inlined_ops_trace.py`). Also the torch-private names the two
-modules use: the tests fail when torch changes them. What the inlined graphs compute is checked on the GPU
+(`tests/inlined_ops_trace.py`), which also builds each launched kernel's TTIR with Python floats typed as Inductor
+types them (fp64). Also the torch-private names the two modules and that helper use: the tests fail when torch
+changes them. What the inlined graphs compute is checked on the GPU
 (`tests/test_compile_training.py::test_compiled_ops_inlined_on_cuda`)."""
 import json
 import os
@@ -107,4 +108,5 @@ def test_torch_private_names_exist():
     assert callable(CustomOpDef.register_torch_dispatch) and isinstance(FunctionalTensorMode, type)
     assert callable(getattr(triton_kernel_wrap, "identify_accessed_tensors", None)
                     or getattr(triton_kernel_wrap, "identify_mutated_tensors", None))
+    assert callable(triton_kernel_wrap.generate_ttir)  # tests/inlined_ops_trace.py
     assert callable(torch.library.wrap_triton)
