@@ -291,6 +291,22 @@ def _solve_kernel(
 
 
 @triton.jit
+def _w_tile(Tm, beta, gc, rk, k, DT: tl.constexpr, IEEE: tl.constexpr):
+    """w = T diag(beta G) kn = (T diag(beta G rk)) k (fp32 accumulator): T's columns scaled, not the [64, D] tile."""
+    return _dot((Tm * (beta * tl.exp(gc) * rk)[None, :]).to(DT), k, IEEE)
+
+
+@triton.jit
+def _u_tile(Tb_hi, Tb_lo, v, IEEE: tl.constexpr):
+    """u = (T diag(beta)) v for a [64, BV] block of v, T diag(beta) split in two 16-bit terms (`_split`; one dot
+    for fp32 inputs, whose hi term is exact)."""
+    u = _dot(Tb_hi, v, IEEE)
+    if not IEEE:
+        u = _dot(Tb_lo, v, IEEE, u)
+    return u
+
+
+@triton.jit
 def _wu_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO, GC, A,
     W, U, RK, M,
@@ -339,7 +355,7 @@ def _wu_kernel(
     # w = T (beta G kn) = (T diag(beta G rk)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
     # (the 16-bit scaled T is a small error of w, which is rounded to 16 bits anyway, but a large one of u: u's is
     # split in two 16-bit terms, two dots, and u is stored in fp32)
-    w = _dot((Tm * (beta * tl.exp(gc) * rk)[None, :]).to(DT), k, IEEE)
+    w = _w_tile(Tm, beta, gc, rk, k, DT, IEEE)
     tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
              mask=m_c[:, None] & (o_k[None, :] < K))
     if not U_OUT:
@@ -350,9 +366,7 @@ def _wu_kernel(
         o_v = v0 + tl.arange(0, BV)
         vmask = m_c[:, None] & (o_v[None, :] < V)
         vv = tl.load(v_base + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask, other=0.0)
-        u = _dot(Tb_hi, vv, IEEE)
-        if not IEEE:  # (fp32 inputs: Tb_hi is exact)
-            u = _dot(Tb_lo, vv, IEEE, u)
+        u = _u_tile(Tb_hi, Tb_lo, vv, IEEE)
         tl.store(U + gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :], u.to(U.dtype.element_ty), mask=vmask)
 
 
@@ -532,14 +546,12 @@ def _recurrence_fwd_wu_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, V_, G_
     _, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
     gc = _ld(GC + gate_base + o_c * HV, m_c, FULL)
     Tm = _ld(A + gate_base * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], m_c[:, None], FULL).to(tl.float32)
-    # _wu_kernel's w (16 bits) and, for this V block, u (fp32: T diag(beta) split in two 16-bit terms)
-    w = _dot((Tm * (beta * tl.exp(gc) * rk)[None, :]).to(DT), k, IEEE).to(DT)
+    # _wu_kernel's w (16 bits) and, for this V block, u (fp32)
+    w = _w_tile(Tm, beta, gc, rk, k, DT, IEEE).to(DT)
     Tb_hi, Tb_lo = _split(Tm * beta[None, :], DT)
     vmask = m_c[:, None] & m_v[None, :]
     v_in = _ld(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], vmask, FULL)
-    u = _dot(Tb_hi, v_in, IEEE)
-    if not IEEE:  # (fp32 inputs: Tb_hi is exact)
-        u = _dot(Tb_lo, v_in, IEEE, u)
+    u = _u_tile(Tb_hi, Tb_lo, v_in, IEEE)
     vv = gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :]  # (token, v) in (rows, HV, V) buffers
     v_new = u - _dot(w, h.to(DT), IEEE)
     _st(VN + vv, v_new.to(VN.dtype.element_ty), vmask, FULL)
