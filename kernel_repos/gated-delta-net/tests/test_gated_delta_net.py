@@ -214,56 +214,6 @@ def test_split_grads_kernel_equals_one_kernel(case, use_kernel_path, monkeypatch
             _close(got, want, 1e-5 if got.dtype == torch.float32 else 2e-3, name)
 
 
-@pytest.mark.parametrize("case", RULE_CASES, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_wu_forward_vs_float64(case, dtype, use_kernel_path, monkeypatch):
-    """`CONFIG["recurrence"]["fuse_wu"]`: the forward's w and u formed inside the serial recurrence
-    (`_recurrence_fwd_wu_kernel`) instead of by `_wu_kernel`: o, the final state and every gradient against the
-    float64 run."""
-    from hubfuse.gated_delta_net import triton_chunk
-
-    use_kernel_path("triton")
-    monkeypatch.setitem(triton_chunk.CONFIG["recurrence"], "fuse_wu", 1)
-    _check_rule(case, dtype)
-
-
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
-def test_fused_wu_equals_two_kernels(case, use_kernel_path, monkeypatch):
-    """The fused serial recurrence computes what `_wu_kernel` then `_recurrence_fwd_kernel` compute: o, the final
-    state (the forward) and every gradient (the backward's run, where `_wu_kernel` writes w and M but not u), the
-    Qwen3.5 gates and packed sequences included: bitwise under the interpreter, within a few roundings on a GPU
-    (other V blocks, other register allocation)."""
-    from hubfuse.gated_delta_net import triton_chunk
-
-    use_kernel_path("triton")
-    B, T, H, HV, K, V, l2norm, cu, gates, dtype = case
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu is not None else None
-    q, k, v, g, beta, h0 = _inputs(B, T, H, HV, K, V, dtype, len(cu) - 1 if cu else B, l2norm, seed=T + K)
-    gen = torch.Generator().manual_seed(T)
-    a, b = (torch.randn(B, T, HV, generator=gen).to(DEV, dtype) for _ in range(2))
-    A_log, dt_bias = torch.randn(HV, generator=gen).to(DEV) * 0.5, torch.randn(HV, generator=gen).to(DEV)
-    do = torch.randn(B, T, HV, V, generator=gen).to(DEV, dtype)
-    dht = torch.randn(h0.shape, generator=gen).to(DEV)
-
-    def run(fused):
-        monkeypatch.setitem(triton_chunk.CONFIG["recurrence"], "fuse_wu", fused)
-        if gates:
-            leaves = [t.clone().requires_grad_() for t in (q, k, v, a, b, A_log, dt_bias, h0)]
-            o, ht = gdn.gated_delta_rule_qwen3_5(*leaves[:7], initial_state=leaves[7], output_final_state=True)
-        else:
-            leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-            o, ht = gdn.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                               use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
-        return (o, ht, *torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves))
-
-    names = ["o", "final state", "dq", "dk", "dv"] + (["da", "db", "dA_log", "ddt_bias"] if gates else ["dg", "dbeta"])
-    for name, got, want in zip(names + ["dh0"], run(1), run(0), strict=True):
-        if DEV == "cpu":
-            assert torch.equal(got, want), f"{name}: fused differs from the two kernels by {_rel(got, want):.3g}"
-        else:
-            _close(got, want, 1e-5 if got.dtype == torch.float32 else 2e-3, name)
-
-
 def test_full_chunk_launches_equal_one_launch(use_kernel_path, monkeypatch):
     """The full 64-row chunks run with row masks the compiler knows (the gradient halves: one launch over the full
     chunks, then one over the shorter ones; the serial recurrences: their full chunks' steps without masks, then

@@ -8,8 +8,6 @@ Chunked rule, chunks of 64 tokens (notation of reference.py), one program per (c
 - `_wu_kernel`: w = T (beta G k) (16 bits), u = T (beta v) (fp32) and the key rows' l2norm scales (fp32), which
   the forward recurrence and the output kernel load instead of reducing the raw k rows again; in the backward's run
   also the intra-chunk attention M = s tril(q k^T * Gamma) in 16 bits (the backward recurrence's dot operand).
-- `_recurrence_fwd_wu_kernel` (`CONFIG["recurrence"]["fuse_wu"]`): the forward's `_wu_kernel` and
-  `_recurrence_fwd_kernel` in one serial kernel (w and u formed in the step, not stored).
 - `_recurrence_fwd_kernel`, one program per (sequence, value head, V block), sequential over chunks:
   v' = u - w h, h <- G_last h + (k exp(g_last - g))^T v'; stores the state at each chunk's start and v' (fp32 for
   the forward's output, 16-bit when the backward runs it again).
@@ -314,14 +312,12 @@ def _wu_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
     ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, M_OUT: tl.constexpr,
-    U_OUT: tl.constexpr = True,
 ):
     """One (chunk, value head), from T: w = T diag(beta G) kn (16 bits), u = T diag(beta) v (fp32), kn the
     (l2-normalised) k, and with L2NORM the l2norm scales rk of the chunk's key rows (fp32, (HV, R) with R the rows:
     one contiguous load of 64 a chunk) for the serial forward recurrence and the output kernel. M_OUT (the
     backward's run): also the intra-chunk attention M = s qn kn^T Gamma (diagonal included), (rows, HV, 64) in 16
-    bits, the dot operand of the backward recurrence (the forward's output kernel forms M itself, in fp32). Not
-    U_OUT (the backward's run when the serial recurrence forms u itself, `fuse_wu`): w, rk and M only."""
+    bits, the dot operand of the backward recurrence (the forward's output kernel forms M itself, in fp32)."""
     slot = tl.program_id(0)
     i_bh = tl.program_id(1)
     hv = i_bh % HV
@@ -358,8 +354,6 @@ def _wu_kernel(
     w = _w_tile(Tm, beta, gc, rk, k, DT, IEEE)
     tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
              mask=m_c[:, None] & (o_k[None, :] < K))
-    if not U_OUT:
-        return
     Tb_hi, Tb_lo = _split(Tm * beta[None, :], DT)
     v_base = V_ + row0 * stride_vt + hv * stride_vh
     for v0 in range(0, V, BV):
@@ -493,71 +487,6 @@ def _state_update(h, v_new, kt, gc, g_last, rk, m_c, DT: tl.constexpr, IEEE: tl.
     if not FULL:
         e = tl.where(m_c, e, 0.0)
     return _dot(kt, (v_new * e[:, None]).to(DT), IEEE, h * tl.exp(g_last))
-
-
-@triton.jit
-def _recurrence_fwd_wu_kernel(
-    K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, A, GC, H0, CU, CHUNK_OFFSETS,
-    HT, HS, VN, RK,
-    T, HV, K, V, R, stride_kt, stride_kh, stride_vt, stride_vh,
-    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-    L2NORM: tl.constexpr, GATE: tl.constexpr, ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr,
-    EVEN: tl.constexpr, STORE_RK: tl.constexpr,
-):
-    """`_recurrence_fwd_kernel` with `_wu_kernel`'s work done in its loop (`CONFIG["recurrence"]["fuse_wu"]`, the
-    forward): each chunk's w = T diag(beta G rk) k and its V block of u = T diag(beta) v are formed from T, k, v and
-    the gates where the step reads them, instead of being stored by `_wu_kernel` and loaded here (w and u are not
-    written to memory; u never leaves fp32). STORE_RK (the forward): the V-block-0 program stores the key rows'
-    l2norm scales for the output kernel. The same arithmetic as the two kernels. In the backward's run `_wu_kernel`
-    still writes w, rk and M (the backward recurrence's operands), not u."""
-    i_nh, hv, hk, bos, seqlen, first_chunk, n_chunks, n_full, o_k, o_v, state_tile, state_mask, h = _serial_program(
-        H0, T, HV, K, V, CU, CHUNK_OFFSETS, GROUP, BK, BV, USE_H0, VARLEN, EVEN)
-    for it in range(n_full):
-        h = _recurrence_fwd_wu_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS,
-                                     A, GC, HS, VN, RK, HV, K, V, R, stride_kt, stride_kh, stride_vt, stride_vh,
-                                     o_k, o_v, BK, BV, L2NORM, GATE, ROUND_BETA, IEEE, STORE_RK, True)
-    for it in range(n_full, n_chunks):
-        h = _recurrence_fwd_wu_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS,
-                                     A, GC, HS, VN, RK, HV, K, V, R, stride_kt, stride_kh, stride_vt, stride_vh,
-                                     o_k, o_v, BK, BV, L2NORM, GATE, ROUND_BETA, IEEE, STORE_RK, False)
-    if STORE_FINAL:
-        tl.store(HT + i_nh.to(tl.int64) * K * V + state_tile, h, mask=state_mask)
-
-
-@triton.jit
-def _recurrence_fwd_wu_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, A, GC,
-                             HS, VN, RK, HV, K, V, R, stride_kt, stride_kh, stride_vt, stride_vh, o_k, o_v,
-                             BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
-                             ROUND_BETA: tl.constexpr, IEEE: tl.constexpr, STORE_RK: tl.constexpr,
-                             FULL: tl.constexpr):
-    """Chunk `it` of the fused forward recurrence (`_recurrence_fwd_wu_kernel`): `_wu_kernel`'s w and u of the
-    chunk, then `_recurrence_fwd_chunk`'s step."""
-    DT = K_.dtype.element_ty
-    o_c, t0, row0, m_c, m_k, m_v = _chunk_rows(it, bos, seqlen, K, V, o_k, o_v)
-    _st(HS + ((first_chunk + it) * HV + hv) * K * V + o_k[:, None] * V + o_v[None, :], h.to(DT),
-        m_k[:, None] & m_v[None, :], FULL)
-    k_rows = K_ + row0 * stride_kt + hk * stride_kh
-    k = _ld(k_rows + o_c[:, None] * stride_kt + o_k[None, :], m_c[:, None] & m_k[None, :], FULL)
-    rk = _l2norm_scale(k, 1, L2NORM)
-    if STORE_RK:
-        if tl.program_id(0) == 0:
-            _st(RK + hv.to(tl.int64) * R + row0 + o_c, rk, m_c, FULL)
-    gate_base = row0 * HV + hv
-    _, beta = _gate(G_IN, B_IN, A_LOG, DT_BIAS, gate_base + o_c * HV, m_c, hv, GATE, ROUND_BETA)
-    gc = _ld(GC + gate_base + o_c * HV, m_c, FULL)
-    Tm = _ld(A + gate_base * 64 + o_c[:, None] * (HV * 64) + o_c[None, :], m_c[:, None], FULL).to(tl.float32)
-    # _wu_kernel's w (16 bits) and, for this V block, u (fp32)
-    w = _w_tile(Tm, beta, gc, rk, k, DT, IEEE).to(DT)
-    Tb_hi, Tb_lo = _split(Tm * beta[None, :], DT)
-    vmask = m_c[:, None] & m_v[None, :]
-    v_in = _ld(V_ + row0 * stride_vt + hv * stride_vh + o_c[:, None] * stride_vt + o_v[None, :], vmask, FULL)
-    u = _u_tile(Tb_hi, Tb_lo, v_in, IEEE)
-    vv = gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :]  # (token, v) in (rows, HV, V) buffers
-    v_new = u - _dot(w, h.to(DT), IEEE)
-    _st(VN + vv, v_new.to(VN.dtype.element_ty), vmask, FULL)
-    g_last = _last_decay(GC, row0, bos, t0, seqlen, HV, hv, FULL)
-    kt = _ld(k_rows + o_c[None, :] * stride_kt + o_k[:, None], m_k[:, None] & m_c[None, :], FULL)
-    return _state_update(h, v_new, kt, gc, g_last, rk, m_c, DT, IEEE, FULL)
 
 
 @triton.jit
@@ -941,11 +870,9 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 #   ms, 16 warps 2x slower, 16-wide V blocks slower.
 # - full_chunks: the halves launched over the 64-row chunks with row masks the compiler knows (then over the shorter
 #   chunks, if any): the dk half packed 0.90 -> 0.80 ms (dense 0.73), the dq half long 0.96 -> 0.89 ms.
-
-# - recurrence fuse_wu (not yet timed on a GPU): the forward's `_wu_kernel` folded into the serial recurrence
-#   (`_recurrence_fwd_wu_kernel`): w and u are never written (~1.1 GB less traffic a forward at 1 x 32768, 32 value
-#   heads), the serial step forms them from T, k and v (which each V-block program reads: T and k from L2 after the
-#   first); ptxas for sm_90: 253 registers and no spills at 32-wide V blocks and 8 warps (64-wide blocks spill).
+# - the forward's `_wu_kernel` folded into the serial recurrence (w and u formed in the step, never stored; 32-wide V
+#   blocks, 8 warps, no spills): H200, long 8.78 -> 11.09 ms, the fused recurrence 4.31 ms against 1.28 + 1.09 for
+#   the two kernels (the serial loop is latency-bound: work added to its step adds to every chunk); removed.
 
 CONFIG = {
     "solve": dict(num_warps=1, num_stages=2, block_k=32),
@@ -953,7 +880,7 @@ CONFIG = {
     # spills a thread)
     "wu": dict(num_warps=4, num_stages=1, block_v=128, maxnreg=168),
     "recurrence": dict(num_warps=8, num_stages=3, block_v=64, block_v_few=32, num_warps_few=4, unmasked=1,
-                       bwd_stages_few_waves=2, fuse_wu=0, fused_block_v=32, fused_num_warps=8),
+                       bwd_stages_few_waves=2),
     "output": dict(num_warps=4, num_stages=2, block_v=128),
     "grads": dict(num_warps=8, num_stages=3, block_v=32, split=1, full_chunks=0),
     "grads_dq": dict(num_warps=4, num_stages=2, block_v=64, full_chunks=1),
@@ -1043,14 +970,13 @@ def _solve(p: _Problem, k, g_in, b_in, A_log, dt_bias, l2norm):
     return A, gc
 
 
-def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm, with_m=False, with_u=True):
-    """(w in k's dtype, u fp32 (None without `with_u`), the key rows' l2norm scales rk (HV, rows) fp32 (unused
-    without l2norm), and `with_m` (the backward) the intra-chunk attention M (rows, HV, 64) in k's dtype, else
-    None) from T."""
+def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm, with_m=False):
+    """(w in k's dtype, u fp32, the key rows' l2norm scales rk (HV, rows) fp32 (unused without l2norm), and
+    `with_m` (the backward) the intra-chunk attention M (rows, HV, 64) in k's dtype, else None) from T."""
     dev, dt = k.device, k.dtype
     gate = A_log is not None
     w = torch.empty(p.rows, p.HV, p.K, dtype=dt, device=dev)
-    u = torch.empty(p.rows, p.HV, p.V, dtype=torch.float32, device=dev) if with_u else gc
+    u = torch.empty(p.rows, p.HV, p.V, dtype=torch.float32, device=dev)
     rk = torch.empty(p.HV, p.rows, dtype=torch.float32, device=dev) if l2norm else gc
     M = torch.empty(p.rows, p.HV, CHUNK, dtype=dt, device=dev) if with_m else None
     cfg = CONFIG["wu"]
@@ -1059,8 +985,8 @@ def _wu(p: _Problem, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm, 
            M if with_m else u, p.T, p.NT, p.HV, p.K, p.V, p.rows, scale, q.stride(1), q.stride(2),
            k.stride(1), k.stride(2), v.stride(1), v.stride(2), GROUP=p.group, BK=p.BK,
            BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate, ROUND_BETA=gate and b_in.dtype != torch.float32,
-           VARLEN=p.varlen, IEEE=p.ieee, M_OUT=with_m, U_OUT=with_u, **_options(cfg))
-    return w, u if with_u else None, rk, M
+           VARLEN=p.varlen, IEEE=p.ieee, M_OUT=with_m, **_options(cfg))
+    return w, u, rk, M
 
 
 def _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, vn_dtype):
@@ -1078,33 +1004,6 @@ def _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, vn_dtype
            STORE_FINAL=output_final_state, L2NORM=l2norm, VARLEN=p.varlen, IEEE=p.ieee,
            EVEN=p.even_tiles(BV) and bool(cfg["unmasked"]), num_warps=warps, num_stages=cfg["num_stages"])
     return ht, hs, vn
-
-
-def _recurrence_fwd_wu(p, k, v, g_in, b_in, A_log, dt_bias, A, gc, h0, l2norm, output_final_state, vn_dtype,
-                       rk=None):
-    """`_wu` and `_recurrence_fwd` in one serial kernel (`_recurrence_fwd_wu_kernel`): (final state or an unused
-    tensor, per-chunk states, v' in vn_dtype, the key rows' l2norm scales (HV, rows) fp32 (or gc, unused without
-    l2norm)). `rk` given (the backward's run, `_wu` wrote it): not stored again."""
-    dev, dt = k.device, k.dtype
-    gate = A_log is not None
-    cfg = CONFIG["recurrence"]
-    BV, warps, _ = p.recurrence_launch()
-    if p.K == p.BK:  # (unpadded key lanes) 32-wide V blocks at 8 warps: no spills on sm_90 (ptxas), 64-wide spill
-        BV, warps = p.block_v(cfg["fused_block_v"]), cfg["fused_num_warps"]
-    ht = torch.empty(p.N, p.HV, p.K, p.V, dtype=torch.float32, device=dev) if output_final_state else gc
-    hs = torch.empty(p.n_chunks, p.HV, p.K, p.V, dtype=dt, device=dev)
-    vn = torch.empty(p.rows, p.HV, p.V, dtype=vn_dtype, device=dev)
-    store_rk = l2norm and rk is None
-    if rk is None:
-        rk = torch.empty(p.HV, p.rows, dtype=torch.float32, device=dev) if l2norm else gc
-    launch(_recurrence_fwd_wu_kernel, (triton.cdiv(p.V, BV), p.N * p.HV), k, v, g_in, b_in,
-           A_log if gate else g_in, dt_bias if gate else g_in, A, gc, h0 if h0 is not None else gc, p.cu,
-           p.chunk_offsets, ht, hs, vn, rk, p.T, p.HV, p.K, p.V, p.rows, k.stride(1), k.stride(2), v.stride(1),
-           v.stride(2), GROUP=p.group, BK=p.BK, BV=BV, USE_H0=h0 is not None, STORE_FINAL=output_final_state,
-           L2NORM=l2norm, GATE=gate, ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee,
-           EVEN=p.even_tiles(BV) and bool(cfg["unmasked"]), STORE_RK=store_rk, num_warps=warps,
-           num_stages=cfg["num_stages"])
-    return ht, hs, vn, rk
 
 
 def _output(p, q, k, hs, vn, gc, rk, scale, l2norm):
@@ -1125,13 +1024,9 @@ def chunk_fwd(q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta, scale: 
     q, k, v, g_in, b_in = _rule_inputs(q, k, v, g_in, b_in)
     p = _Problem(q, v, cu_seqlens, meta)
     A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
-    if CONFIG["recurrence"]["fuse_wu"]:
-        ht, hs, vn, rk = _recurrence_fwd_wu(p, k, v, g_in, b_in, A_log, dt_bias, A, gc, h0, l2norm,
-                                            output_final_state, torch.float32)
-    else:
-        w, u, rk, _ = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
-        ht, hs, vn = _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, torch.float32)
-        del w, u
+    w, u, rk, _ = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm)
+    ht, hs, vn = _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, output_final_state, torch.float32)
+    del w, u
     return _output(p, q, k, hs, vn, gc, rk, scale, l2norm), ht, A, gc
 
 
@@ -1147,13 +1042,9 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     gate = A_log is not None
     if A is None or gc is None:
         A, gc = _solve(p, k, g_in, b_in, A_log, dt_bias, l2norm)
-    if CONFIG["recurrence"]["fuse_wu"]:  # _wu writes the backward recurrence's w and M, the serial kernel forms u
-        w, _, rk, M = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm, with_m=True, with_u=False)
-        _, hs, vn, _ = _recurrence_fwd_wu(p, k, v, g_in, b_in, A_log, dt_bias, A, gc, h0, l2norm, False, dt, rk)
-    else:
-        w, u, rk, M = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm, with_m=True)
-        _, hs, vn = _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, False, dt)
-        del u
+    w, u, rk, M = _wu(p, q, k, v, g_in, b_in, A_log, dt_bias, A, gc, scale, l2norm, with_m=True)
+    _, hs, vn = _recurrence_fwd(p, k, w, u, gc, rk, h0, l2norm, False, dt)
+    del u
     cfg = CONFIG["recurrence"]
     BV, warps, bwd_stages = p.recurrence_launch()
     dhs = torch.empty_like(hs)
