@@ -142,16 +142,22 @@ def test_block_vs_float64(family, B, S, path, use_kernel_path):
         assert _rel(grads[name], grads_ref[name]) <= TOL[dtype], (name, _rel(grads[name], grads_ref[name]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("path", ["torch", "triton"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_block_equals_per_op_path(family, path, use_kernel_path, monkeypatch):
-    """The node computes the per-op path's kernels in its order: output and gradients equal bit for bit."""
+def test_block_equals_per_op_path(family, path, dtype, use_kernel_path, monkeypatch):
+    """The node computes the per-op path's arithmetic in its order: output and gradients equal bit for bit, in
+    16-bit dtypes too, where the residual adds that the node runs inside the norm kernels must round as torch's
+    adds do."""
+    if path == "triton" and dtype == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("Triton's interpreter casts fp32 to bf16 by truncation, torch and GPUs round to nearest: bf16 on "
+                    "CUDA (fp16 covers the rounding here)")
     use_kernel_path(path)
     config = _config(family)
-    ours = _ours(family, config, torch.float32)
+    ours = _ours(family, config, dtype)
     torch.manual_seed(2)
-    x = torch.randn(2, 9, config.hidden_size, device=DEV)
-    dout, pe = torch.randn_like(x), _rope(family, config, 2, 9, torch.float32)
+    x = torch.randn(2, 9, config.hidden_size, device=DEV, dtype=dtype)
+    dout, pe = torch.randn_like(x), _rope(family, config, 2, 9, dtype)
     out, grads = _run(DecoderLayer.forward, ours, x, pe, dout)
     _per_op(monkeypatch)
     out_op, grads_op = _run(DecoderLayer.forward, ours, x, pe, dout)

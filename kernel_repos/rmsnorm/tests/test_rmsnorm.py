@@ -200,6 +200,37 @@ def test_backward_recompute_rebuilds_the_forward_output_bitwise(triton_path, dty
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("triton_path", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 33), (37, 48), (70, 1025)])
+def test_residual_add_in_the_kernels_equals_torch_add(triton_path, dtype, shape, monkeypatch):
+    # rms_norm_add_forward / rms_norm_backward(dresidual=) / rms_norm_backward_recompute(dresidual=): the residual
+    # stream's add inside the norm kernels, bit for bit what torch's add then the plain norm give (h, y, rstd; dx,
+    # dweight, y), the add rounded as torch rounds it. Both orders of the add are torch's (IEEE addition commutes).
+    from hubfuse.rmsnorm import ops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not triton_path:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    elif dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("Triton's interpreter casts fp32 to bf16 by truncation, torch and GPUs round to nearest")
+    x, r, w, dy = _inputs(shape, dtype, device, seed=shape[0])
+    dr = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    h, y, rstd = ops.rms_norm_add_forward(x, r, w, EPS)
+    y_ref, rstd_ref = ops.rms_norm_forward(x + r, w, EPS)
+    for a, b in ((h, x + r), (y, y_ref), (rstd, rstd_ref)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    dx_plain, dw_plain, _ = ops._bwd_impl(dy, h, w, None, rstd, R.STANDARD)
+    dx, dw = ops.rms_norm_backward(dy, h, w, rstd, dresidual=dr)
+    dx2, dw2, y2 = ops.rms_norm_backward_recompute(dy.clone(), h, w, rstd, dresidual=dr)
+    for a, b in ((dx, dr + dx_plain), (dw, dw_plain), (dx2, dr + dx_plain), (dw2, dw_plain), (y2, y_ref)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # a gradient of another dtype or layout is added by torch (the kernel adds in x's dtype, at dx's strides)
+    dr_t = torch.randn(shape[::-1], generator=torch.Generator().manual_seed(6)).to(device, dtype).t()
+    torch.testing.assert_close(ops.rms_norm_backward(dy, h, w, rstd, dresidual=dr_t)[0], dr_t + dx_plain,
+                               atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("rows, split, n", [(1, 1, 5), (70, 70, 1024), (77, 33, 130), (5, 4, 300), (600, 257, 130),
                                            (300, 300, 1030)])
 def test_sum_partials_matches_torch_column_sums(rows, split, n):

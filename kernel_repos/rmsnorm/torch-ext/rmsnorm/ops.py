@@ -42,17 +42,61 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     return _fwd_impl(x, weight, None, eps, STANDARD)
 
 
-def rms_norm_backward_recompute(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
-    """Implementation of the Llama/Qwen RMSNorm backward on 2-D tensors that also rebuilds the forward's output
-    bit for bit from (x, weight, rstd), for an op that saved x but not y: (dx, dweight, y). On the Triton path the
-    same kernel writes y (over `dy`, which it no longer needs), so keeping y costs one store, not a pass."""
+def rms_norm_add_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Implementation of the Llama/Qwen RMSNorm forward of `h = x + residual` (a residual stream's add and the norm
+    after it) on 2-D tensors of one shape (no autograd, for other ops' implementations): (h, y, rstd), h rounded
+    as torch's add rounds it. On the Triton path one kernel writes h and y, where torch would run two."""
+    if use_triton(x) and residual.dtype == x.dtype:
+        from .triton_kernels import rms_norm_fwd
+
+        x, residual = x.contiguous(), residual.contiguous()
+        h = torch.empty_like(x)
+        y, rstd = rms_norm_fwd(x, weight, None, eps, STANDARD, _out_dtype(x, weight, STANDARD), residual=residual,
+                               h=h)
+        return h, y, rstd
+    h = x + residual
+    return (h, *_fwd_impl(h, weight, None, eps, STANDARD))
+
+
+def _fuses_residual(x: torch.Tensor, dresidual: Optional[torch.Tensor]) -> bool:
+    # the backward kernel adds dresidual in x's dtype, at dx's (= x's, contiguous) strides
+    return (dresidual is not None and dresidual.dtype == x.dtype and x.is_contiguous()
+            and dresidual.is_contiguous())
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      dresidual: Optional[torch.Tensor] = None):
+    """Implementation of the Llama/Qwen RMSNorm backward on 2-D tensors (no autograd): (dx, dweight). With
+    `dresidual`, a gradient that reaches x by another path (the residual stream), dx is the norm's gradient plus
+    it, as torch adds the two: in the same kernel on the Triton path."""
     if use_triton(x):
         from .triton_kernels import rms_norm_bwd
 
-        dx, dw, _ = rms_norm_bwd(dy, x, weight, None, rstd, STANDARD, y=dy)
-        return dx, dw, dy
-    dx, dw, _ = rms_norm_bwd_reference(dy, x, weight, None, rstd, STANDARD)
-    return dx, dw, weight * (x.float() * rstd[:, None]).to(x.dtype)  # rms_norm_hf's y from the saved rstd
+        fused = _fuses_residual(x, dresidual)
+        dx, dw, _ = rms_norm_bwd(dy, x, weight, None, rstd, STANDARD, dresidual=dresidual if fused else None)
+    else:
+        fused = False
+        dx, dw, _ = rms_norm_bwd_reference(dy, x, weight, None, rstd, STANDARD)
+    return (dx if fused or dresidual is None else dresidual + dx), dw
+
+
+def rms_norm_backward_recompute(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                                dresidual: Optional[torch.Tensor] = None):
+    """Implementation of the Llama/Qwen RMSNorm backward on 2-D tensors that also rebuilds the forward's output
+    bit for bit from (x, weight, rstd), for an op that saved x but not y: (dx, dweight, y). On the Triton path the
+    same kernel writes y (over `dy`, which it no longer needs), so keeping y costs one store, not a pass.
+    `dresidual`: added to dx as in `rms_norm_backward`."""
+    if use_triton(x):
+        from .triton_kernels import rms_norm_bwd
+
+        fused = _fuses_residual(x, dresidual)
+        dx, dw, _ = rms_norm_bwd(dy, x, weight, None, rstd, STANDARD, y=dy, dresidual=dresidual if fused else None)
+        y = dy
+    else:
+        fused = False
+        dx, dw, _ = rms_norm_bwd_reference(dy, x, weight, None, rstd, STANDARD)
+        y = weight * (x.float() * rstd[:, None]).to(x.dtype)  # rms_norm_hf's y from the saved rstd
+    return (dx if fused or dresidual is None else dresidual + dx), dw, y
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor, mode: int) -> torch.dtype:

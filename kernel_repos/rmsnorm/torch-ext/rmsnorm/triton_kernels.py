@@ -17,9 +17,12 @@ MAX_HIDDEN = 65536
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, W, G, Y, RSTD, M, N, stride_x, stride_g, stride_y, eps,
-    MODE: tl.constexpr, ROUND_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    X, R, H, W, G, Y, RSTD, M, N, stride_x, stride_g, stride_y, eps,
+    MODE: tl.constexpr, ROUND_T: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    # HAS_RESIDUAL: the input is the sum x + r, rounded to x's dtype as torch's add rounds it, and written to H
+    # (R and H with X's row stride); R and H are placeholders otherwise (never read or written)
     eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64 (torch.compile, ops inlined)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -27,6 +30,10 @@ def _rms_norm_fwd_kernel(
     mask = row_mask[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     x_raw = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+        x_raw = (x_raw.to(tl.float32) + r.to(tl.float32)).to(x_raw.dtype)
+        tl.store(H + rows64 * stride_x + cols[None, :], x_raw, mask=mask)
     x = x_raw.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
     n = x * rstd[:, None]
@@ -47,15 +54,17 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, G, RSTD, DX, DG, DW_PARTIAL, Y, M, N, rows_per_program,
+    DY, X, W, G, RSTD, DX, DG, DW_PARTIAL, Y, DR, M, N, rows_per_program,
     stride_dy, stride_x, stride_g, stride_dx, stride_dg, stride_y,
-    MODE: tl.constexpr, ROUND_T: tl.constexpr, STORE_Y: tl.constexpr, BLOCK_M: tl.constexpr,
+    MODE: tl.constexpr, ROUND_T: tl.constexpr, STORE_Y: tl.constexpr, HAS_DR: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # Each program owns a contiguous slab of rows and writes one fp32 partial of dweight: the partials
     # are summed afterwards in a fixed order, so dweight is deterministic (no atomics).
     # STORE_Y (standard mode): also writes the forward's output y again, bit for bit (same x, rstd and w), for a
     # caller that did not keep it; Y may be DY (each tile of dy is read before its y is stored).
+    # HAS_DR: dx is the norm's gradient plus DR (a gradient reaching x by another path, DX's row stride), summed
+    # as torch adds the two tensors: the norm's gradient rounded to DX's dtype first.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -96,6 +105,9 @@ def _rms_norm_bwd_kernel(
             dw_acc += tl.sum(dt * n_cast, axis=0)
         # d/dx of x * rstd(x) = rstd * (dn - n * mean(dn * n))
         dx = rstd * (dn - n * (tl.sum(dn * n, axis=1) / N)[:, None])
+        if HAS_DR:
+            dr = tl.load(DR + rows64 * stride_dx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dx = dx.to(DX.dtype.element_ty).to(tl.float32) + dr
         tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + pid * N + cols, dw_acc, mask=col_mask)
 
@@ -174,22 +186,26 @@ def _round_t(x, weight, mode):
     return mode == GATED and torch.promote_types(weight.dtype, x.dtype) != torch.float32
 
 
-def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype, y=None):
-    """(y, rstd); `y` given: written in place ((M, N), unit stride on N, out_dtype)."""
+def rms_norm_fwd(x, weight, gate, eps: float, mode: int, out_dtype: torch.dtype, y=None, residual=None, h=None):
+    """(y, rstd); `y` given: written in place ((M, N), unit stride on N, out_dtype). With `residual` (x's shape,
+    dtype and strides) the norm is of h = x + residual, written into `h` (the same layout)."""
     M, N = x.shape
     y = torch.empty((M, N), dtype=out_dtype, device=x.device) if y is None else y
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     block_m, block_n, num_warps = _fwd_config(N)
     g = gate if gate is not None else x
     launch(_rms_norm_fwd_kernel, (cdiv(M, block_m),),
-        x, weight, g, y, rstd, M, N, x.stride(0), g.stride(0), y.stride(0), eps,
-        MODE=mode, ROUND_T=_round_t(x, weight, mode), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        x, residual if residual is not None else x, h if h is not None else x, weight, g, y, rstd, M, N,
+        x.stride(0), g.stride(0), y.stride(0), eps,
+        MODE=mode, ROUND_T=_round_t(x, weight, mode), HAS_RESIDUAL=residual is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=num_warps,
     )
     return y, rstd
 
 
-def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int, y=None):
-    """(dx, dweight, dgate); with `y` (standard mode) the forward's output is also written into it."""
+def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int, y=None, dresidual=None):
+    """(dx, dweight, dgate); with `y` (standard mode) the forward's output is also written into it; with
+    `dresidual` (x's shape, dtype and strides, contiguous) dx is the norm's gradient + dresidual."""
     M, N = x.shape
     block_m, block_n, num_warps, programs = _bwd_config(N, x.device)
     rows_per_program = cdiv(cdiv(M, min(programs, cdiv(M, block_m))), block_m) * block_m
@@ -201,9 +217,9 @@ def rms_norm_bwd(dy, x, weight, gate, rstd, mode: int, y=None):
     dg = dgate if gate is not None else dx
     y_out = y if y is not None else dx
     launch(_rms_norm_bwd_kernel, (grid,),
-        dy, x, weight, g, rstd, dx, dg, dw_partial, y_out, M, N, rows_per_program,
-        dy.stride(0), x.stride(0), g.stride(0), dx.stride(0), dg.stride(0), y_out.stride(0),
-        MODE=mode, ROUND_T=_round_t(x, weight, mode), STORE_Y=y is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps,
+        dy, x, weight, g, rstd, dx, dg, dw_partial, y_out, dresidual if dresidual is not None else dy, M, N,
+        rows_per_program, dy.stride(0), x.stride(0), g.stride(0), dx.stride(0), dg.stride(0), y_out.stride(0),
+        MODE=mode, ROUND_T=_round_t(x, weight, mode), STORE_Y=y is not None, HAS_DR=dresidual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return dx, sum_partials(dw_partial, grid, weight.dtype)[0], dgate

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from hubfuse._common.checks import first_order
 from hubfuse._common.device import autocast_dtype, use_triton
 from hubfuse._common.custom_op import call, custom_op, differentiable_op
-from hubfuse.rmsnorm.ops import check_rms_norm_inputs, rms_norm, rms_norm_backward_recompute, rms_norm_forward
+from hubfuse.rmsnorm.ops import check_rms_norm_inputs, rms_norm, rms_norm_add_forward, rms_norm_backward_recompute, \
+    rms_norm_forward
 from .reference import swiglu_bwd_reference, swiglu_fwd_reference
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -189,8 +190,14 @@ def _rms_norm_gate_up_bwd(
     gate_up_weight: torch.Tensor, has_gate_up_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d norm_weight, d gate_up_weight, d gate_up_bias or an empty tensor)."""
+    return _norm_gate_up_grads(dgate_up, x, norm_weight, rstd, gate_up_weight, has_gate_up_bias)
+
+
+def _norm_gate_up_grads(dgate_up, x, norm_weight, rstd, gate_up_weight, has_gate_up_bias: bool, dresidual=None):
+    """`rms_norm_gate_up_bwd`'s gradients; `dresidual` (another gradient of x, the residual stream's) is added to dx
+    by the norm's backward kernel."""
     dnormed = dgate_up @ gate_up_weight
-    dx, d_norm_weight, normed = rms_norm_backward_recompute(dnormed, x, norm_weight, rstd)
+    dx, d_norm_weight, normed = rms_norm_backward_recompute(dnormed, x, norm_weight, rstd, dresidual)
     d_gate_up_weight = dgate_up.t() @ normed
     d_gate_up_bias = dgate_up.sum(0) if has_gate_up_bias else dgate_up.new_empty(0)
     return dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias
@@ -231,15 +238,25 @@ def _mlp_block_forward(x, norm_weight, eps, gate_up_weight, gate_up_bias, down_w
     return out, (x, norm_weight, rstd, gate_up_weight, gate_up, down_weight)
 
 
-def _mlp_block_backward(dout, saved, has_gate_up_bias: bool, has_down_bias: bool):
+def _mlp_block_forward_add(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, down_bias):
+    """`_mlp_block_forward` of h = x + residual (2-D, one shape), the add in the norm's kernel: (h, out, saved)."""
+    h, normed, rstd = rms_norm_add_forward(x, residual, norm_weight, eps)
+    gate_up = F.linear(normed, gate_up_weight, gate_up_bias)
+    del normed  # the backward's norm kernel writes it again
+    out = _swiglu_down_fwd.eager_impl(gate_up, down_weight, down_bias)
+    return h, out, (h, norm_weight, rstd, gate_up_weight, gate_up, down_weight)
+
+
+def _mlp_block_backward(dout, saved, has_gate_up_bias: bool, has_down_bias: bool, dresidual=None):
     """The backward of `_mlp_block_forward` (2-D, contiguous dout): (dx, d_norm_weight, d_gate_up_weight,
     d_gate_up_bias, d_down_weight, d_down_bias), a bias gradient None where there is no bias. Writes the
-    gradient of gate_up over the saved gate_up (its version is bumped: a second backward raises)."""
+    gradient of gate_up over the saved gate_up (its version is bumped: a second backward raises). `dresidual`
+    (another gradient of x) is added to dx by the norm's backward kernel."""
     x, norm_weight, rstd, gate_up_weight, gate_up, down_weight = saved
     d_down_weight, d_down_bias = _swiglu_down_bwd.eager_impl(dout, gate_up, down_weight, has_down_bias)
     torch.autograd.graph.increment_version(gate_up)  # it now holds its gradient: a second backward raises
-    dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias = _rms_norm_gate_up_bwd.eager_impl(
-        gate_up, x, norm_weight, rstd, gate_up_weight, has_gate_up_bias)
+    dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias = _norm_gate_up_grads(
+        gate_up, x, norm_weight, rstd, gate_up_weight, has_gate_up_bias, dresidual)
     return (dx, d_norm_weight, d_gate_up_weight, d_gate_up_bias if has_gate_up_bias else None, d_down_weight,
             d_down_bias if has_down_bias else None)
 
