@@ -31,7 +31,7 @@ OVERRIDES = {"qwen3_moe": dict(output_router_logits=True), "qwen3_5_moe_text": d
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
     register_local_kernels("rmsnorm", "rotary", "swiglu", "moe", "load-balancing-loss", "cross-entropy",
-                           "gated-delta-net")
+                           "gated-delta-net", "decoder-layer")
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +90,17 @@ def test_kernelized_training_builds_no_cache(family, model_dirs, caches_built):
 
 
 @pytest.mark.parametrize("family", (*KERNELIZED, "llama", "qwen2"))
-def test_training_step_fills_no_zero_tensors(family, model_dirs, monkeypatch, zero_fills):
+def test_training_step_fills_no_zero_tensors(family, model_dirs, zero_fills):
     """A kernelized training step (the kernels' GPU path: the Triton interpreter here) fills no tensor with zeros,
     in particular no zero gradient that autograd would materialise for an op's non-differentiable outputs (router
     indices and stats, the Gated DeltaNet's saved WY matrices): each such fill is a launch and a memset nothing
     reads."""
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("the kernels' GPU path: TRITON_INTERPRET=1 on CPU")
-    monkeypatch.setenv("LOCAL_KERNELS", os.environ.get("LOCAL_KERNELS", ""))  # restored after the test
-    register_local_kernels("decoder-layer")  # the dense presets' decoder-layer node
-    model = _kernelized(model_dirs[family], family).train()
-    batch = make_batch(tiny_config(family).vocab_size, seq=9)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load(model_dirs[family], presets.kernel_mapping(family, revision=REVISION), device=device).train()
+    presets.enable_losses(model, family, revision=REVISION)
+    batch = make_batch(tiny_config(family).vocab_size, seq=9, device=device)
     with zero_fills() as fills:
         model(**batch).loss.backward()
     assert fills == []

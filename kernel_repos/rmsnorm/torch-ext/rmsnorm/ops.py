@@ -45,8 +45,9 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
 def rms_norm_add_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """Implementation of the Llama/Qwen RMSNorm forward of `h = x + residual` (a residual stream's add and the norm
     after it) on 2-D tensors of one shape (no autograd, for other ops' implementations): (h, y, rstd), h rounded
-    as torch's add rounds it. On the Triton path one kernel writes h and y, where torch would run two."""
-    if use_triton(x) and residual.dtype == x.dtype:
+    as torch's add rounds it. On the Triton path one kernel writes h and y, where torch would run two (16-bit
+    dtypes, as `_fuses_residual`)."""
+    if use_triton(x) and residual.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16):
         from .triton_kernels import rms_norm_fwd
 
         x, residual = x.contiguous(), residual.contiguous()
@@ -59,9 +60,12 @@ def rms_norm_add_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.
 
 
 def _fuses_residual(x: torch.Tensor, dresidual: Optional[torch.Tensor]) -> bool:
-    # the backward kernel adds dresidual in x's dtype, at dx's (= x's, contiguous) strides
-    return (dresidual is not None and dresidual.dtype == x.dtype and x.is_contiguous()
-            and dresidual.is_contiguous())
+    # the backward kernel adds dresidual in x's dtype, at dx's (= x's, contiguous) strides. 16-bit dtypes only: the
+    # norm's fp32 gradient is rounded to the dtype before the add, as torch's add gets it; in fp32 that rounding is
+    # no operation, and a GPU compiler contracts the gradient's last product and the add into one FMA (one rounding
+    # fewer than torch's separate add)
+    return (dresidual is not None and dresidual.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16)
+            and x.is_contiguous() and dresidual.is_contiguous())
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
