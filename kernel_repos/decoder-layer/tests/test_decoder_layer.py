@@ -4,6 +4,8 @@ per-op path (bit for bit), its fallbacks, gradient checkpointing and bad configs
 CPU runs the Triton kernels under TRITON_INTERPRET=1 (set by the root conftest) and the torch path without it;
 the GPU test (bf16, Qwen3-0.6B widths) is marked `gpu`.
 """
+import copy
+
 import pytest
 import torch
 
@@ -123,12 +125,15 @@ def _per_op(monkeypatch):
 def test_block_vs_float64(family, B, S, path, use_kernel_path):
     """The node (one autograd node: the output's grad_fn) against HF's decoder layer in float64: output and every
     gradient (x, norms, projections, biases, q/k norms) within the node's dtype's roundings (fp32 on CPU, fp16 on
-    CUDA)."""
+    CUDA), or within twice HF's own layer's error in that dtype where that is larger (fp16 sums over tokens: the
+    bias gradients). One token: q and k get no gradient in exact arithmetic, and the node's q/k gradients must be
+    that small against the layer's largest gradient."""
     use_kernel_path(path)
     dtype = NODE_DTYPE
     config = _config(family)
     ours = _ours(family, config, dtype)
     hf = _hf_from_ours(family, config, ours)
+    hf_lo = copy.deepcopy(hf).to(dtype)
     torch.manual_seed(1)
     x = torch.randn(B, S, config.hidden_size, device=DEV, dtype=dtype)
     dout = torch.randn_like(x)
@@ -136,14 +141,22 @@ def test_block_vs_float64(family, B, S, path, use_kernel_path):
     xs = x.detach().clone().requires_grad_(True)
     assert _is_block_node(DecoderLayer.forward(ours, xs, position_embeddings=pe))
     out, grads = _run(DecoderLayer.forward, ours, x, pe, dout)
+    hf_call = lambda m, x, **kw: m(x, **kw)  # noqa: E731
     pe64 = tuple(t.double() for t in pe)
-    out_ref, grads_ref = _run(lambda m, x, **kw: m(x, **kw), hf, x.double(), pe64, dout.double())
+    out_ref, grads_ref = _run(hf_call, hf, x.double(), pe64, dout.double())
     grads_ref = _hf_grads(hf, grads_ref)
-    assert grads.keys() == grads_ref.keys()
-    assert _rel(out, out_ref) <= TOL[dtype]
+    out_lo, grads_lo = _run(hf_call, hf_lo, x, pe, dout)
+    grads_lo = _hf_grads(hf_lo, grads_lo)
+    assert grads.keys() == grads_ref.keys() == grads_lo.keys()
+    assert _rel(out, out_ref) <= max(TOL[dtype], 2 * _rel(out_lo, out_ref))
+    largest = max(g.abs().max().item() for g in grads_ref.values())
     for name in grads:
         assert grads[name] is not None, name
-        assert _rel(grads[name], grads_ref[name]) <= TOL[dtype], (name, _rel(grads[name], grads_ref[name]))
+        if grads_ref[name].abs().max() == 0:
+            assert grads[name].abs().max().item() <= TOL[dtype] * largest, name
+            continue
+        err, err_hf = _rel(grads[name], grads_ref[name]), _rel(grads_lo[name], grads_ref[name])
+        assert err <= max(TOL[dtype], 2 * err_hf), (name, err, err_hf)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
