@@ -266,8 +266,9 @@ def test_rejects_unsupported_model_type():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_gpu_bf16(family, monkeypatch):
-    """bf16 at Qwen3-0.6B's widths (2 x 1000 tokens): the node equals the per-op path bit for bit, and is within
-    bf16 roundings of HF's layer in float64."""
+    """bf16 at Qwen3-0.6B's widths (2 x 1000 tokens): the node equals the per-op path bit for bit (the gradients
+    that follow SDPA's dq within a rounding: its order of additions is not fixed), and is within bf16 roundings of
+    HF's layer in float64."""
     config = _config(family, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072)
     ours = _ours(family, config, torch.bfloat16)
     with torch.no_grad():
@@ -287,4 +288,13 @@ def test_block_gpu_bf16(family, monkeypatch):
         assert _rel(grads[name], grads_ref[name]) <= TOL[torch.bfloat16], (name, _rel(grads[name], grads_ref[name]))
     _per_op(monkeypatch)
     out_op, grads_op = _run(DecoderLayer.forward, ours, x, pe, dout)
-    _assert_equal(out, grads, out_op, grads_op)
+    # SDPA's backward (cuDNN, flash) sums dq's fp32 partials with atomics, in an order that changes from run to run:
+    # what depends on dq may differ by roundings between any two runs, of the node or of the per-op path
+    after_dq = {"x", "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+                "self_attn.q_norm.weight"}
+    assert torch.equal(out, out_op)
+    for name in grads:
+        if name in after_dq:
+            assert _rel(grads[name], grads_op[name]) <= 2**-8, (name, _rel(grads[name], grads_op[name]))
+        else:
+            assert torch.equal(grads[name], grads_op[name]), name
