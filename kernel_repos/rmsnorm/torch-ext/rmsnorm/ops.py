@@ -42,12 +42,18 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     return _fwd_impl(x, weight, None, eps, STANDARD)
 
 
+# dtypes whose residual adds run inside the norm kernels: the norm's fp32 gradient is rounded to the dtype before the
+# add, as torch's add gets it. Not fp32: there that rounding is no operation, and a GPU compiler contracts the
+# gradient's last product and the add into one FMA (one rounding fewer than torch's separate add)
+_ADD_IN_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def rms_norm_add_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """Implementation of the Llama/Qwen RMSNorm forward of `h = x + residual` (a residual stream's add and the norm
     after it) on 2-D tensors of one shape (no autograd, for other ops' implementations): (h, y, rstd), h rounded
-    as torch's add rounds it. On the Triton path one kernel writes h and y, where torch would run two (16-bit
-    dtypes, as `_fuses_residual`)."""
-    if use_triton(x) and residual.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16):
+    as torch's add rounds it. On the Triton path (16-bit dtypes) one kernel writes h and y, where torch would run
+    two."""
+    if use_triton(x) and residual.dtype == x.dtype and x.dtype in _ADD_IN_KERNEL_DTYPES:
         from .triton_kernels import rms_norm_fwd
 
         x, residual = x.contiguous(), residual.contiguous()
@@ -59,13 +65,25 @@ def rms_norm_add_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.
     return (h, *_fwd_impl(h, weight, None, eps, STANDARD))
 
 
-def _fuses_residual(x: torch.Tensor, dresidual: Optional[torch.Tensor]) -> bool:
-    # the backward kernel adds dresidual in x's dtype, at dx's (= x's, contiguous) strides. 16-bit dtypes only: the
-    # norm's fp32 gradient is rounded to the dtype before the add, as torch's add gets it; in fp32 that rounding is
-    # no operation, and a GPU compiler contracts the gradient's last product and the add into one FMA (one rounding
-    # fewer than torch's separate add)
-    return (dresidual is not None and dresidual.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16)
-            and x.is_contiguous() and dresidual.is_contiguous())
+def _standard_bwd(dy, x, weight, rstd, dresidual, rebuild_y: bool):
+    """The Llama/Qwen RMSNorm backward on 2-D tensors: (dx, dweight, y or None). `dresidual` (a gradient that
+    reaches x by another path) is added to dx, inside the kernel where it can be (16-bit, contiguous, x's dtype:
+    the kernel adds at dx's strides), else by torch. `rebuild_y`: also the forward's output, from x and rstd."""
+    if use_triton(x):
+        from .triton_kernels import rms_norm_bwd
+
+        fused = (dresidual is not None and dresidual.dtype == x.dtype and x.dtype in _ADD_IN_KERNEL_DTYPES
+                 and x.is_contiguous() and dresidual.is_contiguous())
+        dx, dw, _ = rms_norm_bwd(dy, x, weight, None, rstd, STANDARD, y=dy if rebuild_y else None,
+                                 dresidual=dresidual if fused else None)
+        y = dy if rebuild_y else None  # the kernel wrote y over dy
+    else:
+        fused = False
+        dx, dw, _ = rms_norm_bwd_reference(dy, x, weight, None, rstd, STANDARD)
+        y = weight * (x.float() * rstd[:, None]).to(x.dtype) if rebuild_y else None  # rms_norm_hf's y
+    if dresidual is not None and not fused:
+        dx = dresidual + dx
+    return dx, dw, y
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
@@ -73,15 +91,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     """Implementation of the Llama/Qwen RMSNorm backward on 2-D tensors (no autograd): (dx, dweight). With
     `dresidual`, a gradient that reaches x by another path (the residual stream), dx is the norm's gradient plus
     it, as torch adds the two: in the same kernel on the Triton path."""
-    if use_triton(x):
-        from .triton_kernels import rms_norm_bwd
-
-        fused = _fuses_residual(x, dresidual)
-        dx, dw, _ = rms_norm_bwd(dy, x, weight, None, rstd, STANDARD, dresidual=dresidual if fused else None)
-    else:
-        fused = False
-        dx, dw, _ = rms_norm_bwd_reference(dy, x, weight, None, rstd, STANDARD)
-    return (dx if fused or dresidual is None else dresidual + dx), dw
+    return _standard_bwd(dy, x, weight, rstd, dresidual, rebuild_y=False)[:2]
 
 
 def rms_norm_backward_recompute(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
@@ -90,17 +100,7 @@ def rms_norm_backward_recompute(dy: torch.Tensor, x: torch.Tensor, weight: torch
     bit for bit from (x, weight, rstd), for an op that saved x but not y: (dx, dweight, y). On the Triton path the
     same kernel writes y (over `dy`, which it no longer needs), so keeping y costs one store, not a pass.
     `dresidual`: added to dx as in `rms_norm_backward`."""
-    if use_triton(x):
-        from .triton_kernels import rms_norm_bwd
-
-        fused = _fuses_residual(x, dresidual)
-        dx, dw, _ = rms_norm_bwd(dy, x, weight, None, rstd, STANDARD, y=dy, dresidual=dresidual if fused else None)
-        y = dy
-    else:
-        fused = False
-        dx, dw, _ = rms_norm_bwd_reference(dy, x, weight, None, rstd, STANDARD)
-        y = weight * (x.float() * rstd[:, None]).to(x.dtype)  # rms_norm_hf's y from the saved rstd
-    return (dx if fused or dresidual is None else dresidual + dx), dw, y
+    return _standard_bwd(dy, x, weight, rstd, dresidual, rebuild_y=True)
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor, mode: int) -> torch.dtype:
