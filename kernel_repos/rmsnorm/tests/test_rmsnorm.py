@@ -216,6 +216,16 @@ def test_residual_add_in_the_kernels_equals_torch_add(triton_path, dtype, shape,
         pytest.skip("Triton's interpreter casts fp32 to bf16 by truncation, torch and GPUs round to nearest")
     x, r, w, dy = _inputs(shape, dtype, device, seed=shape[0])
     dr = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    in_kernel = []  # whether each kernel launch took the residual (the add inside the kernel)
+    if ops.use_triton(x):
+        from hubfuse.rmsnorm import triton_kernels
+
+        for name, key in (("rms_norm_fwd", "residual"), ("rms_norm_bwd", "dresidual")):
+            def spy(*args, _fn=getattr(triton_kernels, name), _key=key, **kwargs):
+                in_kernel.append(kwargs.get(_key) is not None)
+                return _fn(*args, **kwargs)
+
+            monkeypatch.setattr(triton_kernels, name, spy)
     h, y, rstd = ops.rms_norm_add_forward(x, r, w, EPS)
     y_ref, rstd_ref = ops.rms_norm_forward(x + r, w, EPS)
     for a, b in ((h, x + r), (y, y_ref), (rstd, rstd_ref)):
@@ -225,6 +235,9 @@ def test_residual_add_in_the_kernels_equals_torch_add(triton_path, dtype, shape,
     dx2, dw2, y2 = ops.rms_norm_backward_recompute(dy.clone(), h, w, rstd, dresidual=dr)
     for a, b in ((dx, dr + dx_plain), (dw, dw_plain), (dx2, dr + dx_plain), (dw2, dw_plain), (y2, y_ref)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # launches in order: the fused forward, the plain forward and backward (the references), the two fused backwards
+    fused = ops.use_triton(x) and dtype != torch.float32
+    assert in_kernel == ([fused, False, False, fused, fused] if ops.use_triton(x) else [])
     # a gradient of another dtype or layout is added by torch (the kernel adds in x's dtype, at dx's strides)
     dr_t = torch.randn(shape[::-1], generator=torch.Generator().manual_seed(6)).to(device, dtype).t()
     torch.testing.assert_close(ops.rms_norm_backward(dy, h, w, rstd, dresidual=dr_t)[0], dr_t + dx_plain,
