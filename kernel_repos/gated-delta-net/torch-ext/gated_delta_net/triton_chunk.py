@@ -289,22 +289,6 @@ def _solve_kernel(
 
 
 @triton.jit
-def _w_tile(Tm, beta, gc, rk, k, DT: tl.constexpr, IEEE: tl.constexpr):
-    """w = T diag(beta G) kn = (T diag(beta G rk)) k (fp32 accumulator): T's columns scaled, not the [64, D] tile."""
-    return _dot((Tm * (beta * tl.exp(gc) * rk)[None, :]).to(DT), k, IEEE)
-
-
-@triton.jit
-def _u_tile(Tb_hi, Tb_lo, v, IEEE: tl.constexpr):
-    """u = (T diag(beta)) v for a [64, BV] block of v, T diag(beta) split in two 16-bit terms (`_split`; one dot
-    for fp32 inputs, whose hi term is exact)."""
-    u = _dot(Tb_hi, v, IEEE)
-    if not IEEE:
-        u = _dot(Tb_lo, v, IEEE, u)
-    return u
-
-
-@triton.jit
 def _wu_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO, GC, A,
     W, U, RK, M,
@@ -351,7 +335,7 @@ def _wu_kernel(
     # w = T (beta G kn) = (T diag(beta G rk)) k, u = (T diag(beta)) v: scale T's columns, not the [64, D] tiles
     # (the 16-bit scaled T is a small error of w, which is rounded to 16 bits anyway, but a large one of u: u's is
     # split in two 16-bit terms, two dots, and u is stored in fp32)
-    w = _w_tile(Tm, beta, gc, rk, k, DT, IEEE)
+    w = _dot((Tm * (beta * tl.exp(gc) * rk)[None, :]).to(DT), k, IEEE)
     tl.store(W + gate_base * K + o_c[:, None] * (HV * K) + o_k[None, :], w.to(W.dtype.element_ty),
              mask=m_c[:, None] & (o_k[None, :] < K))
     Tb_hi, Tb_lo = _split(Tm * beta[None, :], DT)
@@ -360,7 +344,9 @@ def _wu_kernel(
         o_v = v0 + tl.arange(0, BV)
         vmask = m_c[:, None] & (o_v[None, :] < V)
         vv = tl.load(v_base + o_c[:, None] * stride_vt + o_v[None, :], mask=vmask, other=0.0)
-        u = _u_tile(Tb_hi, Tb_lo, vv, IEEE)
+        u = _dot(Tb_hi, vv, IEEE)
+        if not IEEE:  # (fp32 inputs: Tb_hi is exact)
+            u = _dot(Tb_lo, vv, IEEE, u)
         tl.store(U + gate_base * V + o_c[:, None] * (HV * V) + o_v[None, :], u.to(U.dtype.element_ty), mask=vmask)
 
 
@@ -463,30 +449,20 @@ def _recurrence_fwd_chunk(h, it, bos, seqlen, first_chunk, hv, hk, K_, W, U, GC,
     v_new = u - _dot(w, h.to(DT), IEEE)  # fp32: the output kernel takes it in fp32, the backward in 16 bits
     _st(VN + vv, v_new.to(VN.dtype.element_ty), vmask, FULL)
     gc = _ld(GC + (row0 * HV + hv) + o_c * HV, m_c, FULL)
-    g_last = _last_decay(GC, row0, bos, t0, seqlen, HV, hv, FULL)
+    if FULL:
+        g_last = tl.load(GC + (row0 + 63) * HV + hv)
+    else:
+        g_last = tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
+    # h <- exp(g_last) h + kn^T diag(exp(g_last - g)) v' = exp(g_last) h + k^T diag(rk exp(g_last - g)) v',
+    # k^T read through transposed pointers
     kt = _ld(K_ + row0 * stride_kt + hk * stride_kh + o_c[None, :] * stride_kt + o_k[:, None],
              m_k[:, None] & m_c[None, :], FULL)
     rk = _row_scale(RK, hv, R, row0, m_c, L2NORM, FULL)
-    return _state_update(h, v_new, kt, gc, g_last, rk, m_c, DT, IEEE, FULL)
-
-
-@triton.jit
-def _last_decay(GC, row0, bos, t0, seqlen, HV, hv, FULL: tl.constexpr):
-    """g_last: the cumulative decay of the chunk's last valid token."""
-    if FULL:
-        return tl.load(GC + (row0 + 63) * HV + hv)
-    else:
-        return tl.load(GC + (bos + tl.minimum(t0 + 63, seqlen - 1)) * HV + hv)
-
-
-@triton.jit
-def _state_update(h, v_new, kt, gc, g_last, rk, m_c, DT: tl.constexpr, IEEE: tl.constexpr, FULL: tl.constexpr):
-    """The state at the chunk's end: exp(g_last) h + kn^T diag(exp(g_last - g)) v' = exp(g_last) h + k^T diag(rk
-    exp(g_last - g)) v' (kt: k^T, read through transposed pointers)."""
     e = tl.exp(g_last - gc) * rk
     if not FULL:
         e = tl.where(m_c, e, 0.0)
-    return _dot(kt, (v_new * e[:, None]).to(DT), IEEE, h * tl.exp(g_last))
+    v_dec = (v_new * e[:, None]).to(DT)
+    return _dot(kt, v_dec, IEEE, h * tl.exp(g_last))
 
 
 @triton.jit
