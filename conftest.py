@@ -34,6 +34,20 @@ def use_kernel_path(monkeypatch):
 
 
 @pytest.fixture
+def triton_interpreter(monkeypatch):
+    """`triton_interpreter()` runs the rest of a test with the Triton kernels under the CPU interpreter
+    (TRITON_INTERPRET=1). Skips on a GPU machine: Triton fixes a kernel's interpreter mode when its module is first
+    imported, so kernels imported there would stay interpreted, CUDA tensors included, for the rest of the process
+    (the GPU tests run the kernels on CUDA instead)."""
+    def use() -> None:
+        if torch.cuda.is_available():
+            pytest.skip("a CPU interpreter test: on a GPU machine it would leave kernels interpreted")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    return use
+
+
+@pytest.fixture
 def zero_fills():
     """`with zero_fills() as fills:` records the name of every op run inside that fills a tensor with zeros
     (zeros, zeros_like, new_zeros, zero_, fill_): on a GPU each is a launch."""

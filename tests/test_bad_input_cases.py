@@ -18,8 +18,11 @@ DOUBLE_BACKWARD = "double backward is not supported"
 
 
 @pytest.fixture(params=["ref", "interp"])
-def path(request, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if request.param == "interp" else "0")
+def path(request, monkeypatch, triton_interpreter):
+    if request.param == "interp":
+        triton_interpreter()
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
     return request.param
 
 

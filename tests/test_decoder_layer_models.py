@@ -70,9 +70,9 @@ def _grads(model, batch):
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_node_per_layer_parity(family, path, model_dirs, monkeypatch):
+def test_one_node_per_layer_parity(family, path, model_dirs, monkeypatch, triton_interpreter):
     if path == "triton":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        triton_interpreter()
     else:  # the tests run the interpreter by default (conftest.py)
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model_path = model_dirs[family]

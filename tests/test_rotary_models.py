@@ -289,14 +289,14 @@ def _attention_blocks(t: torch.Tensor) -> list:
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama", "qwen2"])
-def test_attention_block_one_node_no_rotated_qk_saved(family, path, model_dirs, monkeypatch):
+def test_attention_block_one_node_no_rotated_qk_saved(family, path, model_dirs, monkeypatch, triton_interpreter):
     """In training with no mask and no cache the Qwen3 / Llama / Qwen2 attention runs as one autograd node
     (projections, q/k norm + RoPE or RoPE alone, SDPA and o_proj): loss, logits and every gradient match eager on
     the torch path and on the Triton path (interpreter: q/k/v as one GEMM), and with SDPA held to its math backend
     (SDPA run again in the node's backward); the node keeps the attention output but no rotated q / k (the
     backward rebuilds them); a padding mask or a hook on q_proj take the per-op path, with the same results."""
     if path == "triton":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        triton_interpreter()
     else:  # the tests run the interpreter by default (conftest.py)
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = tiny_config(family)

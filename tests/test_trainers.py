@@ -144,13 +144,13 @@ def test_sft_trainer(family, padding_free, model_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch-path", "kernel-under-interpreter"])
-def test_trainer_with_hubfuse_adamw(kernel, model_dirs, tmp_path, monkeypatch):
+def test_trainer_with_hubfuse_adamw(kernel, model_dirs, tmp_path, monkeypatch, triton_interpreter):
     """`Trainer(optimizer_cls_and_kwargs=(hubfuse.optim.AdamW, {...}))` trains as with torch's AdamW: bit for bit
     on the plain CPU path; with every tensor through the Triton kernel (the interpreter) within fp32 roundings."""
     from hubfuse.optim import AdamW
 
     if kernel:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        triton_interpreter()
         monkeypatch.setattr(AdamW, "KERNEL_MIN_NUMEL", 1)
     data = _sequences(tiny_config("qwen3").vocab_size, seed=3)
     kw = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05)
