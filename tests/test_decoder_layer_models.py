@@ -61,13 +61,6 @@ def assert_parity(eager, ours, batch, tol=2e-5):
         torch.testing.assert_close(grads_o[name], want[name], atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
 
 
-def _grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    out = model(**batch)
-    out.loss.backward()
-    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("path", ["torch", "triton"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_node_per_layer_parity(family, path, model_dirs, monkeypatch, triton_interpreter):
@@ -83,8 +76,8 @@ def test_one_node_per_layer_parity(family, path, model_dirs, monkeypatch, triton
     assert_parity(eager, ours, batch)
     per_module = _ours(model_path, family, decoder_layer=False).train()
     assert _blocks(per_module(**batch).loss) == 0
-    loss, logits, grads = _grads(ours, batch)
-    loss_m, logits_m, grads_m = _grads(per_module, batch)
+    loss, logits, grads = forward_backward(ours, batch)
+    loss_m, logits_m, grads_m = forward_backward(per_module, batch)
     # the RMSNorm + MLP fusion holds the MLP under post_attention_layernorm
     grads_m = {n.replace("post_attention_layernorm.gate_up_proj", "mlp.gate_up_proj")
                .replace("post_attention_layernorm.down_proj", "mlp.down_proj"): g for n, g in grads_m.items()}
@@ -122,7 +115,7 @@ def test_hidden_states_checkpointing_and_resave(model_dirs, tmp_path):
     assert len(hidden) == len(hidden_e) == LAYERS + 1
     for h, h_e in zip(hidden, hidden_e):
         torch.testing.assert_close(h, h_e, atol=2e-5, rtol=2e-5)
-    loss, logits, grads = _grads(ours, batch)
+    loss, logits, grads = forward_backward(ours, batch)
     ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert all(layer.gradient_checkpointing for layer in ours.model.layers)
     checkpointed = []
@@ -131,7 +124,7 @@ def test_hidden_states_checkpointing_and_resave(model_dirs, tmp_path):
             checkpointed.append(1)
             return checkpoint(fn, *args)
         layer._gradient_checkpointing_func = spy
-    loss_c, logits_c, grads_c = _grads(ours, batch)
+    loss_c, logits_c, grads_c = forward_backward(ours, batch)
     assert len(checkpointed) == LAYERS  # each layer's call went through transformers' checkpoint function
     assert torch.equal(loss, loss_c)
     for name in grads:

@@ -22,7 +22,8 @@ import torch
 
 from hubfuse import presets
 from hubfuse.training import CAUSAL_MARKER_MODELS, MASK_MAPPING_MODELS, apply_training_defaults
-from tests.utils import REVISION, load, make_batch, register_local_kernels, save_tiny_model, tiny_config
+from tests.utils import (REVISION, forward_backward, load, make_batch, register_local_kernels, save_tiny_model,
+                         tiny_config)
 
 KERNELIZED = ("qwen3", "qwen3_moe", "qwen3_5_moe_text")
 OVERRIDES = {"qwen3_moe": dict(output_router_logits=True), "qwen3_5_moe_text": dict(output_router_logits=True)}
@@ -62,31 +63,25 @@ def _kernelized(path, family):
     return model
 
 
-def _loss_and_grads(model, batch, **kw):
-    model.zero_grad(set_to_none=True)
-    out = model(**batch, **kw)
-    out.loss.backward()
-    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("family", KERNELIZED)
 def test_kernelized_training_builds_no_cache(family, model_dirs, caches_built):
     model = _kernelized(model_dirs[family], family).train()
     assert model.config.use_cache  # the default the forward would otherwise read
     batch = make_batch(tiny_config(family).vocab_size, seq=9)
 
-    out, grads = _loss_and_grads(model, batch)
-    assert caches_built == [] and out.past_key_values is None
+    assert model(**batch).past_key_values is None
+    loss, _, grads = forward_backward(model, batch)
+    assert caches_built == []
 
-    ref, ref_grads = _loss_and_grads(model, batch, use_cache=False)
-    torch.testing.assert_close(out.loss, ref.loss, atol=0, rtol=0)
+    ref, _, ref_grads = forward_backward(model, batch, use_cache=False)
+    torch.testing.assert_close(loss, ref, atol=0, rtol=0)
     assert grads.keys() == ref_grads.keys() and grads
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
 
     out = model(**batch, use_cache=True)  # asked for: honoured
     assert len(caches_built) == 1 and out.past_key_values is not None
-    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.loss, ref, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("family", (*KERNELIZED, "llama", "qwen2"))
@@ -153,8 +148,8 @@ def masks_seen(monkeypatch):
     return seen
 
 
-def _assert_loss_and_grads_close(out, grads, ref, ref_grads):
-    torch.testing.assert_close(out.loss, ref.loss, atol=1e-6, rtol=1e-6)
+def _assert_loss_and_grads_close(loss, grads, ref, ref_grads):
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
     assert grads.keys() >= ref_grads.keys() and ref_grads
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
@@ -177,12 +172,12 @@ def test_traced_training_takes_the_causal_path(family, model_dirs, masks_seen):
     assert type(ours.model).__name__ in MASK_MAPPING_MODELS
     batch = make_batch(tiny_config(family).vocab_size, seq=9)
     n_attention = sum(t == "full_attention" for t in ours.config.layer_types)
-    ref, ref_grads = _loss_and_grads(plain, batch, use_cache=False)
+    ref, _, ref_grads = forward_backward(plain, batch, use_cache=False)
     assert masks_seen == [(2, 1, 9, 9)] * n_attention  # transformers' mask when it cannot check for packing
     masks_seen.clear()
-    out, grads = _loss_and_grads(ours, batch)
+    loss, _, grads = forward_backward(ours, batch)
     assert masks_seen == [None] * n_attention
-    _assert_loss_and_grads_close(out, grads, ref, ref_grads)
+    _assert_loss_and_grads_close(loss, grads, ref, ref_grads)
     _masks_kept_for_a_padded_batch_and_in_eval(ours, batch, masks_seen, n_attention)
 
 
@@ -211,14 +206,14 @@ def test_kernelized_models_take_the_causal_marker(family, traced, model_dirs, ma
     batch = make_batch(tiny_config(family).vocab_size, seq=9)
     n_layers = ours.config.num_hidden_layers
     # the reference: the same model given an all-ones mask, which transformers turns into its causal mask
-    ref, ref_grads = _loss_and_grads(ours, dict(batch, attention_mask=torch.ones_like(batch["input_ids"])))
+    ref, _, ref_grads = forward_backward(ours, dict(batch, attention_mask=torch.ones_like(batch["input_ids"])))
     assert masks_seen == [(2, 1, 9, 9) if traced else None] * n_layers
     masks_seen.clear()
     packing_checks.clear()
-    out, grads = _loss_and_grads(ours, batch)
+    loss, _, grads = forward_backward(ours, batch)
     assert masks_seen == [None] * n_layers and packing_checks == []  # no mask built, positions not read
     assert grads.keys() == ref_grads.keys()
-    _assert_loss_and_grads_close(out, grads, ref, ref_grads)
+    _assert_loss_and_grads_close(loss, grads, ref, ref_grads)
     _masks_kept_for_a_padded_batch_and_in_eval(ours, batch, masks_seen, n_layers)
 
 

@@ -124,11 +124,11 @@ def make_batch(vocab_size: int, batch: int = 2, seq: int = 7, device="cpu", seed
     return {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
 
 
-def forward_backward(model, batch):
+def forward_backward(model, batch, **kwargs):
     """Loss, logits (None where the fused loss computed none) and every parameter gradient (by name) of one
-    training step."""
+    training step; `kwargs` go to the model's forward with the batch."""
     model.zero_grad(set_to_none=True)
-    out = model(**batch)
+    out = model(**batch, **kwargs)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.loss.detach(), None if out.logits is None else out.logits.detach(), grads
