@@ -849,6 +849,8 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 # - the forward's `_wu_kernel` folded into the serial recurrence (w and u formed in the step, never stored; 32-wide V
 #   blocks, 8 warps, no spills): H200, long 8.78 -> 11.09 ms, the fused recurrence 4.31 ms against 1.28 + 1.09 for
 #   the two kernels (the serial loop is latency-bound: work added to its step adds to every chunk); removed.
+# - dk's state term (e v' dh^T, with its dg terms) formed in the dq half and stored for the dk half: H200, the dk half
+#   2.88 -> 2.37 ms at long, the dq half 0.76 -> 1.63 (8 warps; 1.54 at 3 stages): long 8.80 -> 9.17 ms; not adopted.
 
 CONFIG = {
     "solve": dict(num_warps=1, num_stages=2, block_k=32),
