@@ -11,6 +11,9 @@ synchronised. Reported: median, min and max step ms of each, its speed relative 
 (`--gc-freeze`: the objects alive after the warm-up moved out of its reach first).
 Configurations: bench.py's `eager`, `ours`, `ours_modules`, `compile`, `compile_ro`, `ours_compile`, `ours_ro`
 (`ours_graph` and Liger patch or capture process-wide: not here).
+A compiled configuration in the process slows the eager ones: plain hubfuse's step took +7 % (H200) to +20 % with
+a compiled HF model alive in its process, run or not (docs/benchmarks.md, "a compiled model in the process"). Mixed
+eager / compiled sets understate the eager rows; compare those in processes of their own (bench.py).
 
     python scripts/bench_interleaved.py ours ours_modules compile                   # Qwen3-0.6B, 30 rounds
     python scripts/bench_interleaved.py ours eager --slice qwen3_small --rounds 10
