@@ -233,18 +233,24 @@ _rms_norm_gate_up = differentiable_op(_rms_norm_gate_up_fwd, _rms_norm_gate_up_s
 # ---------------------------------------------------------------- the whole fused MLP, one node (eager)
 def _mlp_block_forward(x, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, down_bias):
     """`rms_norm_gate_up` then `swiglu_down` on 2-D x, no autograd (for nodes that run it): (out, saved)."""
-    gate_up, rstd = _rms_norm_gate_up_fwd.eager_impl(x, norm_weight, eps, gate_up_weight, gate_up_bias)
-    out = _swiglu_down_fwd.eager_impl(gate_up, down_weight, down_bias)
-    return out, (x, norm_weight, rstd, gate_up_weight, gate_up, down_weight)
+    normed, rstd = rms_norm_forward(x, norm_weight, eps)
+    return _mlp_from_normed(x, normed, rstd, norm_weight, gate_up_weight, gate_up_bias, down_weight, down_bias)
 
 
 def _mlp_block_forward_add(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, down_bias):
     """`_mlp_block_forward` of h = x + residual (2-D, one shape), the add in the norm's kernel: (h, out, saved)."""
     h, normed, rstd = rms_norm_add_forward(x, residual, norm_weight, eps)
+    return (h, *_mlp_from_normed(h, normed, rstd, norm_weight, gate_up_weight, gate_up_bias, down_weight,
+                                 down_bias))
+
+
+def _mlp_from_normed(x, normed, rstd, norm_weight, gate_up_weight, gate_up_bias, down_weight, down_bias):
+    """The MLP block's gate/up GEMM and SwiGLU + down on the norm's output: (out, saved). `normed` is not saved:
+    the backward's norm kernel writes it again from x and rstd."""
     gate_up = F.linear(normed, gate_up_weight, gate_up_bias)
-    del normed  # the backward's norm kernel writes it again
+    del normed
     out = _swiglu_down_fwd.eager_impl(gate_up, down_weight, down_bias)
-    return h, out, (h, norm_weight, rstd, gate_up_weight, gate_up, down_weight)
+    return out, (x, norm_weight, rstd, gate_up_weight, gate_up, down_weight)
 
 
 def _mlp_block_backward(dout, saved, has_gate_up_bias: bool, has_down_bias: bool, dresidual=None):
