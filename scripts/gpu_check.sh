@@ -121,8 +121,14 @@ case "$step" in
   tests)
     logs=$(mktemp -d); pids=(); status=0
     limit="${TEST_TIMEOUT:-600}"
+    # the gated-delta-net repo is compile-bound (~25 s a case on an H200 host): its cases over GDN_WORKERS
+    # pytest-xdist workers, where xdist is installed, on the cores the other repos leave once they are done
+    gdn_workers=()
+    if python3 -c "import xdist" 2>/dev/null; then gdn_workers=(-n "${GDN_WORKERS:-6}"); fi
     for path in ${TEST_PATHS:-$(ls -d kernel_repos/*/tests | sed "s|/tests$|/|")}; do
-      run_pytest "$limit" "$logs/$(basename "$path").log" -q "$path" & pids+=($!)
+      workers=()
+      case "$path" in *gated-delta-net*) workers=("${gdn_workers[@]}") ;; esac
+      run_pytest "$limit" "$logs/$(basename "$path").log" -q "${workers[@]}" "$path" & pids+=($!)
     done
     if [ -n "${MODEL_TEST_PATHS:-}" ]; then
       run_pytest "$limit" "$logs/models.log" -q -m gpu $MODEL_TEST_PATHS & pids+=($!)
