@@ -64,7 +64,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     transformers==5.22.2 kernels==0.17.2 liger-kernel==0.8.5 tabulate tomlkit \
-#     flash-linear-attention==0.6.0 fla-core==0.6.0
+#     flash-linear-attention==0.6.0 fla-core==0.6.0 pytest-xdist execnet
 # (`kernels benchmark` also needs sigstore, cryptography, cffi, pycparser). Logs go to $OUT (default ./out).
 # TEST_PATHS / MODEL_TEST_PATHS narrow the test selection, TEST_TIMEOUT (s) caps each pytest process: at the cap
 # pytest is interrupted (SIGINT), so its log still ends with the summary of what ran and names each failure;
@@ -121,25 +121,29 @@ case "$step" in
   tests)
     logs=$(mktemp -d); pids=(); status=0
     limit="${TEST_TIMEOUT:-600}"
-    # the gated-delta-net repo is compile-bound (~25 s a case on an H200 host): its cases over GDN_WORKERS
-    # pytest-xdist workers, where xdist is installed, on the cores the other repos leave once they are done
-    gdn_workers=()
-    if python3 -c "import xdist" 2>/dev/null; then gdn_workers=(-n "${GDN_WORKERS:-6}"); fi
+    # the gated-delta-net repo and the model tests are compile-bound (~25 s a case on an H200 host): their cases
+    # over pytest-xdist workers where xdist is installed (GDN_WORKERS, MODEL_WORKERS), on the cores the other
+    # repos leave once they are done. Under xdist the matrix writes no report file (its cells run in the
+    # workers); its log still has a line a cell
+    gdn_workers=(); model_workers=(); matrix_workers=()
+    if python3 -c "import xdist" 2>/dev/null; then
+      gdn_workers=(-n "${GDN_WORKERS:-8}"); model_workers=(-n "${MODEL_WORKERS:-4}"); matrix_workers=(-n 4)
+    fi
     for path in ${TEST_PATHS:-$(ls -d kernel_repos/*/tests | sed "s|/tests$|/|")}; do
       workers=()
       case "$path" in *gated-delta-net*) workers=("${gdn_workers[@]}") ;; esac
       run_pytest "$limit" "$logs/$(basename "$path").log" -q "${workers[@]}" "$path" & pids+=($!)
     done
     if [ -n "${MODEL_TEST_PATHS:-}" ]; then
-      run_pytest "$limit" "$logs/models.log" -q -m gpu $MODEL_TEST_PATHS & pids+=($!)
+      run_pytest "$limit" "$logs/models.log" -q "${model_workers[@]}" -m gpu $MODEL_TEST_PATHS & pids+=($!)
     else
       # the bad-input matrix's ~2,000 GPU cells in a process of their own, one line per cell; the real-width
       # gradient test in another (-s: its ratio tables); the other gpu-marked model tests beside them
       real_width=tests/test_gated_delta_net_models.py::test_gradients_at_real_widths_as_accurate_as_eager
-      run_pytest "$limit" "$logs/models.log" -q -m gpu tests --deselect tests/test_bad_input_matrix.py \
+      run_pytest "$limit" "$logs/models.log" -q "${model_workers[@]}" -m gpu tests --deselect tests/test_bad_input_matrix.py \
         --deselect "$real_width" & pids+=($!)
       run_pytest "$limit" "$logs/real_width.log" -q -s -m gpu "$real_width" & pids+=($!)
-      run_pytest "$limit" "$logs/matrix.log" -v -m gpu tests/test_bad_input_matrix.py & pids+=($!)
+      run_pytest "$limit" "$logs/matrix.log" -v "${matrix_workers[@]}" -m gpu tests/test_bad_input_matrix.py & pids+=($!)
     fi
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     for f in "$logs"/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; echo; done >"$OUT/gpu_tests.log"
