@@ -3,7 +3,6 @@
 
     python scripts/gdn_register_counts.py                          # 8 warps / 3 stages and 4 warps / 2 stages
     python scripts/gdn_register_counts.py --settings 8,3 4,2 16,3 --block-v 64
-    python scripts/gdn_register_counts.py --settings 4,2 8,3 --parts _grads_dq_kernel _grads_dk_kernel --last-sums 0 1
 
 Compiles `_grads_kernel` for sm_90 (no GPU needed: Triton's own ptxas, its log) as the `layer` workload of
 scripts/sweep_gated_delta_net.py launches it: bf16, head dims 128, 16 key / 32 value heads, the gates a, b, the
@@ -35,13 +34,12 @@ INTS = {"T", "NT", "HV", "K", "V"}
 FP32_POINTERS = {"GC", "DQP", "DKP", "DA_LOG_PART", "DDT_PART", "DGC_PART"}  # the rest: bf16 tensors
 
 
-def ptxas_counts(dq_side: bool, dk_side: bool, num_warps: int, num_stages: int, block_v: int,
-                 last_sums: bool) -> str:
+def ptxas_counts(dq_side: bool, dk_side: bool, num_warps: int, num_stages: int, block_v: int) -> str:
     """ptxas's registers / spill line for one specialisation (every pointer and int 16-divisible, as at real
     sizes)."""
     fn = triton_chunk._grads_kernel
     constexprs = dict(GROUP=2, BK=128, BV=block_v, L2NORM=True, GATE=True, ROUND_BETA=True, VARLEN=False,
-                      IEEE=False, DQ_SIDE=dq_side, DK_SIDE=dk_side, LAST_SUMS=last_sums, CHUNKS=1)
+                      IEEE=False, DQ_SIDE=dq_side, DK_SIDE=dk_side, CHUNKS=1)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -51,8 +49,7 @@ def ptxas_counts(dq_side: bool, dk_side: bool, num_warps: int, num_stages: int, 
             signature[name] = "fp32"
             continue
         is_int = name in INTS or name.startswith("stride")
-        signature[name] = ("i32" if is_int else "*fp32" if name in FP32_POINTERS else "*i32" if name == "ARRIVED"
-                           else "*bf16")
+        signature[name] = "i32" if is_int else "*fp32" if name in FP32_POINTERS else "*bf16"
         attrs[(i,)] = [["tt.divisibility", 16]]
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
@@ -68,16 +65,12 @@ def main(argv=None) -> int:
     p.add_argument("--settings", nargs="+", default=["8,3", "4,2"], help="num_warps,num_stages pairs")
     p.add_argument("--block-v", type=int, default=triton_chunk.CONFIG["grads_dk"]["block_v"])
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
-    p.add_argument("--last-sums", type=int, nargs="+", default=[triton_chunk.CONFIG["grads"]["last_sums"]],
-                   choices=[0, 1], help="the group's dq, dk sums in the last program (1) or in a kernel after (0)")
     args = p.parse_args(argv)
     for setting in args.settings:
         num_warps, num_stages = (int(x) for x in setting.split(","))
         for part in args.parts:
-            for last_sums in args.last_sums:
-                counts = ptxas_counts(*PARTS[part], num_warps, num_stages, args.block_v, bool(last_sums))
-                print(f"{part:17s} warps {num_warps:2d} stages {num_stages} block_v {args.block_v} last_sums "
-                      f"{last_sums}: {counts}", flush=True)
+            counts = ptxas_counts(*PARTS[part], num_warps, num_stages, args.block_v)
+            print(f"{part:17s} warps {num_warps:2d} stages {num_stages} block_v {args.block_v}: {counts}", flush=True)
     return 0
 
 

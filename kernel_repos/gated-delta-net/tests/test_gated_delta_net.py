@@ -178,9 +178,13 @@ def test_register_cap_option_vs_float64(use_kernel_path, monkeypatch):
     _check_rule(RULE_CASES[0], torch.float32)
 
 
-def _grads_two_ways(case, monkeypatch, setting):
-    """(names, gradients with setting(True), gradients with setting(False)) of one forward of a SPLIT_CASES case,
-    V in blocks of 16 (several, the last one partial)."""
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_split_grads_kernel_equals_one_kernel(case, use_kernel_path, monkeypatch):
+    """The gradient kernel's dq and dk halves (split=1, two launches) give the one kernel's gradients (split=0), V in
+    blocks of 16 (several, the last one partial). The halves do the one kernel's operations in its order: bitwise
+    under the interpreter. On a GPU the halves' other warp counts may order the fp32 row sums differently: within
+    a few roundings of the gradient's dtype (relative to its largest element: 1e-5 fp32, two fp16 ulps)."""
+    use_kernel_path("triton")
     B, T, H, HV, K, V, l2norm, cu, gates, dtype = case
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV) if cu is not None else None
     q, k, v, g, beta, h0 = _inputs(B, T, H, HV, K, V, dtype, len(cu) - 1 if cu else B, l2norm, seed=T + K)
@@ -199,47 +203,15 @@ def _grads_two_ways(case, monkeypatch, setting):
     do, dht = torch.randn(o.shape, generator=gen).to(DEV, dtype), torch.randn(ht.shape, generator=gen).to(DEV)
     loss = (o * do).sum() + (ht * dht).sum()
 
-    def grads(on):  # the backward of one forward, the gradient kernel as set by `setting`
-        setting(on)
+    def grads(split):  # the backward of one forward, the gradient kernel as set by `split`
+        _split_grads_kernel(monkeypatch, split, block_v=16)
         return torch.autograd.grad(loss, leaves, retain_graph=True)
 
-    return names, grads(True), grads(False)
-
-
-def _assert_same_grads(names, got, want, what):
-    """Bitwise under the interpreter; on a GPU other warp counts may order the fp32 row sums differently: within a
-    few roundings of the gradient's dtype (relative to its largest element: 1e-5 fp32, two fp16 ulps)."""
-    for name, a, b in zip(names, got, want, strict=True):
+    for name, got, want in zip(names, grads(1), grads(0), strict=True):
         if DEV == "cpu":
-            assert torch.equal(a, b), f"{name}: {what} differs by {_rel(a, b):.3g}"
+            assert torch.equal(got, want), f"{name}: split differs from the one kernel by {_rel(got, want):.3g}"
         else:
-            _close(a, b, 1e-5 if a.dtype == torch.float32 else 2e-3, f"{name}: {what}")
-
-
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
-def test_split_grads_kernel_equals_one_kernel(case, use_kernel_path, monkeypatch):
-    """The gradient kernel's dq and dk halves (split=1, two launches) give the one kernel's gradients (split=0). The
-    halves do the one kernel's operations in its order."""
-    use_kernel_path("triton")
-    names, got, want = _grads_two_ways(
-        case, monkeypatch, lambda split: _split_grads_kernel(monkeypatch, int(split), block_v=16))
-    _assert_same_grads(names, got, want, "split against the one kernel")
-
-
-@pytest.mark.parametrize("split", [1, 0])
-@pytest.mark.parametrize("case", [c for c in SPLIT_CASES if c[3] > c[2]], ids=str)
-def test_last_program_group_sums_equal_the_reduction_kernel(case, split, use_kernel_path, monkeypatch):
-    """With several value heads per key head, the last of a key head's programs to finish a chunk sums the group's
-    fp32 partials of dq and dk (`last_sums`, the default) instead of `_group_reduce_kernel` after the launch: the
-    same sums in the same order, so the same gradients, whichever program arrives last (dense, packed with an
-    unused chunk slot, GROUP 2 and 4, the halves and the one kernel)."""
-    from hubfuse.gated_delta_net import triton_chunk
-
-    use_kernel_path("triton")
-    _split_grads_kernel(monkeypatch, split, block_v=16)
-    names, got, want = _grads_two_ways(
-        case, monkeypatch, lambda on: monkeypatch.setitem(triton_chunk.CONFIG["grads"], "last_sums", int(on)))
-    _assert_same_grads(names, got, want, "the last program's sums against the reduction kernel")
+            _close(got, want, 1e-5 if got.dtype == torch.float32 else 2e-3, name)
 
 
 def test_full_chunk_launches_equal_one_launch(use_kernel_path, monkeypatch):

@@ -587,18 +587,16 @@ def _grads_kernel_name(specialization):
 def _grads_kernel(
     Q, K_, V_, G_IN, B_IN, A_LOG, DT_BIAS, CU, CHUNK_INFO,
     GC, A, HS, DHS, VN, DVN, DO, SCRATCH, DGC_PART,
-    DQ, DK, DQP, DKP, DV, DG, DB, DA_LOG_PART, DDT_PART, ARRIVED,
+    DQ, DK, DQP, DKP, DV, DG, DB, DA_LOG_PART, DDT_PART,
     T, NT, HV, K, V, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
     ROUND_BETA: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, DQ_SIDE: tl.constexpr,
-    DK_SIDE: tl.constexpr, LAST_SUMS: tl.constexpr = False, CHUNKS: tl.constexpr = 0,
+    DK_SIDE: tl.constexpr, CHUNKS: tl.constexpr = 0,
 ):
     """One (chunk, value head): every input gradient of the chunk. dq, dk: final (with the l2norm backward) when
-    each key head has one value head, else fp32 partials per value head, summed over the key head's value heads
-    (fixed order) by the last of them to finish the chunk (LAST_SUMS: `_sum_group_last`, counting arrivals in
-    ARRIVED, int32 zeros: [dq's, dk's] x (slot, batch, key head)) or by `_group_reduce_kernel` after the launch.
+    each key head has one value head, else fp32 partials per value head summed by `_group_reduce_kernel`.
     First a loop over V blocks of BV (sums over V, dv), then the [64, 64] and [64, K] remainder.
     DQ_SIDE and DK_SIDE: the whole kernel. Or split in two kernels launched one after the other, each with fewer
     fp32 sums over V live (the whole kernel holds five: ~128 registers a thread at 8 warps):
@@ -719,10 +717,6 @@ def _grads_kernel(
         tl.store(scratch + cc, (dqk * rq[:, None]).to(DT))             # dqk^T qn = (diag(rq) dqk)^T q
         _store_qk_grad(dq, q, rq, DQ + row0 * stride_dqt + hk * stride_dqh,
                        o_c[:, None] * stride_dqt + o_k[None, :], DQP + part_tile, qk_mask, GROUP, L2NORM)
-        if GROUP > 1 and LAST_SUMS:
-            _sum_group_last(ARRIVED + slot * (tl.num_programs(1) // GROUP) + i_bh // GROUP, DQP, Q, DQ,
-                            row0, hk, t0, seqlen, HV, K, stride_qt, stride_qh, stride_dqt, stride_dqh, GROUP, BK,
-                            L2NORM)
         if not DK_SIDE:
             tl.store(DGC_PART + program * 64 + o_c, dgc)
     else:
@@ -775,10 +769,6 @@ def _grads_kernel(
             tl.store(DB + gate_offs, dbeta.to(DB.dtype.element_ty), mask=m_c)
         _store_qk_grad(dk, k, rk, DK + row0 * stride_dkt + hk * stride_dkh,
                        o_c[:, None] * stride_dkt + o_k[None, :], DKP + part_tile, qk_mask, GROUP, L2NORM)
-        if GROUP > 1 and LAST_SUMS:
-            _sum_group_last(ARRIVED + (tl.num_programs(0) + slot) * (tl.num_programs(1) // GROUP) + i_bh // GROUP,
-                            DKP, K_, DK, row0, hk, t0, seqlen, HV, K, stride_kt, stride_kh, stride_dkt, stride_dkh,
-                            GROUP, BK, L2NORM)
 
 
 @triton.jit
@@ -801,59 +791,33 @@ def _store_qk_grad(dx, x, rx, out, tile, partial, mask, GROUP: tl.constexpr, L2N
 
 
 @triton.jit
-def _sum_group_rows(P, X, OUT, row0, o_r, mask, HV, K, o_k, stride_xt, stride_xh, stride_ot, stride_oh, hk,
-                    GROUP: tl.constexpr, L2NORM: tl.constexpr, CG: tl.constexpr, ROWS: tl.constexpr,
-                    BK: tl.constexpr):
-    """Rows o_r of a key head's dq or dk: the sum of its value heads' fp32 partials (P: the first value head's, in
-    order), the l2norm backward, stored. CG: load the partials through L2 only (written by other programs)."""
-    part = (row0 * HV + hk * GROUP) * K + o_r[:, None] * (HV * K) + o_k[None, :]
-    dx = tl.zeros([ROWS, BK], dtype=tl.float32)
-    for j in range(GROUP):
-        if CG:
-            dx += tl.load(P + part + j * K, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            dx += tl.load(P + part + j * K, mask=mask, other=0.0)
-    if L2NORM:
-        x = tl.load(X + row0 * stride_xt + hk * stride_xh + o_r[:, None] * stride_xt + o_k[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        dx = _l2norm_bwd(dx, x, tl.rsqrt(tl.sum(x * x, 1) + 1e-6))
-    tl.store(OUT + row0 * stride_ot + hk * stride_oh + o_r[:, None] * stride_ot + o_k[None, :],
-             dx.to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _sum_group_last(ARRIVED, P, X, OUT, row0, hk, t0, seqlen, HV, K, stride_xt, stride_xh, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
-    """After this program stored its partial of a chunk's dq or dk: the last of the key head's GROUP value-head
-    programs to arrive sums the partials (`_sum_group_rows`, 32 rows at a time). The barrier orders every thread's
-    partial store before the counter's release; the last program's acquire orders its loads after the others'
-    stores (the threadfence-reduction pattern). Which program is last varies, the sum's order does not."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(ARRIVED, 1, sem="acq_rel", scope="gpu")
-    if arrived == GROUP - 1:
-        tl.debug_barrier()
-        o_k = tl.arange(0, BK)
-        for r0 in range(0, 64, 32):
-            o_r = r0 + tl.arange(0, 32)
-            mask = (t0 + o_r < seqlen)[:, None] & (o_k < K)[None, :]
-            _sum_group_rows(P, X, OUT, row0, o_r, mask, HV, K, o_k, stride_xt, stride_xh, stride_ot, stride_oh, hk,
-                            GROUP, L2NORM, True, 32, BK)
-
-
-@triton.jit
 def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride_qh, stride_kt, stride_kh,
                          stride_dqt, stride_dqh, stride_dkt, stride_dkh,
                          GROUP: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
     """dq, dk of a key head = sum of its value heads' fp32 partials (fixed order), then the l2norm backward."""
-    row0 = tl.program_id(0).to(tl.int64) * 32
+    pid = tl.program_id(0)
     hk = tl.program_id(1)
+    row0 = pid.to(tl.int64) * 32
     o_r = tl.arange(0, 32)
     o_k = tl.arange(0, BK)
     mask = ((row0 + o_r) < R)[:, None] & (o_k[None, :] < K)
-    _sum_group_rows(DQP, Q, DQ, row0, o_r, mask, HV, K, o_k, stride_qt, stride_qh, stride_dqt, stride_dqh, hk,
-                    GROUP, L2NORM, False, 32, BK)
-    _sum_group_rows(DKP, K_, DK, row0, o_r, mask, HV, K, o_k, stride_kt, stride_kh, stride_dkt, stride_dkh, hk,
-                    GROUP, L2NORM, False, 32, BK)
+    part = (row0 * HV + hk * GROUP) * K + o_r[:, None] * (HV * K) + o_k[None, :]
+    dq = tl.zeros([32, BK], dtype=tl.float32)
+    dk = tl.zeros([32, BK], dtype=tl.float32)
+    for j in range(GROUP):
+        dq += tl.load(DQP + part + j * K, mask=mask, other=0.0)
+        dk += tl.load(DKP + part + j * K, mask=mask, other=0.0)
+    if L2NORM:
+        q = tl.load(Q + row0 * stride_qt + hk * stride_qh + o_r[:, None] * stride_qt + o_k[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        dq = _l2norm_bwd(dq, q, tl.rsqrt(tl.sum(q * q, 1) + 1e-6))
+        k = tl.load(K_ + row0 * stride_kt + hk * stride_kh + o_r[:, None] * stride_kt + o_k[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        dk = _l2norm_bwd(dk, k, tl.rsqrt(tl.sum(k * k, 1) + 1e-6))
+    tl.store(DQ + row0 * stride_dqt + hk * stride_dqh + o_r[:, None] * stride_dqt + o_k[None, :],
+             dq.to(DQ.dtype.element_ty), mask=mask)
+    tl.store(DK + row0 * stride_dkt + hk * stride_dkh + o_r[:, None] * stride_dkt + o_k[None, :],
+             dk.to(DK.dtype.element_ty), mask=mask)
 
 # ------------------------------------------------------------------ chunked gated delta rule: launch wrappers
 
@@ -896,7 +860,7 @@ CONFIG = {
     "recurrence": dict(num_warps=8, num_stages=3, block_v=64, block_v_few=32, num_warps_few=4, unmasked=1,
                        bwd_stages_few_waves=2),
     "output": dict(num_warps=4, num_stages=2, block_v=128),
-    "grads": dict(num_warps=8, num_stages=3, block_v=32, split=1, full_chunks=0, last_sums=1),
+    "grads": dict(num_warps=8, num_stages=3, block_v=32, split=1, full_chunks=0),
     "grads_dq": dict(num_warps=4, num_stages=2, block_v=64, full_chunks=1),
     "grads_dk": dict(num_warps=8, num_stages=3, block_v=64, full_chunks=1),
 }
@@ -1084,9 +1048,6 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
     grouped = p.group > 1
     dq_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
     dk_part = torch.empty(p.rows, p.HV, p.K, dtype=torch.float32, device=dev) if grouped else scratch
-    last_sums = grouped and bool(CONFIG["grads"]["last_sums"])
-    # arrivals a (slot, batch, key head), for dq then dk: the last value head's program sums the group
-    arrived = torch.zeros(2 * n_programs // p.group if last_sums else 1, dtype=torch.int32, device=dev)
     if CONFIG["grads"]["split"]:  # dq side, then dk side (it takes the first half's dg terms: dgc_part)
         dgc_part = torch.empty(n_programs * CHUNK, dtype=torch.float32, device=dev)
         halves = ((True, False, CONFIG["grads_dq"]), (False, True, CONFIG["grads_dk"]))
@@ -1097,14 +1058,13 @@ def chunk_bwd(do, dht, q, k, v, g_in, b_in, A_log, dt_bias, h0, cu_seqlens, meta
         for chunks in p.chunk_classes(cfg["full_chunks"]):
             launch(_grads_kernel, (p.slots, p.B * p.HV), q, k, v, g_in, b_in, A_log if gate else g_in,
                    dt_bias if gate else g_in, p.cu, p.chunk_info, gc, A, hs, dhs, vn, dvn, do, scratch, dgc_part,
-                   dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, arrived, p.T, p.NT, p.HV, p.K, p.V,
-                   scale,
+                   dq, dk, dq_part, dk_part, dv, dg, db, dA_part, ddt_part, p.T, p.NT, p.HV, p.K, p.V, scale,
                    q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
                    dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
                    GROUP=p.group, BK=p.BK, BV=p.block_v(cfg["block_v"]), L2NORM=l2norm, GATE=gate,
                    ROUND_BETA=gate and b_in.dtype != torch.float32, VARLEN=p.varlen, IEEE=p.ieee, DQ_SIDE=dq_side,
-                   DK_SIDE=dk_side, LAST_SUMS=last_sums, CHUNKS=chunks, **_options(cfg))
-    if grouped and not last_sums:
+                   DK_SIDE=dk_side, CHUNKS=chunks, **_options(cfg))
+    if grouped:
         launch(_group_reduce_kernel, (triton.cdiv(p.rows, 32), p.H), q, k, dq_part, dk_part, dq, dk, p.rows, p.H,
                p.HV, p.K, q.stride(1), q.stride(2), k.stride(1), k.stride(2), dq.stride(1), dq.stride(2),
                dk.stride(1), dk.stride(2), GROUP=p.group, BK=p.BK, L2NORM=l2norm, num_warps=4)
