@@ -821,36 +821,18 @@ def _group_reduce_kernel(Q, K_, DQP, DKP, DQ, DK, R, H, HV, K, stride_qt, stride
 
 # ------------------------------------------------------------------ chunked gated delta rule: launch wrappers
 
-# launch settings, swept on an H100 (triton 3.6, scripts/sweep_gated_delta_net.py) at Qwen3.5's 8 x 2048 tokens
-# (`layer`: gated_delta_net_core), 1 x 32768 (`long`: the rule) and 8 x 1024 packed in one row (`packed`):
-# - solve: one warp, 1.07 -> 0.29 ms (its 16 x 16 substitutions are latency-bound reductions);
-# - wu: one 128-wide V block, 0.76 -> 0.70 ms (8 warps: slower); one stage (no software pipelining), since the
-#   forward's run no longer forms M: layer 6.61 -> 6.53, long 10.92 -> 10.71 ms, packed 2.72 -> 2.73; a cap of 168
-#   registers a thread, three programs an SM (long 10.40 -> 10.33, packed 2.71 -> 2.66; 128: slower, w over K in
-#   blocks: slower);
-# - the serial recurrences: 64-wide V blocks at 8 warps; 32-wide blocks at 4 warps where the (sequence, value
-#   head, V block) programs would not fill the GPU twice over (long: fwd 2.27 -> 1.43, bwd 1.41 -> 1.19 ms; 8 warps
-#   there 2.13 -> 2.36 ms, while at `layer` / `packed` 8 warps take 0.17 ms off); 2 stages slower, except for the
-#   backward where the narrow blocks' programs outnumber the SMs (`mid` 2 x 8192, 256 programs: 0.64 -> 0.46 ms;
-#   the wide blocks at 2 stages: `layer` 0.44 -> 0.54); the full chunks without masks (`unmasked`: bwd at long
-#   1.49 -> 1.27 ms, `mid` 0.75 -> 0.65; fwd level, its fp32 u and v' at ~2.8 TB/s); 16-wide blocks, 2 warps, 8
-#   warps on the narrow blocks: slower; the forward forming u from T and v, the backward forming M^T itself (each
-#   one more dot in the serial loop): the loop 2x slower;
-# - output: one 128-wide V block (long 0.87 -> 0.71 ms; with M formed there, 64-wide blocks: long +0.10 ms); 8 warps,
-#   1 or 3 stages: slower or level;
-# - the gradient kernel as its two halves (`_grads_kernel`'s DQ_SIDE, DK_SIDE; split=0 is the one kernel):
-#   layer 7.75 -> 7.26 ms, long 13.64 -> 12.32 ms. ptxas for sm_90 (scripts/gdn_register_counts.py): the one
-#   kernel spills 1.1 KB a thread at 8 warps, the dq side nothing at 4 warps, the dk side 0.25 KB at 8. Then
-#   64-wide V blocks in both halves (long -0.22 ms dq, -0.11 ms dk); the dk half at 4 warps (layer faster, long
-#   slower), 2 stages or 16-wide blocks: slower; the dq half at 8 warps: slower. One kernel: 3 stages 3.27 -> 3.03
-#   ms, 16 warps 2x slower, 16-wide V blocks slower.
-# - full_chunks: the halves launched over the 64-row chunks with row masks the compiler knows (then over the shorter
-#   chunks, if any): the dk half packed 0.90 -> 0.80 ms (dense 0.73), the dq half long 0.96 -> 0.89 ms.
-# - the forward's `_wu_kernel` folded into the serial recurrence (w and u formed in the step, never stored; 32-wide V
-#   blocks, 8 warps, no spills): H200, long 8.78 -> 11.09 ms, the fused recurrence 4.31 ms against 1.28 + 1.09 for
-#   the two kernels (the serial loop is latency-bound: work added to its step adds to every chunk); removed.
-# - dk's state term (e v' dh^T, with its dg terms) formed in the dq half and stored for the dk half: H200, the dk half
-#   2.88 -> 2.37 ms at long, the dq half 0.76 -> 1.63 (8 warps; 1.54 at 3 stages): long 8.80 -> 9.17 ms; not adopted.
+# Launch settings, from `scripts/sweep_gated_delta_net.py` on H100 / H200 (triton 3.6) at Qwen3.5's 8 x 2048 tokens,
+# 1 x 32768 and 8 x 1024 packed; the sweeps, and the variants measured and not adopted, are in docs/benchmarks.md
+# ("Gated DeltaNet"):
+# - solve: one warp (its 16 x 16 substitutions are latency-bound reductions);
+# - wu: one 128-wide V block, one stage, a cap of 168 registers a thread (three programs an SM: memory-bound);
+# - the serial recurrences: 64-wide V blocks at 8 warps; 32-wide blocks at 4 warps where the (sequence, value head,
+#   V block) programs would not fill the GPU twice over, the backward then at 2 stages if its programs outnumber
+#   the SMs; full chunks without masks where the tiles hold no padding (`unmasked`);
+# - output: one 128-wide V block;
+# - grads: the gradient kernel as its dq and dk halves (`split`: the one kernel holds five fp32 sums over V and
+#   spills ~1 KB a thread), 64-wide V blocks, each launched over the full 64-row chunks first (`full_chunks`: row
+#   masks the compiler knows, fewer spills in the dk half).
 
 CONFIG = {
     "solve": dict(num_warps=1, num_stages=2, block_k=32),
