@@ -121,13 +121,14 @@ case "$step" in
   tests)
     logs=$(mktemp -d); pids=(); status=0
     limit="${TEST_TIMEOUT:-600}"
-    # the gated-delta-net repo and the model tests are compile-bound (~25 s a case on an H200 host): their cases
-    # over pytest-xdist workers where xdist is installed (GDN_WORKERS, MODEL_WORKERS), on the cores the other
-    # repos leave once they are done. Under xdist the matrix writes no report file (its cells run in the
-    # workers); its log still has a line a cell
+    # the gated-delta-net repo, the model tests and the matrix are compile-bound (~25 s a gated-delta-net case on
+    # an H200 host): their cases over pytest-xdist workers where xdist is installed (GDN_WORKERS, MODEL_WORKERS,
+    # MATRIX_WORKERS), on the cores the other repos leave once they are done. Under xdist the matrix writes no
+    # report file (its cells run in the workers); its log still has a line a cell
     gdn_workers=(); model_workers=(); matrix_workers=()
     if python3 -c "import xdist" 2>/dev/null; then
-      gdn_workers=(-n "${GDN_WORKERS:-8}"); model_workers=(-n "${MODEL_WORKERS:-4}"); matrix_workers=(-n 4)
+      gdn_workers=(-n "${GDN_WORKERS:-8}"); model_workers=(-n "${MODEL_WORKERS:-4}")
+      matrix_workers=(-n "${MATRIX_WORKERS:-6}")
     fi
     for path in ${TEST_PATHS:-$(ls -d kernel_repos/*/tests | sed "s|/tests$|/|")}; do
       workers=()
