@@ -634,6 +634,18 @@ def run_child(cmd, timeout: float, tag: str, env) -> tuple[int | None, list[str]
     return rc, list(tail)
 
 
+def host_yardstick_us() -> float:
+    """The host's Python speed: us a `sum(range(1000))`, the best of five runs of 1000. Eager steps are host-bound
+    where the host is slow; the lent machines' hosts differ by ~2x in it (docs/benchmarks.md, dense step)."""
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            sum(range(1000))
+        runs.append(time.perf_counter() - t0)
+    return round(min(runs) * 1e3, 2)
+
+
 def env_meta(smoke: bool) -> dict:
     import importlib.metadata as md
 
@@ -647,6 +659,7 @@ def env_meta(smoke: bool) -> dict:
         except md.PackageNotFoundError:
             meta[dist] = None
     meta["device"] = "cpu (smoke)" if smoke else (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    meta["host_yardstick_us"] = host_yardstick_us()
     return meta
 
 
@@ -758,7 +771,7 @@ def report(rows, meta, out_dir: Path, plots: bool) -> list[str]:
     lines = [f"Training step (fwd + bwd + fused AdamW, bf16 weights), {meta.get('device')}; torch {meta.get('torch')}, "
              f"transformers {meta.get('transformers')}, kernels {meta.get('kernels')}, liger-kernel "
              f"{meta.get('liger-kernel')}, triton {meta.get('triton')}, flash-linear-attention "
-             f"{meta.get('flash-linear-attention')}.",
+             f"{meta.get('flash-linear-attention')}; host yardstick {meta.get('host_yardstick_us')} us (`sum(range(1000))`).",
              f"Command: `{meta.get('command')}`; median of {meta.get('steps')} steps after {meta.get('warmup')} "
              f"warm-up, each step synchronised; host = enqueue time of one step with the GPU queue drained; GPU = "
              f"summed kernel time per step; launches = CUDA launch calls per step made by the host.", "",

@@ -43,6 +43,8 @@ def test_bench_smoke(tmp_path):
             assert rows[(s, c)]["status"] in ("skipped", "unsupported"), rows[(s, c)]
     md = (tmp_path / "bench_train.md").read_text()
     assert md.count("| ok |") == len(SLICES) * len(CPU_CONFIGS)
+    # the host's Python speed goes with every run: the eager steps' host time follows it
+    assert 0 < data["meta"]["host_yardstick_us"] < 1e4 and f"host yardstick {data['meta']['host_yardstick_us']} us" in md
     assert "] step" in proc.stdout  # progress lines from the subprocesses
     assert wall < 90
 
