@@ -635,8 +635,9 @@ def run_child(cmd, timeout: float, tag: str, env) -> tuple[int | None, list[str]
 
 
 def host_yardstick_us() -> float:
-    """The host's Python speed: us a `sum(range(1000))`, the best of five runs of 1000. Eager steps are host-bound
-    where the host is slow; the lent machines' hosts differ by ~2x in it (docs/benchmarks.md, dense step)."""
+    """The host's Python speed: us a `sum(range(1000))`, the best of five runs of 1000. A rough guide to the host an
+    eager (host-bound) step ran on: the lent machines' hosts differ by ~2x in it, though it does not predict such a
+    step alone (docs/benchmarks.md, dense step)."""
     runs = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -771,7 +772,8 @@ def report(rows, meta, out_dir: Path, plots: bool) -> list[str]:
     lines = [f"Training step (fwd + bwd + fused AdamW, bf16 weights), {meta.get('device')}; torch {meta.get('torch')}, "
              f"transformers {meta.get('transformers')}, kernels {meta.get('kernels')}, liger-kernel "
              f"{meta.get('liger-kernel')}, triton {meta.get('triton')}, flash-linear-attention "
-             f"{meta.get('flash-linear-attention')}; host yardstick {meta.get('host_yardstick_us')} us (`sum(range(1000))`).",
+             f"{meta.get('flash-linear-attention')}; host yardstick {meta.get('host_yardstick_us')} us "
+             "(`sum(range(1000))`).",
              f"Command: `{meta.get('command')}`; median of {meta.get('steps')} steps after {meta.get('warmup')} "
              f"warm-up, each step synchronised; host = enqueue time of one step with the GPU queue drained; GPU = "
              f"summed kernel time per step; launches = CUDA launch calls per step made by the host.", "",
@@ -911,6 +913,8 @@ def main(argv=None) -> int:
         old = json.loads((out_dir / "bench_train.json").read_text())
         rows = old["results"]
         meta["earlier_commands"] = old["meta"].get("earlier_commands", []) + [old["meta"].get("command")]
+        meta["earlier_host_yardsticks_us"] = (old["meta"].get("earlier_host_yardsticks_us", [])
+                                              + [old["meta"].get("host_yardstick_us")])
     meta.update(command="python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 steps=args.steps, warmup=args.warmup, smoke=args.smoke,
                 slices={s: dict(title=SLICES[s]["title"], shape=shape_of(s, args)) for s in args.slices})
